@@ -1,0 +1,96 @@
+"""The artifact folder contract between `export` (writer) and `app` (reader).
+
+An artifact folder holds `manifest.json`, `tokenizer.json` and one ONNX graph per precision. This
+module is dependency-free (no torch, no onnx) so both sides import it; bump FORMAT_VERSION on any
+incompatible change and make the reader refuse versions it does not know.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+# Graph inputs, all int64 [batch, sequence].
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
+# Graph outputs, all float32 (fp16 graphs keep float32 at their boundary).
+TOKEN_EMBEDDINGS = "token_embeddings"  # [batch, sequence, hidden]: last hidden state
+CLS_EMBEDDING = "cls_embedding"  # [batch, hidden]: raw [CLS] vector
+POOLED_EMBEDDING = "pooled_embedding"  # [batch, hidden]: tanh(dense([CLS])), BERT's pooler
+NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
+
+
+class ManifestError(ValueError):
+    """The artifact folder is missing, incomplete or from an unknown format version."""
+
+
+@dataclass
+class GraphInfo:
+    file: str  # relative to the artifact folder
+    precision: str  # "fp32" | "fp16" | "int8"
+    device: str  # what it was built and checked for: "cpu" | "cuda"
+    outputs: list[str]
+    fused_operators: dict[str, int] = field(default_factory=dict)
+    parity: dict[str, float] = field(default_factory=dict)  # measured against PyTorch fp32 at export
+
+
+@dataclass
+class Manifest:
+    model_name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    max_length: int  # position embeddings: the longest sequence the model accepts
+    has_pooler: bool
+    has_nsp_head: bool
+    lowercase: bool
+    special_tokens: dict[str, int]  # "[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]" -> id
+    graphs: dict[str, GraphInfo]  # precision -> graph
+    weights_sha256: str
+    tokenizer_sha256: str
+    versions: dict[str, str]
+    created_at: str
+    source: str = ""  # the model folder it came from
+    format_version: int = FORMAT_VERSION
+    input_names: list[str] = field(default_factory=lambda: list(INPUT_NAMES))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(f"manifest format_version {version!r} is not {FORMAT_VERSION}: re-export the "
+                                f"model with this version of `python -m export`")
+        try:
+            graphs = {k: GraphInfo(**g) for k, g in d["graphs"].items()}
+            return cls(**{**d, "graphs": graphs})
+        except (KeyError, TypeError) as e:
+            raise ManifestError(f"manifest is incomplete or malformed: {e}") from e
+
+    def graph(self, precision: str) -> GraphInfo:
+        if precision not in self.graphs:
+            raise ManifestError(f"this artifact has no {precision} graph (it has {', '.join(self.graphs)}); "
+                                f"export one with `python -m export`")
+        return self.graphs[precision]
+
+
+def read_manifest(folder: Path | str) -> Manifest:
+    folder = Path(folder)
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        raise ManifestError(f"{folder} has no {MANIFEST_FILE}: it is not an artifact folder made by "
+                            f"`python -m export` (or the export did not finish)")
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ManifestError(f"{path} is not valid JSON: {e}") from e
+    for needed in [TOKENIZER_FILE, *(g.file for g in manifest.graphs.values())]:
+        if not (folder / needed).is_file():
+            raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")
+    return manifest

@@ -1,0 +1,1 @@
+"""Tokenizer training and BERT pre-training (MLM + NSP): writes the model folder."""

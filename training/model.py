@@ -1,0 +1,341 @@
+"""The one BERT definition: encoder, pooler and pre-training heads, shared by training and export.
+
+Module and parameter names follow the layout of Hugging Face `transformers`' BertForPreTraining, so a
+state dict moves between the two with no renaming (our checkpoints load there, theirs load here).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Additive mask value for padded keys, as in the original BERT. Finite so that it survives fp16 and
+# bf16 (finfo.min overflows to -inf there and turns fully-masked rows into NaN).
+MASK_NEGATIVE = -10000.0
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """Model shape. Field names are those of `transformers`' config.json, so the file is shared."""
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    initializer_range: float = 0.02
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_hf_dict(self) -> dict:
+        """config.json contents that `transformers.BertConfig` reads as well as we do."""
+        return {
+            "model_type": "bert",
+            "architectures": ["BertForPreTraining"],
+            "hidden_act": "gelu",
+            "position_embedding_type": "absolute",
+            "tie_word_embeddings": True,
+            **asdict(self),
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "BertConfig":
+        """Reads our config.json or any BERT config.json; unknown keys are ignored, bad ones rejected."""
+        if d.get("model_type", "bert") != "bert":
+            raise ValueError(f"not a BERT config: model_type is {d.get('model_type')!r}")
+        act = d.get("hidden_act", "gelu")
+        if act != "gelu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only exact 'gelu' (as in BERT) is implemented")
+        pos = d.get("position_embedding_type", "absolute")
+        if pos != "absolute":
+            raise ValueError(f"unsupported position_embedding_type {pos!r}: only 'absolute' is implemented")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known and v is not None})
+
+
+# Presets named in the README: layers / hidden / heads; the FFN is 4x hidden as in the paper.
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (2, 128, 2),
+    "mini": (4, 256, 4),
+    "small": (4, 512, 8),
+    "medium": (8, 512, 8),
+    "base": (12, 768, 12),
+    "large": (24, 1024, 16),
+}
+
+
+def preset_config(name: str, vocab_size: int, max_position_embeddings: int = 512) -> BertConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    layers, hidden, heads = PRESETS[name]
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+def additive_attention_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, S] 1/0 mask -> [B, 1, 1, S] additive bias. Pure arithmetic, no data-dependent branch, so an
+    ONNX trace keeps it for every batch (ORT's attention fusion recognises this exact shape of graph)."""
+    extended = attention_mask[:, None, None, :].to(dtype)
+    return (1.0 - extended) * MASK_NEGATIVE
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.register_buffer(
+            "position_ids", torch.arange(config.max_position_embeddings).unsqueeze(0), persistent=False
+        )
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        position_ids = self.position_ids[:, :seq_len]  # [1, S]
+        x = (
+            self.word_embeddings(input_ids)
+            + self.token_type_embeddings(token_type_ids)
+            + self.position_embeddings(position_ids)
+        )  # [B, S, H]
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_size = config.head_size
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+        # SDPA for training and PyTorch inference; the explicit matmul-softmax form for ONNX export,
+        # because that is the pattern ONNX Runtime fuses into its Attention kernel.
+        self.use_sdpa = True
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, self.num_heads, self.head_size).transpose(1, 2)  # [B, nh, S, hd]
+
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        b, s, h = hidden.shape
+        q, k, v = self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
+        if self.use_sdpa:
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=self.dropout_p if self.training else 0.0
+            )  # [B, nh, S, hd]
+        else:
+            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)  # [B, nh, S, S]
+            probs = torch.softmax(scores + attn_bias, dim=-1)
+            probs = F.dropout(probs, self.dropout_p, self.training)
+            ctx = torch.matmul(probs, v)  # [B, nh, S, hd]
+        return ctx.transpose(1, 2).reshape(b, s, h)  # [B, S, H]
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)  # post-LN, as in the paper
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(hidden, attn_bias), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.dense(x))  # exact (erf) GELU, as BERT and transformers' "gelu"
+
+
+class BertOutput(BertSelfOutput):
+    def __init__(self, config: BertConfig):
+        nn.Module.__init__(self)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        attended = self.attention(hidden, attn_bias)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            hidden = layer(hidden, attn_bias)
+        return hidden
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(sequence_output[:, 0]))  # [B, H]
+
+
+class BertModel(nn.Module):
+    """Bare encoder: ids -> (token vectors [B, S, H], pooled [CLS] vector [B, H])."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler = BertPooler(config)
+
+    def set_attention_kernel(self, use_sdpa: bool) -> None:
+        for layer in self.encoder.layer:
+            layer.attention.self.use_sdpa = use_sdpa
+
+    def forward(
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.embeddings(input_ids, token_type_ids)  # [B, S, H]
+        attn_bias = additive_attention_mask(attention_mask, hidden.dtype)  # [B, 1, 1, S]
+        sequence_output = self.encoder(hidden, attn_bias)
+        return sequence_output, self.pooler(sequence_output)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(F.gelu(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=False)  # weight tied to embeddings
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.transform(x)) + self.bias
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2)  # index 0 = IsNext, as in transformers
+
+
+class PreTrainingOutput(NamedTuple):
+    loss: torch.Tensor | None
+    mlm_loss: torch.Tensor | None
+    nsp_loss: torch.Tensor | None
+    mlm_logits: torch.Tensor  # [N_masked, V] when labels are given, else [B, S, V]
+    nsp_logits: torch.Tensor  # [B, 2]
+
+
+class BertForPreTraining(nn.Module):
+    """Encoder plus MLM and NSP heads; loss = MLM + NSP as in the paper."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.cls.predictions.decoder.weight = self.bert.embeddings.word_embeddings.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=std)
+            if module.padding_idx is not None:
+                with torch.no_grad():
+                    module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        mlm_labels: torch.Tensor | None = None,
+        nsp_labels: torch.Tensor | None = None,
+    ) -> PreTrainingOutput:
+        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        nsp_logits = self.cls.seq_relationship(pooled)  # [B, 2]
+        if mlm_labels is None:
+            return PreTrainingOutput(None, None, None, self.cls.predictions(sequence_output), nsp_logits)
+        # The vocabulary projection is the costliest matmul: run it on the ~15% masked positions only.
+        masked = mlm_labels != -100  # [B, S]
+        mlm_logits = self.cls.predictions(sequence_output[masked])  # [N_masked, V]
+        mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels[masked])
+        loss = mlm_loss
+        nsp_loss = None
+        if nsp_labels is not None:
+            nsp_loss = F.cross_entropy(nsp_logits.float(), nsp_labels)
+            loss = mlm_loss + nsp_loss
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, mlm_logits, nsp_logits)

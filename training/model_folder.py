@@ -1,0 +1,141 @@
+"""Reads and writes the model folder: config.json + model.safetensors + tokenizer files.
+
+The folder is the hand-off from training to export. Ours is written atomically (a temporary sibling
+renamed into place) and is also a valid Hugging Face BERT checkpoint; reading accepts any local
+`BertModel` / `BertForPreTraining` checkpoint (safetensors or a PyTorch .bin).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from training.model import BertConfig, BertForPreTraining
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+TORCH_WEIGHTS_FILE = "pytorch_model.bin"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
+
+# Tied to the word embeddings (and its bias to cls.predictions.bias): never stored separately.
+_TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+
+
+class ModelFolderError(ValueError):
+    """A model folder that is missing, incomplete or corrupt; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    model: BertForPreTraining
+    config: BertConfig
+    has_mlm_head: bool
+    has_pooler: bool
+    has_nsp_head: bool
+    folder: Path
+
+
+def save_model_folder(
+    model: BertForPreTraining, tokenizer_dir: Path, out_dir: Path, extra_files: dict[str, dict] | None = None
+) -> Path:
+    """Write config, weights, tokenizer files (copied from `tokenizer_dir`) and any extra JSON files.
+    Nothing appears at `out_dir` until everything is written."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+        state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in _TIED_KEYS}
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.exists():
+                shutil.copy2(src, tmp / name)
+        for name, payload in (extra_files or {}).items():
+            (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def read_config(folder: Path) -> BertConfig:
+    path = Path(folder) / CONFIG_FILE
+    if not path.is_file():
+        raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; point --model at a folder written by "
+                               f"`python -m training.pretrain` or a Hugging Face BERT checkpoint")
+    try:
+        return BertConfig.from_hf_dict(json.loads(path.read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{path} is not valid JSON ({e}); the folder is corrupt, re-create it") from e
+    except (TypeError, ValueError) as e:
+        raise ModelFolderError(f"{path}: {e}") from e
+
+
+def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    st, pt = folder / WEIGHTS_FILE, folder / TORCH_WEIGHTS_FILE
+    try:
+        if st.is_file():
+            return load_file(str(st))
+        if pt.is_file():
+            return torch.load(str(pt), map_location="cpu", weights_only=True)
+    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as e:
+        path = st if st.is_file() else pt
+        raise ModelFolderError(f"{path} could not be read ({type(e).__name__}: {e}); the weights are "
+                               f"corrupt or truncated, re-create or re-download them") from e
+    raise ModelFolderError(f"{folder}: no {WEIGHTS_FILE} or {TORCH_WEIGHTS_FILE} found")
+
+
+def load_model_folder(folder: Path | str) -> LoadedModel:
+    """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU).
+
+    Heads absent from the checkpoint (a bare BertModel) stay randomly initialised and are reported
+    through `has_mlm_head` / `has_nsp_head`, so that downstream code never serves made-up scores."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelFolderError(f"{folder} is not a folder")
+    config = read_config(folder)
+    state = _read_state_dict(folder)
+    if not any(k.startswith("bert.") for k in state):  # a bare BertModel checkpoint
+        state = {f"bert.{k}": v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.endswith("position_ids") and k not in _TIED_KEYS}
+    model = BertForPreTraining(config)
+    expected = {k for k in model.state_dict() if k not in _TIED_KEYS}
+    missing = expected - state.keys()
+    encoder_missing = sorted(k for k in missing if k.startswith("bert.") and not k.startswith("bert.pooler."))
+    if encoder_missing:
+        raise ModelFolderError(f"{folder}: the weights lack {len(encoder_missing)} encoder tensors "
+                               f"(e.g. {encoder_missing[0]}); the checkpoint is incomplete or not BERT")
+    unexpected = sorted(state.keys() - expected)
+    if unexpected:
+        raise ModelFolderError(f"{folder}: unexpected tensors (e.g. {unexpected[0]}); not a BERT checkpoint "
+                               f"of this configuration")
+    try:
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # shape mismatch: config and weights disagree
+        raise ModelFolderError(f"{folder}: weights do not match config.json: {e}") from e
+    has_pooler = not any(k.startswith("bert.pooler.") for k in missing)
+    has_nsp = has_pooler and not any(k.startswith("cls.seq_relationship.") for k in missing)
+    has_mlm = not any(k.startswith("cls.predictions.") for k in missing)
+    if has_mlm:  # re-tie: load_state_dict with an absent decoder key keeps the tie, but be explicit
+        model.cls.predictions.decoder.weight = model.bert.embeddings.word_embeddings.weight
+    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder)
