@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny real tokenizer + random-weight tiny BERT model folder, made once per session."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from training.model import BertForPreTraining, preset_config
+from training.model_folder import save_model_folder
+from training.wordpiece import save_tokenizer, train_wordpiece
+
+SAMPLE_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "BERT is pretrained with masked language modelling and next sentence prediction.",
+    "Embedding servers turn text into vectors for search and clustering.",
+    "ONNX Runtime fuses attention, layer normalisation and GELU into single kernels.",
+    "Dynamic batching packs queued requests up to a token budget to keep the device busy.",
+    "Überraschung: naïve café résumé, 東京 and emoji 🚀 must tokenize without errors.",
+] * 20
+
+
+def _has_cuda() -> bool:
+    try:
+        import onnxruntime as ort
+        return "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="no CUDA device (with onnxruntime-gpu) on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tokenizer")
+    save_tokenizer(train_wordpiece(SAMPLE_TEXT, vocab_size=300, min_frequency=1), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A random-init tiny BertForPreTraining folder, exactly as training writes it."""
+    torch.manual_seed(0)
+    from tokenizers import Tokenizer
+    vocab_size = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    model = BertForPreTraining(preset_config("tiny", vocab_size=vocab_size, max_position_embeddings=128))
+    return save_model_folder(model, tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "tiny")

@@ -1,0 +1,95 @@
+"""The WordPiece tokenizer: train one on a corpus, or build one from an existing vocab.txt, and save
+it in the files both our code and `transformers` read (tokenizer.json, vocab.txt, tokenizer_config.json).
+
+Encoding a pair gives `[CLS] A [SEP] B [SEP]` with segment ids 0…0 1…1 through the post-processor,
+so every consumer (training, export, server) gets the same ids from `tokenizer.encode(a, b)`.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
+SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4 in a vocabulary we train
+
+
+def _pipeline(model: models.WordPiece, lowercase: bool) -> Tokenizer:
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.BertNormalizer(
+        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
+    )
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    return tok
+
+
+def _add_pair_template(tok: Tokenizer) -> Tokenizer:
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    if missing:
+        raise ValueError(f"vocabulary lacks the special tokens {missing}")
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{CLS} $A {SEP}",
+        pair=f"{CLS} $A {SEP} $B:1 {SEP}:1",
+        special_tokens=[(CLS, ids[CLS]), (SEP, ids[SEP])],
+    )
+    return tok
+
+
+def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = True,
+                    min_frequency: int = 2, show_progress: bool = False) -> Tokenizer:
+    if vocab_size < len(SPECIAL_TOKENS) + 100:
+        raise ValueError(f"vocab_size {vocab_size} is too small; use at least {len(SPECIAL_TOKENS) + 100}")
+    tok = _pipeline(models.WordPiece(unk_token=UNK, max_input_chars_per_word=100), lowercase)
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+        continuing_subword_prefix="##", show_progress=show_progress,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return _add_pair_template(tok)
+
+
+def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True) -> Tokenizer:
+    """A BERT tokenizer over an existing vocab.txt (one token per line, id = line number)."""
+    vocab_file = Path(vocab_file)
+    if not vocab_file.is_file():
+        raise ValueError(f"vocab file {vocab_file} does not exist")
+    model = models.WordPiece.from_file(str(vocab_file), unk_token=UNK, max_input_chars_per_word=100)
+    return _add_pair_template(_pipeline(model, lowercase))
+
+
+def is_lowercase(tok: Tokenizer) -> bool:
+    return bool(json.loads(tok.to_str())["normalizer"].get("lowercase", False))
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path | str, model_max_length: int = 512) -> None:
+    """tokenizer.json for us, vocab.txt + configs so `transformers.BertTokenizerFast` loads it too."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    (out_dir / "vocab.txt").write_text("".join(f"{t}\n" for t, _ in vocab), encoding="utf-8")
+    specials = {"pad_token": PAD, "unk_token": UNK, "cls_token": CLS, "sep_token": SEP, "mask_token": MASK}
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": is_lowercase(tok),
+              "model_max_length": model_max_length, **specials}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def load_tokenizer_from_folder(folder: Path | str) -> Tokenizer:
+    """tokenizer.json if present, else vocab.txt (+ do_lower_case from tokenizer_config.json).
+    A tokenizer.json from elsewhere gets our pair template only if it has none."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return tok if tok.post_processor is not None else _add_pair_template(tok)
+    if (folder / "vocab.txt").is_file():
+        lowercase = True
+        cfg = folder / "tokenizer_config.json"
+        if cfg.is_file():
+            lowercase = bool(json.loads(cfg.read_text()).get("do_lower_case", True))
+        return tokenizer_from_vocab(folder / "vocab.txt", lowercase)
+    raise ValueError(f"{folder} has neither tokenizer.json nor vocab.txt")
