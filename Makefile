@@ -1,0 +1,44 @@
+# Two commands set everything up on a fresh machine:
+#   make run    train the default model if none exists, export it, serve it on http://127.0.0.1:8000
+#   make test   the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL_DIR ?= models/default
+ARTIFACT_DIR ?= artifacts/default
+HOST ?= 127.0.0.1
+PORT ?= 8000
+EXPORT_FLAGS ?=
+
+.PHONY: run test install train export serve clean
+
+install: $(VENV)/.installed
+
+# Re-install when the dependency list changes; the project itself is installed editable.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+run: export
+	$(BIN)/python -m app --model-dir $(ARTIFACT_DIR) --host $(HOST) --port $(PORT)
+
+train: $(MODEL_DIR)/model.safetensors
+export: $(ARTIFACT_DIR)/manifest.json
+
+# File targets: the model is trained only when missing, the artifact re-exported when the model changed.
+$(MODEL_DIR)/model.safetensors: | install
+	$(BIN)/python -m training.pretrain --out $(MODEL_DIR)
+
+$(ARTIFACT_DIR)/manifest.json: $(MODEL_DIR)/model.safetensors | install
+	$(BIN)/python -m export --model $(MODEL_DIR) --out $(ARTIFACT_DIR) $(EXPORT_FLAGS)
+
+serve: | install
+	$(BIN)/python -m app --model-dir $(ARTIFACT_DIR) --host $(HOST) --port $(PORT)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .cache runs
