@@ -162,22 +162,24 @@ class BertSelfAttention(nn.Module):
         return ctx.transpose(1, 2).reshape(b, s, h)  # [B, S, H]
 
 
-class BertSelfOutput(nn.Module):
-    def __init__(self, config: BertConfig):
+class BertResidualOutput(nn.Module):
+    """dense -> dropout -> + residual -> LayerNorm: the post-LN tail of both sub-layers, as in the paper."""
+
+    def __init__(self, config: BertConfig, in_features: int):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dropout(self.dense(x)) + residual)  # post-LN, as in the paper
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
 
 
 class BertAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(config)
-        self.output = BertSelfOutput(config)
+        self.output = BertResidualOutput(config, config.hidden_size)
 
     def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
         return self.output(self.self(hidden, attn_bias), hidden)
@@ -192,20 +194,12 @@ class BertIntermediate(nn.Module):
         return F.gelu(self.dense(x))  # exact (erf) GELU, as BERT and transformers' "gelu"
 
 
-class BertOutput(BertSelfOutput):
-    def __init__(self, config: BertConfig):
-        nn.Module.__init__(self)
-        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout_prob)
-
-
 class BertLayer(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
-        self.output = BertOutput(config)
+        self.output = BertResidualOutput(config, config.intermediate_size)
 
     def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
         attended = self.attention(hidden, attn_bias)
