@@ -21,6 +21,8 @@ TOKEN_EMBEDDINGS = "token_embeddings"  # [batch, sequence, hidden]: last hidden 
 CLS_EMBEDDING = "cls_embedding"  # [batch, hidden]: raw [CLS] vector
 POOLED_EMBEDDING = "pooled_embedding"  # [batch, hidden]: tanh(dense([CLS])), BERT's pooler
 NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
+# Graph file per precision: fp32 for CPU (always there), fp16 for CUDA, int8 (dynamic) for CPU.
+GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 
 
 class ManifestError(ValueError):
@@ -57,6 +59,8 @@ class Manifest:
     source: str = ""  # the model folder it came from
     format_version: int = FORMAT_VERSION
     input_names: list[str] = field(default_factory=lambda: list(INPUT_NAMES))
+    # The fused attention reads each row's mask as a length (ORT's mask index): pad on the right only.
+    padding_side: str = "right"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -50,3 +50,13 @@ def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir):
     vocab_size = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
     model = BertForPreTraining(preset_config("tiny", vocab_size=vocab_size, max_position_embeddings=128))
     return save_model_folder(model, tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact_dir(tmp_path_factory, tiny_model_dir):
+    """tiny_model_dir exported on the CPU (fp32 + int8 graphs, tokenizer.json, manifest.json), as the
+    server loads it. Read-only: copy it before changing anything in it."""
+    from export.pipeline import export_artifact
+    out = tmp_path_factory.mktemp("artifacts") / "tiny"
+    export_artifact(tiny_model_dir, out, device="cpu", int8=True)
+    return out

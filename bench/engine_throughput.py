@@ -1,0 +1,284 @@
+"""Engine throughput of the exported artifact against PyTorch on the same weights, in one run.
+
+CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph)
+against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
+fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
+the standard library, 16..256 tokens) where padding costs the engines that keep it.
+
+  python bench/engine_throughput.py --device cuda --preset base              # GPU machine
+  python bench/engine_throughput.py --device cpu --preset tiny --batches 1,8 --iters 3   # smoke test
+
+Prints a table; writes engine_throughput.json under $OUT when set (or --json PATH).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import platform
+import random
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from artifact.manifest import INPUT_NAMES  # noqa: E402
+from export import ExportError  # noqa: E402
+from export.onnx_graph import EmbeddingGraph  # noqa: E402
+from export.pipeline import export_artifact  # noqa: E402
+from training.model import BertForPreTraining, preset_config  # noqa: E402
+from training.model_folder import save_model_folder  # noqa: E402
+from training.wordpiece import save_tokenizer, train_wordpiece  # noqa: E402
+
+VOCAB_SIZE = 30522  # BERT-base's, so the embedding table has the real size
+MIN_LEN, MAX_LEN = 16, 256
+
+
+def stdlib_docstrings(limit: int) -> list[str]:
+    """Docstrings of modules, classes and functions in the standard library: real English-and-code text."""
+    texts: list[str] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        if "test" in path.parts or "site-packages" in path.parts:
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc:
+                    texts.append(" ".join(doc.split()))
+        if len(texts) >= limit:
+            break
+    return texts
+
+
+def build(preset: str, device: str, work: Path, texts: list[str]):
+    """Tokenizer trained on `texts`, a random-weight model of `preset`, and its artifact(s)."""
+    tokenizer = train_wordpiece(texts[:5000], vocab_size=8000, min_frequency=2)
+    save_tokenizer(tokenizer, work / "tokenizer")
+    torch.manual_seed(0)
+    model = BertForPreTraining(preset_config(preset, vocab_size=VOCAB_SIZE)).eval()
+    model_dir = save_model_folder(model, work / "tokenizer", work / "model")
+    artifacts = {}
+    t = time.perf_counter()
+    if device == "cpu":
+        artifacts["cpu"] = export_artifact(model_dir, work / "cpu", device="cpu", int8=True)
+    else:
+        # padded first: CUDA graphs need its fixed shapes, and it stands in if packing fails here
+        artifacts["padded"] = export_artifact(model_dir, work / "padded", device="cuda", remove_padding=False)
+        try:
+            artifacts["packed"] = export_artifact(model_dir, work / "packed", device="cuda")
+        except ExportError as e:
+            print(f"packed fp16 export failed, benchmarking without it: {e}", flush=True)
+    print(f"export ({device}): {time.perf_counter() - t:.1f} s", flush=True)
+    return tokenizer, model, artifacts
+
+
+def fixed_batch(batch: int, seq: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    ids = rng.integers(1000, 8000, (batch, seq)).astype(np.int64)
+    return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
+
+
+def text_batches(tokenizer, texts: list[str], batch: int, count: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """`count` batches of docstrings in random order (not sorted by length, as a request queue
+    delivers them), each right-padded to its longest member."""
+    encs = [e.ids[:MAX_LEN] for e in tokenizer.encode_batch(texts)]
+    encs = [ids for ids in encs if len(ids) >= MIN_LEN]
+    random.Random(seed).shuffle(encs)
+    batches = []
+    for i in range(count):
+        rows = [encs[(i * batch + j) % len(encs)] for j in range(batch)]
+        width = max(map(len, rows))
+        feed = {k: np.zeros((batch, width), dtype=np.int64) for k in INPUT_NAMES}
+        for r, ids in enumerate(rows):
+            feed["input_ids"][r, :len(ids)] = ids
+            feed["attention_mask"][r, :len(ids)] = 1
+        batches.append(feed)
+    return batches
+
+
+class TorchEngine:
+    def __init__(self, model: BertForPreTraining, device: str, dtype: torch.dtype):
+        self.graph = EmbeddingGraph(model, True, True).eval().to(device=device, dtype=dtype)
+        self.graph.bert.set_attention_kernel(use_sdpa=True)
+        self.device = device
+
+    def prepare(self, feed):
+        return [torch.from_numpy(feed[k]).to(self.device) for k in INPUT_NAMES]
+
+    def run(self, prepared):
+        with torch.inference_mode():
+            return self.graph(*prepared)
+
+    def sync(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+class OrtEngine:
+    """IO binding: inputs already on the device, outputs left there (as a server that copies back
+    only what it returns would do)."""
+
+    def __init__(self, path: Path, device: str, threads: int | None = None, cuda_graph: bool = False):
+        import onnxruntime as ort
+
+        self.ort, self.device, self.cuda_graph = ort, device, cuda_graph
+        if device == "cuda":
+            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})]
+            self.session = ort.InferenceSession(str(path), providers=providers)
+        else:
+            so = ort.SessionOptions()
+            if threads:
+                so.intra_op_num_threads = threads
+            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    def prepare(self, feed):
+        io = self.session.io_binding()
+        keep = []
+        for name in INPUT_NAMES:
+            value = self.ort.OrtValue.ortvalue_from_numpy(feed[name], self.device, 0)
+            keep.append(value)
+            io.bind_ortvalue_input(name, value)
+        if self.cuda_graph:  # a CUDA graph replays fixed addresses: preallocate the outputs
+            b, s = feed["input_ids"].shape
+            for o in self.session.get_outputs():
+                shape = [b if d == "batch" else s if d == "sequence" else d for d in o.shape]
+                value = self.ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, "cuda", 0)
+                keep.append(value)
+                io.bind_ortvalue_output(o.name, value)
+        else:
+            for name in self.outputs:
+                io.bind_output(name, self.device)
+        return io, keep
+
+    def run(self, prepared):
+        self.session.run_with_iobinding(prepared[0])
+
+    def sync(self):
+        pass  # run_with_iobinding returns once the device stream is done
+
+
+def timed(engine, feeds: list, iters: int, warmup: int = 3) -> float:
+    """Seconds per pass over `feeds` (each prepared once, outside the timing)."""
+    prepared = [engine.prepare(f) for f in feeds]
+    for _ in range(warmup if len(feeds) == 1 else 1):
+        for p in prepared:
+            engine.run(p)
+    engine.sync()
+    t = time.perf_counter()
+    for _ in range(iters):
+        for p in prepared:
+            engine.run(p)
+    engine.sync()
+    return (time.perf_counter() - t) / iters
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--preset", choices=["base", "tiny"], default="base")
+    p.add_argument("--batches", default="1,8,32,128,256")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--text-batches", default="32,128", help="batch sizes of the varying-length workload")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--texts", type=int, default=8000, help="docstrings to read (fewer: faster start)")
+    p.add_argument("--threads", type=int, default=2, help="CPU mode: threads per engine")
+    p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    text_sizes = [int(b) for b in args.text_batches.split(",") if b]
+    cuda = args.device == "cuda"
+
+    if cuda:
+        import onnxruntime as ort
+        ort.preload_dlls()
+        card = torch.cuda.get_device_name()
+    else:
+        torch.set_num_threads(args.threads)
+        card = f"{platform.processor() or platform.machine()}, {args.threads} threads"
+    texts = stdlib_docstrings(args.texts)
+    work = Path(tempfile.mkdtemp(prefix="engine-throughput-"))
+    tokenizer, model, artifacts = build(args.preset, args.device, work, texts)
+
+    def graph_file(kind: str, precision: str) -> Path:
+        return work / kind / artifacts[kind].graph(precision).file
+
+    if cuda:
+        engines = {"torch fp16 sdpa": lambda: TorchEngine(model, "cuda", torch.float16)}
+        if "packed" in artifacts:
+            engines["ort fp16 packed"] = lambda: OrtEngine(graph_file("packed", "fp16"), "cuda")
+        engines["ort fp16 padded"] = lambda: OrtEngine(graph_file("padded", "fp16"), "cuda")
+        baseline = "torch fp16 sdpa"
+    else:
+        engines = {
+            "torch fp32": lambda: TorchEngine(model, "cpu", torch.float32),
+            "ort fp32": lambda: OrtEngine(graph_file("cpu", "fp32"), "cpu", args.threads),
+            "ort int8": lambda: OrtEngine(graph_file("cpu", "int8"), "cpu", args.threads),
+        }
+        baseline = "torch fp32"
+    built = {name: make() for name, make in engines.items()}
+
+    rng = np.random.default_rng(0)
+    rows = []  # (workload, batch, engine, ms per batch, seq/s, real tokens/s)
+
+    def record(workload, batch, name, seconds_per_pass, feeds):
+        n_seq = sum(f["input_ids"].shape[0] for f in feeds)
+        n_tok = sum(int(f["attention_mask"].sum()) for f in feeds)
+        rows.append({"workload": workload, "batch": batch, "engine": name,
+                     "ms_per_batch": 1e3 * seconds_per_pass / len(feeds),
+                     "seq_per_s": n_seq / seconds_per_pass, "tokens_per_s": n_tok / seconds_per_pass})
+        print(f"{workload:>10} b={batch:<4} {name:<26} {rows[-1]['ms_per_batch']:9.3f} ms  "
+              f"{rows[-1]['seq_per_s']:10,.0f} seq/s", flush=True)
+
+    for b in batches:
+        feeds = [fixed_batch(b, args.seq, rng)]
+        for name, engine in built.items():
+            record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
+        if cuda and not args.no_cuda_graph:
+            name = "ort fp16 padded+cudagraph"
+            try:
+                engine = OrtEngine(graph_file("padded", "fp16"), "cuda", cuda_graph=True)
+                record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
+                del engine
+            except Exception as e:  # report, do not hide: the table says why the row is missing
+                print(f"{name} b={b}: failed: {' '.join(str(e).split())[:200]}", flush=True)
+
+    for b in text_sizes:
+        feeds = text_batches(tokenizer, texts, b, count=max(4, 256 // b))
+        real = sum(int(f["attention_mask"].sum()) for f in feeds) / sum(f["attention_mask"].size for f in feeds)
+        print(f"docstrings b={b}: {len(feeds)} batches, {100 * (1 - real):.0f}% padding", flush=True)
+        for name, engine in built.items():
+            record("docstrings", b, name, timed(engine, feeds, max(2, args.iters // 4)), feeds)
+
+    print(f"\n{args.preset} ({model.config.num_hidden_layers}L/{model.config.hidden_size}H), {args.device} on {card}")
+    print(f"{'workload':>10} {'batch':>5} {'engine':<26} {'ms/batch':>9} {'seq/s':>10} {'tokens/s':>11} {'vs ' + baseline:>16}")
+    base = {(r["workload"], r["batch"]): r["seq_per_s"] for r in rows if r["engine"] == baseline}
+    for r in rows:
+        r["speedup_vs_baseline"] = r["seq_per_s"] / base[(r["workload"], r["batch"])]
+        print(f"{r['workload']:>10} {r['batch']:>5} {r['engine']:<26} {r['ms_per_batch']:9.3f} "
+              f"{r['seq_per_s']:10,.0f} {r['tokens_per_s']:11,.0f} {r['speedup_vs_baseline']:15.2f}x")
+    graphs = {f"{kind}/{p}": g for kind, m in artifacts.items() for p, g in m.graphs.items()}
+    result = {"device": args.device, "card": card, "preset": args.preset, "seq": args.seq, "baseline": baseline,
+              "versions": next(iter(artifacts.values())).versions,
+              "fused_operators": {k: g.fused_operators for k, g in graphs.items()},
+              "parity": {k: g.parity for k, g in graphs.items()}, "rows": rows}
+    out = args.json or (os.path.join(os.environ["OUT"], "engine_throughput.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""python -m export --model MODEL_DIR --out ARTIFACT_DIR [--device cpu|cuda] [--int8] [--keep-padding]"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from artifact.manifest import ManifestError
+from export import ExportError
+from export.pipeline import export_artifact
+from training.model_folder import ModelFolderError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m export",
+        description="Turn a BERT model folder (ours or a Hugging Face checkpoint) into the artifact folder "
+                    "the server loads: fused ONNX graphs, tokenizer.json, manifest.json.")
+    parser.add_argument("--model", required=True, help="model folder: config.json, weights, vocab.txt or tokenizer.json")
+    parser.add_argument("--out", required=True, help="artifact folder to write (replaced only when the export succeeds)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: also build the fp16 graph and check it on the GPU (needs onnxruntime-gpu)")
+    parser.add_argument("--int8", action="store_true", help="also build a dynamically quantised int8 CPU graph")
+    parser.add_argument("--keep-padding", action="store_true",
+                        help="fp16 graph without ORT's padding removal (fixed shapes, e.g. for CUDA graphs)")
+    args = parser.parse_args(argv)
+
+    try:
+        manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
+                                   remove_padding=not args.keep_padding)
+    except (ExportError, ModelFolderError, ManifestError) as e:
+        message = " ".join(str(e).split())  # one line, however the cause formats itself
+        print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
+        return 1
+    for precision, info in manifest.graphs.items():
+        fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
+        worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
+        print(f"{precision}: {args.out}/{info.file} on {info.device}; fused: {fused}; parity over "
+              f"{int(info.parity['batches'])} batches: {worst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""ONNX Runtime's transformer optimiser on the traced graph, fp16 conversion, and the fusion check.
+
+The fusions are measured, not hoped for: an fp32/fp16 graph whose attention did not fuse runs several
+times slower on GPU, so the export fails instead of shipping it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import onnx
+
+from export import ExportError
+from training.model import BertConfig
+
+# Fused kernels recorded in the manifest (fp32 / fp16 graphs: ORT's statistics; int8: op counts).
+ATTENTION_OPS = ("Attention", "MultiHeadAttention")
+GELU_OPS = ("BiasGelu", "FastGelu", "Gelu")
+INT8_OPS = ("QAttention", "Attention", "QEmbedLayerNormalization", "EmbedLayerNormalization",
+            "SkipLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "MatMulInteger", "DynamicQuantizeMatMul")
+
+
+class FusionError(ExportError):
+    """ORT's optimiser did not fuse what a BERT graph must fuse."""
+
+
+def expected_fusions(num_layers: int) -> dict[tuple[str, ...], int]:
+    """Op-type groups -> the count each group must reach for a fully fused BERT encoder."""
+    return {
+        ATTENTION_OPS: num_layers,
+        ("EmbedLayerNormalization",): 1,
+        ("SkipLayerNormalization",): 2 * num_layers,  # after attention and after the FFN
+        GELU_OPS: num_layers,
+    }
+
+
+def check_fusions(counts: dict[str, int], num_layers: int, what: str) -> None:
+    for group, want in expected_fusions(num_layers).items():
+        got = sum(counts.get(op, 0) for op in group)
+        if got != want:
+            raise FusionError(
+                f"{what}: ORT fused {got} {'/'.join(group)} where {want} were expected (fused operators: "
+                f"{ {k: v for k, v in counts.items() if v} }); the exported graph no longer matches ORT's "
+                f"BERT patterns"
+            )
+
+
+def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, float16: bool,
+                   remove_padding: bool = False) -> dict[str, int]:
+    """Fuse `raw` (fp32, as traced) into `dst`, fp16 inside with float32 inputs/outputs if `float16`.
+
+    `remove_padding` (CUDA only: ORT has no CPU kernels for it) packs the real tokens of the batch
+    before the first layer and restores the padded shape after the last, so the matmuls skip padding;
+    the graph's inputs and outputs stay the same. Returns the fused-operator counts, with
+    PackedAttention / RemovePadding counts when packed; raises FusionError when the encoder did not
+    fully fuse."""
+    from onnxruntime.transformers import optimizer
+
+    opt = optimizer.optimize_model(
+        str(raw),
+        model_type="bert",
+        num_heads=config.num_attention_heads,
+        hidden_size=config.hidden_size,
+        opt_level=1,  # ORT's default for BERT: basic, provider-independent rewrites, then the Python fusions
+        use_gpu=use_gpu,
+    )
+    counts = {k: int(v) for k, v in opt.get_fused_operator_statistics().items()}
+    check_fusions(counts, config.num_hidden_layers, "fp16 graph" if float16 else "fp32 graph")
+    if float16:
+        # keep_io_types: the server feeds int64 ids and reads float32 outputs, with no cast of its own
+        opt.convert_float_to_float16(keep_io_types=True)
+    if remove_padding:
+        counts.update(_pack(opt, config.num_hidden_layers))
+    opt.save_model_to_file(str(dst))
+    return counts
+
+
+def _pack(opt, num_layers: int) -> dict[str, int]:
+    """ORT's packing mode: RemovePadding after the embeddings (it reads the per-row token counts that
+    EmbedLayerNormalization makes from the mask), PackedAttention per layer, RestorePadding at the end."""
+    from onnxruntime.transformers.convert_to_packing_mode import PackingMode
+
+    PackingMode(opt).convert()
+    ops = Counter(node.op_type for node in opt.model.graph.node)
+    counts = {op: ops.get(op, 0) for op in ("PackedAttention", "RemovePadding", "RestorePadding")}
+    if counts != {"PackedAttention": num_layers, "RemovePadding": 1, "RestorePadding": 1}:
+        raise FusionError(f"packing (padding removal) did not apply to every layer: {counts}")
+    return counts
+
+
+def quantize_int8(fp32_optimized: Path, dst: Path, config: BertConfig) -> dict[str, int]:
+    """Dynamic int8 quantisation (weights int8, activations quantised at run time) for the CPU.
+    Quantises the fused graph, so Attention becomes QAttention and the embeddings QEmbedLayerNormalization."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # quantize_dynamic logs a pre-processing advice meant for CNNs
+    try:
+        quantize_dynamic(
+            str(fp32_optimized), str(dst), weight_type=QuantType.QInt8,
+            # ORT's contrib ops (SkipLayerNormalization, ...) defeat ONNX shape inference; they are float
+            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+        )
+    finally:
+        root.setLevel(level)
+    ops = Counter(node.op_type for node in onnx.load(str(dst), load_external_data=False).graph.node)
+    counts = {op: ops.get(op, 0) for op in INT8_OPS}
+    attention = counts["QAttention"] + counts["Attention"]
+    if attention != config.num_hidden_layers:
+        raise FusionError(f"int8 graph: {attention} (Q)Attention nodes where {config.num_hidden_layers} were expected")
+    return counts

@@ -1,0 +1,136 @@
+"""The parity gate: ONNX Runtime against the PyTorch fp32 model on random batches with random padding.
+
+Token vectors are compared at real tokens only (what sits at padding is undefined and never served).
+Past tolerance the export fails with the figures; `check_parity` is the one place the limits live.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from export import ExportError
+from export.onnx_graph import EmbeddingGraph
+
+# (batch, sequence length) of the checked batches; lengths are capped at the model's max length.
+DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 5), (2, 16), (5, 40), (8, 96), (4, 160))
+
+FP32_MAX_ABS = 1e-4
+FP16_MIN_COSINE = 0.999
+FP16_MAX_NSP_PROB_DIFF = 0.01
+INT8_MIN_COSINE = 0.99  # on pooled vectors (on [CLS] vectors when the checkpoint has no pooler)
+
+
+class ParityError(ExportError):
+    """An ONNX graph's outputs differ from PyTorch's beyond tolerance."""
+
+
+def random_batches(
+    token_ids: Sequence[int], cls_id: int, sep_id: int, pad_id: int, max_length: int,
+    shapes: Sequence[tuple[int, int]] = DEFAULT_SHAPES, seed: int = 0,
+) -> list[dict[str, np.ndarray]]:
+    """Feeds of real vocabulary ids, right-padded to random lengths; about half the rows are sentence
+    pairs `[CLS] A [SEP] B [SEP]` with segment ids 1 on B. Row 0 fills the batch's length and, in every
+    batch of two or more, row 1 is padded (the case a mask baked away at trace time gets wrong)."""
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(token_ids, dtype=np.int64)
+    batches = []
+    for batch, seq_len in shapes:
+        seq_len = max(3, min(seq_len, max_length))
+        input_ids = np.full((batch, seq_len), pad_id, dtype=np.int64)
+        token_type_ids = np.zeros_like(input_ids)
+        lengths = rng.integers(3, seq_len + 1, size=batch)
+        lengths[0] = seq_len
+        if batch > 1:
+            lengths[1] = rng.integers(3, max(4, seq_len // 2 + 1))
+        for row, length in enumerate(lengths):
+            words = rng.choice(pool, size=length)
+            words[0] = cls_id
+            words[-1] = sep_id
+            if length >= 5 and rng.random() < 0.5:
+                split = int(rng.integers(2, length - 2))  # words[split] ends segment A
+                words[split] = sep_id
+                token_type_ids[row, split + 1:length] = 1
+            input_ids[row, :length] = words
+        attention_mask = (np.arange(seq_len)[None, :] < lengths[:, None]).astype(np.int64)
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask, "token_type_ids": token_type_ids})
+    return batches
+
+
+def reference_outputs(graph: EmbeddingGraph, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """PyTorch fp32 on the CPU, SDPA attention (the training kernel, not the one that was traced)."""
+    with torch.no_grad():
+        outs = graph(*(torch.from_numpy(feed[name]) for name in INPUT_NAMES))
+    return {name: out.float().numpy() for name, out in zip(graph.outputs, outs)}
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    cos = (a * b).sum(-1) / np.maximum(np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1), 1e-30)
+    return float(cos.min())
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def measure(got: dict[str, np.ndarray], want: dict[str, np.ndarray], attention_mask: np.ndarray) -> dict[str, float]:
+    """Differences for one batch: max abs per output, min cosine per vector output, NSP probability."""
+    real = attention_mask.astype(bool)
+    figures = {}
+    for name, ref in want.items():
+        out = got[name]
+        if out.shape != ref.shape:
+            raise ParityError(f"output {name} has shape {out.shape}, PyTorch gives {ref.shape}")
+        if name == TOKEN_EMBEDDINGS:
+            out, ref = out[real], ref[real]  # [N_real, H]
+        figures[f"{name}_max_abs"] = float(np.abs(out.astype(np.float64) - ref).max())
+        if name == NSP_LOGITS:
+            figures["nsp_prob_max_diff"] = float(np.abs(_softmax(out.astype(np.float64)) - _softmax(ref)).max())
+        else:
+            figures[f"{name}_min_cosine"] = _min_cosine(out, ref)
+    return figures
+
+
+def compare(session, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
+            references: list[dict[str, np.ndarray]] | None = None) -> dict[str, float]:
+    """Run `session` (an onnxruntime.InferenceSession) on every batch; worst figures over all of them."""
+    worst: dict[str, float] = {}
+    for i, feed in enumerate(batches):
+        want = references[i] if references is not None else reference_outputs(graph, feed)
+        got = dict(zip(graph.outputs, session.run(graph.outputs, feed)))
+        for key, value in measure(got, want, feed["attention_mask"]).items():
+            pick = min if key.endswith("_min_cosine") else max
+            worst[key] = pick(worst.get(key, value), value)
+    worst["batches"] = float(len(batches))
+    return worst
+
+
+def limits(precision: str, figures: dict[str, float]) -> list[tuple[str, str, float]]:
+    """(figure, "<=" or ">=", limit) that `precision` must meet."""
+    if precision == "fp32":
+        return [(k, "<=", FP32_MAX_ABS) for k in figures if k.endswith("_max_abs")]
+    if precision == "fp16":
+        checks = [(k, ">=", FP16_MIN_COSINE) for k in figures if k.endswith("_min_cosine")]
+        if "nsp_prob_max_diff" in figures:
+            checks.append(("nsp_prob_max_diff", "<=", FP16_MAX_NSP_PROB_DIFF))
+        return checks
+    if precision == "int8":
+        key = f"{POOLED_EMBEDDING}_min_cosine" if f"{POOLED_EMBEDDING}_min_cosine" in figures \
+            else f"{CLS_EMBEDDING}_min_cosine"
+        return [(key, ">=", INT8_MIN_COSINE)]
+    raise ValueError(f"unknown precision {precision!r}")
+
+
+def check_parity(precision: str, figures: dict[str, float]) -> None:
+    """Raise ParityError (one line, with the figures) when `figures` are past `precision`'s limits."""
+    checks = limits(precision, figures)
+    if not checks:
+        raise ParityError(f"{precision} graph: no parity figures to check")
+    failed = [f"{key}={figures[key]:.6g} (limit {op} {limit:g})" for key, op, limit in checks
+              if not (figures[key] <= limit if op == "<=" else figures[key] >= limit)]
+    if failed:
+        raise ParityError(f"{precision} graph differs from PyTorch fp32 beyond tolerance: {', '.join(failed)}")

@@ -1,0 +1,221 @@
+"""export_artifact: model folder -> artifact folder (graphs, tokenizer.json, manifest.json).
+
+Order of work: load and check the inputs, trace, fuse, gate every graph on parity, and only then move
+the finished folder into place (built in a temporary sibling, `os.replace`d), so a failed export
+leaves nothing behind and a reader never sees a half-written artifact.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from artifact.manifest import GRAPH_FILES, MANIFEST_FILE, TOKENIZER_FILE, GraphInfo, Manifest
+from export import ExportError
+from export.onnx_graph import EmbeddingGraph, trace_to_onnx
+from export.optimize import optimize_graph, quantize_int8
+from export.parity import DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs
+from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
+from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
+
+DEVICES = ("cpu", "cuda")
+REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
+
+
+def export_artifact(
+    model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
+    remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0,
+) -> Manifest:
+    """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
+
+    Always an fp32 graph for the CPU; with device="cuda" also an fp16 graph, built and checked on the
+    GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
+    a dynamically quantised CPU graph. Raises ExportError / ModelFolderError (one
+    line) when an input is bad, a fusion is missing or a graph fails parity; nothing is written then."""
+    if device not in DEVICES:
+        raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    _check_out_dir(out_dir, model_dir)
+    if device == "cuda":
+        _require_cuda_provider()
+    loaded = load_model_folder(model_dir)
+    tokenizer = _load_tokenizer(model_dir, loaded.config.vocab_size)
+    specials = special_token_ids(tokenizer)
+
+    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
+    special_ids = set(specials.values())
+    words = [i for i in tokenizer.get_vocab().values() if i not in special_ids and i < loaded.config.vocab_size]
+    batches = random_batches(words, specials[CLS], specials[SEP], specials[PAD],
+                             loaded.config.max_position_embeddings, parity_shapes, seed)
+    references = [reference_outputs(graph, feed) for feed in batches]  # shared by every precision
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be read by a server user
+        traced = tmp / "traced.onnx"
+        trace_to_onnx(graph, traced)
+        precisions = ["fp32"] + (["fp16"] if device == "cuda" else []) + (["int8"] if int8 else [])
+        graphs = {}
+        for precision in precisions:
+            graphs[precision] = _build_graph(precision, traced, tmp, loaded, graph, batches, references,
+                                             remove_padding)
+        traced.unlink()
+        tokenizer.save(str(tmp / TOKENIZER_FILE))
+        manifest = Manifest(
+            model_name=model_dir.resolve().name,
+            hidden_size=loaded.config.hidden_size,
+            num_layers=loaded.config.num_hidden_layers,
+            num_heads=loaded.config.num_attention_heads,
+            vocab_size=loaded.config.vocab_size,
+            max_length=loaded.config.max_position_embeddings,
+            has_pooler=loaded.has_pooler,
+            has_nsp_head=loaded.has_nsp_head,
+            lowercase=is_lowercase(tokenizer),
+            special_tokens=specials,
+            graphs=graphs,
+            weights_sha256=sha256_file(_weights_file(model_dir)),
+            tokenizer_sha256=sha256_file(tmp / TOKENIZER_FILE),
+            versions=versions(),
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            source=str(model_dir.resolve()),
+        )
+        (tmp / MANIFEST_FILE).write_text(manifest.to_json())
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, graph: EmbeddingGraph,
+                 batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
+                 remove_padding: bool) -> GraphInfo:
+    path = tmp / GRAPH_FILES[precision]
+    if precision == "fp32":
+        counts = optimize_graph(traced, path, loaded.config, use_gpu=False, float16=False)
+    elif precision == "fp16":
+        counts = optimize_graph(traced, path, loaded.config, use_gpu=True, float16=True,
+                                remove_padding=remove_padding)
+    else:
+        counts = quantize_int8(tmp / GRAPH_FILES["fp32"], path, loaded.config)
+    device = "cuda" if precision == "fp16" else "cpu"
+    figures = compare(create_session(path, device), graph, batches, references)
+    check_parity(precision, figures)
+    return GraphInfo(file=path.name, precision=precision, device=device, outputs=list(graph.outputs),
+                     fused_operators=counts, parity=figures)
+
+
+def create_session(path: Path, device: str):
+    """An ORT session on `device`; refuses to fall back silently from CUDA to the CPU."""
+    import onnxruntime as ort
+
+    if device == "cuda":
+        _require_cuda_provider()
+        session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+        if session.get_providers()[0] != "CUDAExecutionProvider":
+            raise ExportError(f"ONNX Runtime ran {path.name} on {session.get_providers()[0]}, not CUDA")
+        return session
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _require_cuda_provider() -> None:
+    import onnxruntime as ort
+
+    if hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # finds the CUDA / cuDNN libraries that torch ships
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise ExportError(f"--device cuda needs onnxruntime-gpu with a CUDA device; this onnxruntime "
+                          f"{ort.__version__} offers {', '.join(ort.get_available_providers())}")
+
+
+def _check_out_dir(out_dir: Path, model_dir: Path) -> None:
+    if out_dir.resolve() == model_dir.resolve():
+        raise ExportError(f"--out {out_dir} is the model folder itself; pick another folder")
+    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())):
+        raise ExportError(f"{out_dir} exists and is not an artifact folder; refusing to replace it")
+
+
+def _move_into_place(src: Path, dst: Path) -> None:
+    """Replace `dst` (absent, empty, or an earlier artifact) with `src` by renames only."""
+    if not dst.exists():
+        os.replace(src, dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+    os.replace(dst, old / dst.name)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_tokenizer(model_dir: Path, vocab_size: int) -> Tokenizer:
+    try:
+        tokenizer = load_tokenizer_from_folder(model_dir)
+    except ValueError as e:
+        raise ExportError(f"no usable tokenizer: {e}") from e
+    except Exception as e:  # tokenizers raises its own Exception type on a corrupt tokenizer.json
+        raise ExportError(f"{model_dir}: tokenizer could not be read ({e})") from e
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise ExportError(f"{model_dir}: the tokenizer has {size} tokens but the model only {vocab_size} "
+                          f"embeddings; tokenizer and weights do not belong together")
+    # The server decides padding and truncation from the manifest; a tokenizer.json that pads or
+    # truncates on its own would second-guess it.
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    ids = {t: tokenizer.token_to_id(t) for t in (CLS, SEP, PAD, MASK, UNK)}
+    missing = [t for t in REQUIRED_SPECIAL_TOKENS if ids[t] is None]
+    if missing:
+        raise ExportError(f"the tokenizer lacks the special tokens {', '.join(missing)}; not a BERT vocabulary")
+    return {t: i for t, i in ids.items() if i is not None}
+
+
+def is_lowercase(tokenizer: Tokenizer) -> bool:
+    """Whether the normaliser lower-cases (BertNormalizer(lowercase=True) or a Lowercase step)."""
+    def lowers(node) -> bool:
+        if not node:
+            return False
+        if node.get("type") == "Sequence":
+            return any(lowers(n) for n in node.get("normalizers", []))
+        return node.get("type") == "Lowercase" or bool(node.get("lowercase", False))
+
+    return lowers(json.loads(tokenizer.to_str()).get("normalizer"))
+
+
+def _weights_file(model_dir: Path) -> Path:
+    st = model_dir / WEIGHTS_FILE
+    return st if st.is_file() else model_dir / TORCH_WEIGHTS_FILE  # the file load_model_folder read
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "onnx": onnx.__version__,
+             "onnxruntime": onnxruntime.__version__}
+    try:  # recorded when present, never imported (it is not needed to export)
+        found["transformers"] = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return found

@@ -1,0 +1,322 @@
+"""Export on the CPU: our tiny model and `transformers` checkpoints -> fused, parity-gated artifacts."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from artifact.manifest import (CLS_EMBEDDING, GRAPH_FILES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
+                               read_manifest)
+from export import ExportError
+from export.__main__ import main
+from export.onnx_graph import EmbeddingGraph
+from export.optimize import FusionError, check_fusions
+from export.parity import FP32_MAX_ABS, ParityError, check_parity, reference_outputs
+from export.pipeline import export_artifact, sha256_file
+from training.model_folder import ModelFolderError, load_model_folder
+
+ALL_OUTPUTS = [TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS]
+TEXTS = [("The quick brown fox jumps over the lazy dog.", None),
+         ("Embedding servers turn text into vectors.", "ONNX Runtime fuses attention."),
+         ("naïve café", None)]
+
+
+def padded_feed(tokenizer: Tokenizer) -> dict[str, np.ndarray]:
+    """Real text through the artifact's tokenizer, right-padded by hand as the server does."""
+    encs = [tokenizer.encode(a, b) if b else tokenizer.encode(a) for a, b in TEXTS]
+    width = max(len(e.ids) for e in encs)
+    feed = {k: np.zeros((len(encs), width), dtype=np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    for row, e in enumerate(encs):
+        n = len(e.ids)
+        feed["input_ids"][row, :n] = e.ids
+        feed["attention_mask"][row, :n] = 1
+        feed["token_type_ids"][row, :n] = e.type_ids
+    return feed
+
+
+def run_graph(folder, precision: str, feed) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(str(folder / GRAPH_FILES[precision]), providers=["CPUExecutionProvider"])
+    return {o.name: v for o, v in zip(session.get_outputs(), session.run(None, feed))}
+
+
+def cosine(a, b):
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def no_leftovers(out_dir) -> bool:
+    """Neither the artifact nor a temporary sibling of it exists."""
+    return not out_dir.exists() and not any(p.name.startswith(f".{out_dir.name}.") for p in out_dir.parent.iterdir())
+
+
+def test_tiny_artifact_manifest(tiny_artifact_dir, tiny_model_dir):
+    m = read_manifest(tiny_artifact_dir)
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.max_length) == (128, 2, 2, 128)
+    assert m.has_pooler and m.has_nsp_head and m.lowercase
+    assert set(m.graphs) == {"fp32", "int8"}
+    assert m.special_tokens == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
+    assert m.weights_sha256 == sha256_file(tiny_model_dir / "model.safetensors")
+    assert m.tokenizer_sha256 == sha256_file(tiny_artifact_dir / "tokenizer.json")
+    assert {"torch", "onnx", "onnxruntime"} <= m.versions.keys()
+    fp32 = m.graph("fp32")
+    assert fp32.outputs == ALL_OUTPUTS and fp32.device == "cpu"
+    fused = fp32.fused_operators
+    assert (fused["Attention"], fused["EmbedLayerNormalization"], fused["SkipLayerNormalization"],
+            fused["BiasGelu"]) == (2, 1, 4, 2)
+    assert all(v <= FP32_MAX_ABS for k, v in fp32.parity.items() if k.endswith("_max_abs"))
+    assert fp32.parity["batches"] >= 4
+    int8 = m.graph("int8")
+    assert int8.fused_operators["QAttention"] == 2
+    assert int8.parity["pooled_embedding_min_cosine"] >= 0.99
+    assert not list(tiny_artifact_dir.glob("*traced*"))
+
+
+def test_ort_matches_pytorch_on_padded_real_text(tiny_artifact_dir, tiny_model_dir):
+    feed = padded_feed(Tokenizer.from_file(str(tiny_artifact_dir / "tokenizer.json")))
+    assert feed["attention_mask"].min() == 0 and feed["token_type_ids"].max() == 1  # padded, with a pair
+    loaded = load_model_folder(tiny_model_dir)
+    want = reference_outputs(EmbeddingGraph(loaded.model, True, True), feed)
+    got = run_graph(tiny_artifact_dir, "fp32", feed)
+    real = feed["attention_mask"].astype(bool)
+    assert np.abs(got[TOKEN_EMBEDDINGS][real] - want[TOKEN_EMBEDDINGS][real]).max() <= 1e-4
+    for name in (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS):
+        assert np.abs(got[name] - want[name]).max() <= 1e-4, name
+    assert np.allclose(got[CLS_EMBEDDING], got[TOKEN_EMBEDDINGS][:, 0])
+    int8 = run_graph(tiny_artifact_dir, "int8", feed)
+    assert cosine(int8[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.99
+
+
+def test_tokenizer_keeps_pair_template(tiny_artifact_dir):
+    enc = Tokenizer.from_file(str(tiny_artifact_dir / "tokenizer.json")).encode("first part", "second part")
+    assert enc.tokens[0] == "[CLS]" and enc.tokens.count("[SEP]") == 2
+    assert enc.type_ids[-1] == 1 and enc.type_ids[0] == 0
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    return transformers
+
+
+def hf_config(hf, tokenizer_dir):
+    vocab_size = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    return hf.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64)
+
+
+def test_hf_pretraining_checkpoint_with_vocab_txt_only(hf, tmp_path, tiny_tokenizer_dir):
+    torch.manual_seed(1)
+    model = hf.BertForPreTraining(hf_config(hf, tiny_tokenizer_dir)).eval()
+    src = tmp_path / "hf-pretraining"
+    model.save_pretrained(src)
+    shutil.copy(tiny_tokenizer_dir / "vocab.txt", src / "vocab.txt")
+    m = export_artifact(src, tmp_path / "art", parity_shapes=((1, 5), (3, 40), (4, 64)))
+    assert m.has_pooler and m.has_nsp_head and m.graph("fp32").outputs == ALL_OUTPUTS
+    assert m.graph("fp32").fused_operators["Attention"] == 2
+    tokenizer = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))  # made from vocab.txt
+    assert tokenizer.encode("a", "b").type_ids[-1] == 1
+    # Independent check: the artifact against transformers itself, not only against our port of it.
+    feed = padded_feed(tokenizer)
+    with torch.no_grad():
+        out = model(**{k: torch.from_numpy(v) for k, v in feed.items()}, output_hidden_states=True)
+    got = run_graph(tmp_path / "art", "fp32", feed)
+    real = feed["attention_mask"].astype(bool)
+    assert np.abs(got[TOKEN_EMBEDDINGS][real] - out.hidden_states[-1].numpy()[real]).max() <= 1e-4
+    assert np.abs(got[NSP_LOGITS] - out.seq_relationship_logits.numpy()).max() <= 1e-4
+
+
+def test_bare_hf_bert_model_has_no_nsp_output(hf, tmp_path, tiny_tokenizer_dir):
+    torch.manual_seed(2)
+    src = tmp_path / "bare"
+    hf.BertModel(hf_config(hf, tiny_tokenizer_dir)).save_pretrained(src)
+    shutil.copy(tiny_tokenizer_dir / "vocab.txt", src / "vocab.txt")
+    m = export_artifact(src, tmp_path / "art", parity_shapes=((2, 16), (3, 40)))
+    assert m.has_pooler and not m.has_nsp_head
+    assert m.graph("fp32").outputs == [TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING]
+    session = ort.InferenceSession(str(tmp_path / "art" / "model.onnx"))
+    assert [o.name for o in session.get_outputs()] == m.graph("fp32").outputs
+    assert "nsp_prob_max_diff" not in m.graph("fp32").parity
+
+
+def test_pytorch_bin_checkpoint_without_pooler_int8(hf, tmp_path, tiny_tokenizer_dir):
+    torch.manual_seed(3)
+    src = tmp_path / "bin"
+    model = hf.BertModel(hf_config(hf, tiny_tokenizer_dir), add_pooling_layer=False)
+    model.config.save_pretrained(src)
+    torch.save(model.state_dict(), src / "pytorch_model.bin")
+    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", src / "tokenizer.json")
+    assert main(["--model", str(src), "--out", str(tmp_path / "art"), "--int8"]) == 0
+    m = read_manifest(tmp_path / "art")
+    assert not m.has_pooler and not m.has_nsp_head
+    assert m.graph("fp32").outputs == [TOKEN_EMBEDDINGS, CLS_EMBEDDING]
+    assert m.graph("int8").parity["cls_embedding_min_cosine"] >= 0.99  # gated on [CLS] with no pooler
+    assert m.weights_sha256 == sha256_file(src / "pytorch_model.bin")
+
+
+def broken_copies(src, root):
+    """Model folders that must be refused, each with the start of the message expected."""
+    def copy(name):
+        dst = root / name
+        shutil.copytree(src, dst)
+        return dst
+
+    cases = {"missing folder": (root / "absent", "is not a folder")}
+    d = copy("bad-config")
+    (d / "config.json").write_text('{"hidden_size": 12')
+    cases["corrupt config.json"] = (d, "not valid JSON")
+    d = copy("truncated")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    cases["truncated weights"] = (d, "could not be read")
+    d = copy("garbage")
+    (d / "model.safetensors").write_bytes(b"\x00" * 64)
+    cases["garbage weights"] = (d, "could not be read")
+    d = copy("no-tokenizer")
+    for name in ("tokenizer.json", "vocab.txt"):
+        (d / name).unlink()
+    cases["missing tokenizer"] = (d, "no usable tokenizer")
+    d = copy("half-written")
+    (d / "model.safetensors").unlink()
+    cases["half-written (no weights)"] = (d, "no model.safetensors")
+    d = copy("wrong-shape")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
+    cases["config disagrees with weights"] = (d, "weights do not match")
+    return cases
+
+
+def test_broken_model_folders_fail_cleanly(tiny_model_dir, tmp_path, capsys):
+    for what, (folder, message) in broken_copies(tiny_model_dir, tmp_path / "models").items():
+        out = tmp_path / "out" / folder.name
+        out.parent.mkdir(exist_ok=True)
+        assert main(["--model", str(folder), "--out", str(out)]) == 1, what
+        err = capsys.readouterr().err
+        assert err.startswith("export failed:") and err.count("\n") == 1, (what, err)
+        assert message in err, (what, err)
+        assert no_leftovers(out), what
+
+
+def test_parity_gate_fails_when_the_graph_ignores_the_mask(tiny_model_dir, tmp_path, monkeypatch):
+    """The gate is not a no-op: make the reference ignore padding (the bug GPU.md found in the
+    other direction) and the export must stop with the figures, leaving nothing behind."""
+    import export.pipeline as pipeline
+
+    def reference_without_mask(graph, feed):
+        return reference_outputs(graph, {**feed, "attention_mask": np.ones_like(feed["attention_mask"])})
+
+    monkeypatch.setattr(pipeline, "reference_outputs", reference_without_mask)
+    out = tmp_path / "art"
+    with pytest.raises(ParityError, match=r"fp32 graph differs .*token_embeddings_max_abs=") as info:
+        export_artifact(tiny_model_dir, out)
+    assert "\n" not in str(info.value)
+    assert no_leftovers(out)
+
+
+def test_parity_limits():
+    check_parity("fp32", {"token_embeddings_max_abs": 9e-5, "cls_embedding_max_abs": 0.0})
+    with pytest.raises(ParityError, match="cls_embedding_max_abs=0.002"):
+        check_parity("fp32", {"token_embeddings_max_abs": 9e-5, "cls_embedding_max_abs": 2e-3})
+    with pytest.raises(ParityError, match="token_embeddings_max_abs=nan"):
+        check_parity("fp32", {"token_embeddings_max_abs": float("nan")})
+    fp16 = {"token_embeddings_min_cosine": 0.9995, "cls_embedding_min_cosine": 0.9999, "nsp_prob_max_diff": 0.001,
+            "token_embeddings_max_abs": 0.05}  # max abs is recorded, not gated, for fp16
+    check_parity("fp16", fp16)
+    with pytest.raises(ParityError, match="token_embeddings_min_cosine"):
+        check_parity("fp16", {**fp16, "token_embeddings_min_cosine": 0.84})
+    with pytest.raises(ParityError, match="nsp_prob_max_diff"):
+        check_parity("fp16", {**fp16, "nsp_prob_max_diff": 0.02})
+    with pytest.raises(ParityError, match="pooled_embedding_min_cosine"):
+        check_parity("int8", {"pooled_embedding_min_cosine": 0.98, "cls_embedding_min_cosine": 0.999})
+
+
+def test_unfused_attention_fails_the_export(tiny_model_dir, tmp_path, monkeypatch):
+    """Attention written in a form ORT does not recognise (correct, so parity alone would pass it):
+    the fusion check stops the export."""
+    import math
+
+    from training.model import BertSelfAttention
+
+    def hand_softmax_attention(self, hidden, attn_bias):
+        b, s, h = hidden.shape
+        q, k, v = self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
+        scores = torch.exp(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size) + attn_bias)
+        ctx = torch.matmul(scores / scores.sum(-1, keepdim=True), v)
+        return ctx.transpose(1, 2).reshape(b, s, h)
+
+    monkeypatch.setattr(BertSelfAttention, "forward", hand_softmax_attention)
+    out = tmp_path / "art"
+    with pytest.raises(FusionError, match="fused 0 Attention/MultiHeadAttention where 2 were expected"):
+        export_artifact(tiny_model_dir, out)
+    assert no_leftovers(out)
+    with pytest.raises(FusionError, match="SkipLayerNormalization"):
+        check_fusions({"Attention": 2, "EmbedLayerNormalization": 1, "SkipLayerNormalization": 3, "Gelu": 2}, 2, "x")
+
+
+def test_re_export_replaces_an_artifact_but_not_other_folders(tiny_model_dir, tiny_artifact_dir, tmp_path):
+    out = tmp_path / "art"
+    shutil.copytree(tiny_artifact_dir, out)
+    (out / "stale.onnx").write_text("old")
+    export_artifact(tiny_model_dir, out, parity_shapes=((2, 8),))
+    assert not (out / "stale.onnx").exists() and read_manifest(out).graphs.keys() == {"fp32"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not an artifact folder"):
+        export_artifact(tiny_model_dir, other)
+    assert (other / "keep.txt").read_text() == "mine"
+    with pytest.raises(ModelFolderError):
+        export_artifact(tmp_path / "absent", tmp_path / "x")
+
+
+def test_cuda_without_gpu_provider_is_a_clear_error(tiny_model_dir, tmp_path):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    with pytest.raises(ExportError, match="--device cuda needs onnxruntime-gpu"):
+        export_artifact(tiny_model_dir, tmp_path / "art", device="cuda")
+    assert no_leftovers(tmp_path / "art")
+
+
+def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
+    """The CUDA path's graph surgery, checked where it can be: fp16 with float32/int64 boundaries runs
+    on the CPU within the fp16 tolerance; packing (CUDA kernels only) rewrites every layer."""
+    from export.onnx_graph import trace_to_onnx
+    from export.optimize import optimize_graph
+    from export.parity import compare, random_batches
+    from training.model_folder import load_model_folder as load
+
+    loaded = load(tiny_model_dir)
+    graph = EmbeddingGraph(loaded.model, True, True).eval()
+    trace_to_onnx(graph, tmp_path / "traced.onnx")
+    optimize_graph(tmp_path / "traced.onnx", tmp_path / "fp16.onnx", loaded.config, use_gpu=False, float16=True)
+    session = ort.InferenceSession(str(tmp_path / "fp16.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.type for i in session.get_inputs()] == ["tensor(int64)"] * 3
+    assert {o.type for o in session.get_outputs()} == {"tensor(float)"}
+    figures = compare(session, graph, random_batches(range(5, 200), 2, 3, 0, 128, ((1, 5), (4, 40))))
+    check_parity("fp16", figures)
+    counts = optimize_graph(tmp_path / "traced.onnx", tmp_path / "packed.onnx", loaded.config, use_gpu=False,
+                            float16=True, remove_padding=True)
+    assert (counts["PackedAttention"], counts["RemovePadding"], counts["RestorePadding"]) == (2, 1, 1)
+    import onnx
+    packed = onnx.load(str(tmp_path / "packed.onnx"))
+    assert [o.name for o in packed.graph.output] == graph.outputs
+
+
+@pytest.mark.slow
+def test_benchmark_smoke_on_cpu(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "engine_throughput.py"
+    spec = importlib.util.spec_from_file_location("engine_throughput", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--device", "cpu", "--preset", "tiny", "--batches", "1,4", "--seq", "32",
+                       "--text-batches", "8", "--iters", "1", "--texts", "600", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert {r["engine"] for r in result["rows"]} == {"torch fp32", "ort fp32", "ort int8"}

@@ -1,0 +1,78 @@
+"""Export with --device cuda: the fp16 graph is fused, converted and parity-checked on the GPU.
+
+Skipped without CUDA and onnxruntime-gpu (see conftest); run on the GPU machine with `pytest -m gpu`."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from artifact.manifest import CLS_EMBEDDING, GRAPH_FILES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, read_manifest
+from export.__main__ import main
+from export.onnx_graph import EmbeddingGraph
+from export.parity import reference_outputs
+from export.pipeline import create_session, export_artifact
+from training.model import BertForPreTraining, preset_config
+from training.model_folder import load_model_folder, save_model_folder
+
+pytestmark = pytest.mark.gpu
+
+
+def cosine(a, b):
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
+
+
+def test_fp16_graph_built_and_checked_on_cuda(tiny_model_dir, tmp_path):
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--int8"]) == 0
+    m = read_manifest(out)
+    assert set(m.graphs) == {"fp32", "fp16", "int8"}
+    fp16 = m.graph("fp16")
+    assert fp16.file == GRAPH_FILES["fp16"] and fp16.device == "cuda"
+    assert fp16.fused_operators["Attention"] + fp16.fused_operators["MultiHeadAttention"] == m.num_layers
+    assert fp16.fused_operators["EmbedLayerNormalization"] == 1
+    assert fp16.fused_operators["PackedAttention"] == m.num_layers  # padding removed by default
+    assert fp16.parity["token_embeddings_min_cosine"] >= 0.999 and fp16.parity["nsp_prob_max_diff"] <= 0.01
+
+    session = create_session(out / fp16.file, "cuda")
+    assert session.get_providers()[0] == "CUDAExecutionProvider"
+    # keep_io_types: the server feeds int64 and reads float32, no casts of its own
+    assert [i.type for i in session.get_inputs()] == ["tensor(int64)"] * 3
+    assert {o.type for o in session.get_outputs()} == {"tensor(float)"}
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    encs = [tok.encode("a short one"), tok.encode("a much longer sentence with more words in it", "and a pair")]
+    width = max(len(e.ids) for e in encs)
+    feed = {k: np.zeros((2, width), dtype=np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    for row, e in enumerate(encs):
+        feed["input_ids"][row, :len(e.ids)] = e.ids
+        feed["attention_mask"][row, :len(e.ids)] = 1
+        feed["token_type_ids"][row, :len(e.ids)] = e.type_ids
+    loaded = load_model_folder(tiny_model_dir)
+    want = reference_outputs(EmbeddingGraph(loaded.model, True, True), feed)
+    got = dict(zip(fp16.outputs, session.run(fp16.outputs, feed)))
+    real = feed["attention_mask"].astype(bool)
+    assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.999
+    assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.999
+    assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.999
+
+
+def test_keep_padding_fp16_graph(tiny_model_dir, tmp_path):
+    m = export_artifact(tiny_model_dir, tmp_path / "art", device="cuda", remove_padding=False)
+    fp16 = m.graph("fp16")
+    assert "PackedAttention" not in fp16.fused_operators and fp16.fused_operators["Attention"] == m.num_layers
+    assert fp16.parity["cls_embedding_min_cosine"] >= 0.999
+
+
+@pytest.mark.slow
+def test_base_sized_fp16_export(tmp_path, tiny_tokenizer_dir):
+    """The production shape: 12 layers, 768 hidden, every layer's attention fused, fp16 within tolerance."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(preset_config("base", vocab_size=30522))
+    src = save_model_folder(model, tiny_tokenizer_dir, tmp_path / "base")
+    m = export_artifact(src, tmp_path / "art", device="cuda")
+    fp16 = m.graph("fp16")
+    assert fp16.fused_operators["Attention"] + fp16.fused_operators["MultiHeadAttention"] == 12
+    assert fp16.fused_operators["SkipLayerNormalization"] == 24
+    assert fp16.parity["cls_embedding_min_cosine"] >= 0.999
