@@ -281,7 +281,7 @@ class PreTrainingOutput(NamedTuple):
     loss: torch.Tensor | None
     mlm_loss: torch.Tensor | None
     nsp_loss: torch.Tensor | None
-    mlm_logits: torch.Tensor  # [N_masked, V] when labels are given, else [B, S, V]
+    mlm_logits: torch.Tensor  # [N, V] for the predicted positions when labels are given, else [B, S, V]
     nsp_logits: torch.Tensor  # [B, 2]
 
 
@@ -318,15 +318,25 @@ class BertForPreTraining(nn.Module):
         attention_mask: torch.Tensor,
         mlm_labels: torch.Tensor | None = None,
         nsp_labels: torch.Tensor | None = None,
+        masked_positions: torch.Tensor | None = None,
     ) -> PreTrainingOutput:
+        """`mlm_labels` is [B, S] with -100 where nothing is predicted; or, with `masked_positions`
+        ([B, P] indices into the sequence), [B, P] labels of those positions (-100 in unused slots)."""
         sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask)
         nsp_logits = self.cls.seq_relationship(pooled)  # [B, 2]
         if mlm_labels is None:
             return PreTrainingOutput(None, None, None, self.cls.predictions(sequence_output), nsp_logits)
         # The vocabulary projection is the costliest matmul: run it on the ~15% masked positions only.
-        masked = mlm_labels != -100  # [B, S]
-        mlm_logits = self.cls.predictions(sequence_output[masked])  # [N_masked, V]
-        mlm_loss = F.cross_entropy(mlm_logits.float(), mlm_labels[masked])
+        if masked_positions is not None:
+            # A fixed-shape gather, so torch.compile traces one graph (a boolean index has a data-dependent size).
+            index = masked_positions.unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])  # [B, P, H]
+            picked = sequence_output.gather(1, index).flatten(0, 1)  # [B*P, H]
+            labels = mlm_labels.flatten()  # [B*P]
+        else:
+            masked = mlm_labels != -100  # [B, S]
+            picked, labels = sequence_output[masked], mlm_labels[masked]  # [N_masked, H], [N_masked]
+        mlm_logits = self.cls.predictions(picked)  # [N_masked or B*P, V]
+        mlm_loss = F.cross_entropy(mlm_logits.float(), labels, ignore_index=-100)
         loss = mlm_loss
         nsp_loss = None
         if nsp_labels is not None:

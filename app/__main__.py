@@ -1,0 +1,50 @@
+"""`python -m app --model-dir DIR [--host H] [--port P] [...]`: one uvicorn worker, one session, one batcher.
+
+Every Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pydantic import ValidationError
+
+from app.settings import ENV_PREFIX, Settings
+
+
+def parse_args(argv: list[str] | None = None) -> dict[str, str]:
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__.splitlines()[0],
+                                     epilog=f"Each flag can also be given as an environment variable, e.g. "
+                                            f"{ENV_PREFIX}MODEL_DIR, {ENV_PREFIX}MAX_BATCH_TOKENS.")
+    for name, field in Settings.model_fields.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.split("_")[-1].upper(),
+                            help=field.description)
+    return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = Settings(**parse_args(argv))
+    except ValidationError as e:
+        lines = [f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()]
+        print("bad settings (flags or BERTSERVE_* variables):\n" + "\n".join(lines), file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from app.main import create_app
+    from artifact.manifest import ManifestError, read_manifest
+
+    try:  # fail fast with one line, before uvicorn starts, when the folder is not an artifact
+        read_manifest(settings.model_dir)
+    except ManifestError as e:
+        print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
+                log_level=settings.log_level, access_log=settings.access_log, timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The ONNX Runtime backend: one session over the artifact's graph; `health()` and `run(batch)` only.
+
+CPU runs the fp32 (or int8) graph with numpy in / out; CUDA runs the fp16 graph with IO binding and
+copies back only the outputs the batch needs. Pooling, normalisation and softmax are not done here.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
+                               Manifest)
+
+log = logging.getLogger("app.engine")
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+class EngineError(RuntimeError):
+    """The engine cannot start as configured; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    input_ids: np.ndarray  # [B, S] int64, padded with [PAD] to the longest in the batch
+    attention_mask: np.ndarray  # [B, S] int64, 1 on real tokens
+    token_type_ids: np.ndarray  # [B, S] int64
+    outputs: tuple[str, ...]  # graph outputs wanted by at least one entry
+
+
+def resolve_device_precision(device: str, precision: str, manifest: Manifest,
+                             providers: Sequence[str]) -> tuple[str, str]:
+    """auto -> cuda when this onnxruntime has the CUDA provider (fp16 graph first), else cpu/fp32."""
+    has_cuda = CUDA in providers
+    if device == "auto":
+        device = "cuda" if has_cuda and precision != "int8" else "cpu"
+    if device == "cuda" and not has_cuda:
+        raise EngineError(f"device cuda was asked for, but this onnxruntime ({ort.__version__}) has no "
+                          f"CUDAExecutionProvider (providers: {', '.join(providers)}); install onnxruntime-gpu "
+                          f"or use device cpu")
+    if precision == "auto":
+        precision = "fp16" if device == "cuda" and "fp16" in manifest.graphs else "fp32"
+    if precision == "fp16" and device != "cuda":
+        raise EngineError("the fp16 graph runs on CUDA only; use precision fp32 or int8 on the CPU")
+    if precision == "int8" and device != "cpu":
+        raise EngineError("the int8 graph runs on the CPU only")
+    manifest.graph(precision)  # raises ManifestError naming the graphs the artifact has
+    return device, precision
+
+
+class OrtEngine:
+    def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
+                 intra_op_threads: int = 0, cuda_device_id: int = 0):
+        self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
+        graph = manifest.graph(precision)
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        if intra_op_threads:
+            opts.intra_op_num_threads = intra_op_threads
+        # Idle intra-op threads otherwise spin, taking CPU from the event loop and the tokenizer.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.log_severity_level = 3
+        if device == "cuda":
+            if hasattr(ort, "preload_dlls"):  # finds the CUDA / cuDNN libraries pip packages ship
+                try:
+                    ort.preload_dlls()
+                except Exception as e:  # noqa: BLE001 - best effort; the session below says what failed
+                    log.warning("onnxruntime.preload_dlls() failed: %s", e)
+            providers: list = [(CUDA, {"device_id": cuda_device_id}), CPU]
+        else:
+            providers = [CPU]
+        path = folder / graph.file
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            raise EngineError(f"onnxruntime could not load {path} on {device}: {e}") from e
+        self.provider = self.session.get_providers()[0]
+        if device == "cuda" and self.provider != CUDA:
+            raise EngineError(f"onnxruntime fell back to {self.provider}: the CUDA provider did not start "
+                              f"(CUDA / cuDNN libraries missing?)")
+        inputs = {i.name for i in self.session.get_inputs()}
+        if inputs != set(INPUT_NAMES):
+            raise EngineError(f"{path} has inputs {sorted(inputs)}, expected {list(INPUT_NAMES)}")
+        self.outputs = frozenset(o.name for o in self.session.get_outputs())
+        needed = {TOKEN_EMBEDDINGS, CLS_EMBEDDING}
+        needed |= {POOLED_EMBEDDING} if manifest.has_pooler else set()
+        needed |= {NSP_LOGITS} if manifest.has_nsp_head else set()
+        if not needed <= self.outputs:
+            raise EngineError(f"{path} lacks the outputs {sorted(needed - self.outputs)} its manifest promises")
+        self.hidden_size = manifest.hidden_size
+        self.pad_id = manifest.special_tokens.get("[PAD]", 0)
+
+    def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+                 "token_type_ids": batch.token_type_ids}
+        names = list(batch.outputs)
+        if self.device == "cuda":
+            binding = self.session.io_binding()
+            for name, value in feeds.items():
+                binding.bind_cpu_input(name, value)
+            for name in names:
+                binding.bind_output(name, "cuda", self.cuda_device_id)
+            self.session.run_with_iobinding(binding)
+            values = binding.copy_outputs_to_cpu()
+        else:
+            values = self.session.run(names, feeds)
+        return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values)}
+
+    def health(self, ids: Sequence[int], type_ids: Sequence[int]) -> None:
+        """A real forward pass on a padded two-row batch; raises unless every output is finite."""
+        n = len(ids)
+        input_ids = np.full((2, n), self.pad_id, dtype=np.int64)
+        mask = np.zeros((2, n), dtype=np.int64)
+        types = np.zeros((2, n), dtype=np.int64)
+        input_ids[0], mask[0], types[0] = ids, 1, type_ids
+        input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
+        out = self.run(Batch(input_ids, mask, types, tuple(sorted(self.outputs))))
+        for name, value in out.items():
+            if value.shape[0] != 2 or not np.isfinite(value).all():
+                raise EngineError(f"the warm-up forward pass gave a bad {name} (shape {value.shape}, "
+                                  f"finite: {bool(np.isfinite(value).all())})")
+            if name in (CLS_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS) and value.shape[-1] != self.hidden_size:
+                raise EngineError(f"{name} has width {value.shape[-1]}, the manifest says {self.hidden_size}")

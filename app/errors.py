@@ -1,0 +1,118 @@
+"""Domain exceptions and the one place that maps them (and FastAPI's own errors) to HTTP responses.
+
+Every error leaves the server as {"error": {"type": ..., "message": ...}} with the status code below.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from app.responses import json_response
+
+log = logging.getLogger("app")
+
+
+class ServiceError(Exception):
+    """Base of every error a client can cause or meet; `status` and `type` say how it is answered."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class InvalidInput(ServiceError):
+    status, type = 422, "invalid_request"
+
+
+class TooManyInputs(ServiceError):
+    status, type = 413, "too_many_inputs"
+
+
+class InputTooLong(ServiceError):
+    status, type = 413, "input_too_long"
+
+
+class PayloadTooLarge(ServiceError):
+    status, type = 413, "payload_too_large"
+
+
+class Unsupported(ServiceError):
+    """The request is well formed but asks for something this model or endpoint cannot do."""
+    status, type = 400, "unsupported"
+
+
+class Unauthorized(ServiceError):
+    status, type = 401, "unauthorized"
+
+    def __init__(self, message: str):
+        super().__init__(message, {"WWW-Authenticate": "Bearer"})
+
+
+class Overloaded(ServiceError):
+    status, type = 429, "overloaded"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message, {"Retry-After": str(retry_after_s)})
+
+
+class NotReady(ServiceError):
+    status, type = 503, "not_ready"
+
+    def __init__(self, message: str = "the model is not loaded yet (or the server is shutting down)"):
+        super().__init__(message, {"Retry-After": "1"})
+
+
+class ClientClosed(ServiceError):
+    """The client went away before its answer was ready (nginx's 499); nobody reads this response."""
+    status, type = 499, "client_closed_request"
+
+
+class InternalError(ServiceError):
+    status, type = 500, "internal_error"
+
+
+_HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
+
+
+def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None,
+                   request: Request | None = None) -> Response:
+    if request is not None:  # read by the metrics middleware, which labels failures by type
+        request.scope.setdefault("bertserve", {})["error_type"] = type_
+    return json_response({"error": {"type": type_, "message": message}}, status, headers)
+
+
+def _describe_validation_error(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            detail = err.get("ctx", {}).get("error", "")
+            parts.append(f"the body is not valid UTF-8 JSON ({detail})" if detail else "the body is not valid JSON")
+            continue
+        where = ".".join(loc) if loc else "body"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    more = len(exc.errors()) - 5
+    return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+def register_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError) -> Response:
+        return error_response(exc.status, exc.type, exc.message, exc.headers, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(422, "invalid_request", _describe_validation_error(exc), request=request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error")
+        return error_response(exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None), request)

@@ -1,0 +1,83 @@
+"""`create_app(settings)` assembles the FastAPI app; its lifespan loads the artifact, runs a real forward
+pass, starts the batcher, and on shutdown drains it. Nothing happens at import time."""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from app.batcher import DynamicBatcher
+from app.engine import CPU, EngineError, OrtEngine, resolve_device_precision
+from app.errors import register_error_handlers
+from app.metrics import Metrics, MetricsMiddleware
+from app.middleware import RequestBodyMiddleware
+from app.routes import embed, nsp, openai, system
+from app.service import InferenceService
+from app.settings import Settings
+from app.tokenization import TextTokenizer
+from artifact.manifest import TOKENIZER_FILE, read_manifest
+
+log = logging.getLogger("app")
+
+
+def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
+    """Wire tokenizer, engine and batcher from one Settings object; raise if the model is unusable."""
+    import onnxruntime as ort
+
+    manifest = read_manifest(settings.model_dir)
+    tokenizer = TextTokenizer(settings.model_dir / TOKENIZER_FILE, manifest.max_length, settings.max_input_chars,
+                              manifest.special_tokens)
+    device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
+                                                 ort.get_available_providers())
+    try:
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, settings.intra_op_threads,
+                           settings.cuda_device_id)
+    except EngineError as e:
+        if settings.device != "auto" or device != "cuda":
+            raise
+        # onnxruntime-gpu lists the CUDA provider even where no GPU or CUDA library is found.
+        log.warning("CUDA did not start (%s); serving on the CPU instead", e)
+        device, precision = resolve_device_precision("cpu", settings.precision, manifest, [CPU])
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, settings.intra_op_threads)
+    probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
+    engine.health(probe.ids, probe.type_ids)
+    batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=settings.max_batch_tokens,
+                             max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+                             max_queued=settings.max_queued_sequences, workers=settings.inference_workers,
+                             metrics=metrics)
+    service = InferenceService(settings, manifest, tokenizer, engine, batcher, metrics)
+    metrics.model.labels(service.model_name, precision, engine.provider).set(1)
+    log.info("serving %s (%s, %s on %s) from %s", service.model_name, precision, engine.provider, device,
+             settings.model_dir)
+    return service
+
+
+def create_app(settings: Settings) -> FastAPI:
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service = build_service(settings, metrics)
+        service.batcher.start()
+        app.state.service = service  # from here on /ready answers 200
+        try:
+            yield
+        finally:
+            app.state.service = None
+            await service.batcher.stop()
+
+    app = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan,
+                  description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
+                              "Errors are always {\"error\": {\"type\", \"message\"}}.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.service = None
+    routers = (embed.router, nsp.router, openai.router, system.router)
+    for router in routers:
+        app.include_router(router)
+    register_error_handlers(app)
+    endpoints = frozenset(r.path for router in routers for r in router.routes) | {"/docs", "/openapi.json"}
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=endpoints)  # outermost: sees every answer
+    return app

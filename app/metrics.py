@@ -1,0 +1,75 @@
+"""Prometheus metrics, one registry per app, and the ASGI middleware that counts every request."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+_LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        disable_created_metrics()  # no *_created series: they double the output for nothing we use
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("bertserve_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.failures = Counter("bertserve_request_failures", "HTTP requests answered with an error",
+                                ["endpoint", "status", "type"], registry=r)
+        self.request_seconds = Histogram("bertserve_request_duration_seconds", "time to answer a request",
+                                         ["endpoint"], buckets=_LATENCY, registry=r)
+        self.inflight = Gauge("bertserve_inflight_requests", "requests being served", registry=r)
+        self.queue_depth = Gauge("bertserve_queue_depth", "sequences waiting for a batch", registry=r)
+        self.sequences = Counter("bertserve_sequences", "sequences (texts or pairs) embedded", registry=r)
+        self.dropped_sequences = Counter("bertserve_dropped_sequences", "queued sequences dropped before "
+                                         "inference because their client went away", registry=r)
+        self.batch_size = Histogram("bertserve_batch_size", "sequences per batch", buckets=_SIZES, registry=r)
+        self.batch_tokens = Histogram("bertserve_batch_tokens", "tokens per batch, padded (size x longest)",
+                                      buckets=_TOKENS, registry=r)
+        self.tokenize_seconds = Histogram("bertserve_tokenize_duration_seconds", "tokenisation time per request",
+                                          buckets=_LATENCY, registry=r)
+        self.queue_seconds = Histogram("bertserve_queue_duration_seconds", "time a sequence waited for its batch",
+                                       buckets=_LATENCY, registry=r)
+        self.inference_seconds = Histogram("bertserve_inference_duration_seconds", "time per batch in the engine "
+                                           "(collation and output copy included)", buckets=_LATENCY, registry=r)
+        self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r)
+
+    def observe_batch(self, size: int, padded_tokens: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_tokens.observe(padded_tokens)
+        self.inference_seconds.observe(seconds)
+        self.sequences.inc(size)
+
+
+class MetricsMiddleware:
+    """Counts requests by endpoint and status, failures also by error type (set by the error handlers)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: frozenset[str]):
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in self.endpoints else "other"  # bounded label values
+        notes = scope.setdefault("bertserve", {})
+        status = 500
+        started = time.perf_counter()
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            m = self.metrics
+            m.requests.labels(endpoint, str(status)).inc()
+            if status >= 400:
+                m.failures.labels(endpoint, str(status), notes.get("error_type", "internal_error")).inc()
+            m.request_seconds.labels(endpoint).observe(time.perf_counter() - started)

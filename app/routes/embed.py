@@ -1,0 +1,51 @@
+"""POST /embed and POST /tokenize."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from app.errors import Unsupported
+from app.pooling import POOLING_OUTPUT, encode_vectors, l2_normalize, pool
+from app.responses import json_response
+from app.routes import ServiceRoute, get_service, require_api_key
+from app.schemas import ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
+from app.service import InferenceService
+from app.tokenization import describe_tokens
+from artifact.manifest import TOKEN_EMBEDDINGS
+
+router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["embeddings"])
+
+
+@router.post("/embed", response_model=EmbedResponse, responses=ERROR_RESPONSES)
+async def embed(body: EmbedRequest, request: Request, service: InferenceService = Depends(get_service)) -> Response:
+    """Embed texts or sentence pairs; optionally return every token with its vector."""
+    if body.pooling == "pooled" and not service.manifest.has_pooler:
+        raise Unsupported("this model has no pooler: use pooling cls, mean or none")
+    outputs = {POOLING_OUTPUT[body.pooling]} if body.pooling != "none" else set()
+    if body.return_tokens:
+        outputs.add(TOKEN_EMBEDDINGS)
+    result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs")
+    fmt = body.encoding_format
+    data = []
+    for i, encoded in enumerate(result.encoded):
+        item: dict = {"index": i, "embedding": None}
+        if body.pooling != "none":
+            vector = pool(result.results[i].outputs, body.pooling)
+            item["embedding"] = encode_vectors(l2_normalize(vector) if body.normalize else vector, fmt)
+        if body.return_tokens:
+            item["tokens"] = describe_tokens(encoded)
+            item["token_embeddings"] = encode_vectors(result.results[i].outputs[TOKEN_EMBEDDINGS], fmt)
+        data.append(item)
+    return json_response({"model": service.model_name, "data": data, "usage": {"tokens": result.tokens}},
+                         headers=result.timings.headers())
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, service: InferenceService = Depends(get_service)) -> Response:
+    """The tokens /embed would see: id, token, segment, character offsets in its own text, special."""
+    with service.admitted():
+        encoded, seconds = await service.tokenize(as_items(body.inputs), body.truncate, "inputs")
+    data = [{"index": i, "tokens": describe_tokens(e)} for i, e in enumerate(encoded)]
+    return json_response({"model": service.model_name, "data": data,
+                          "usage": {"tokens": sum(e.length for e in encoded)}},
+                         headers={"x-tokenize-ms": f"{seconds * 1e3:.3f}"})

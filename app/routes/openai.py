@@ -1,0 +1,40 @@
+"""POST /v1/embeddings, compatible with OpenAI's API and client (texts only; truncates to max length)."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from app.errors import Unsupported
+from app.pooling import POOLING_OUTPUT, encode_vectors, l2_normalize, pool
+from app.responses import json_response
+from app.routes import ServiceRoute, get_service, require_api_key
+from app.schemas import ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+from app.service import InferenceService
+
+router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["openai"])
+
+
+@router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse,
+             responses={400: {"model": ERROR_RESPONSES[422]["model"]}, **ERROR_RESPONSES})
+async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
+                     service: InferenceService = Depends(get_service)) -> Response:
+    """Pooling and normalisation follow the openai_pooling / openai_normalize settings (cls, normalised)."""
+    inputs = [body.input] if isinstance(body.input, str) else body.input
+    if any(not isinstance(x, str) for x in inputs):
+        raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text")
+    hidden = service.manifest.hidden_size
+    if body.dimensions is not None and body.dimensions != hidden:
+        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {hidden}")
+    pooling = service.settings.openai_pooling
+    if pooling == "pooled" and not service.manifest.has_pooler:
+        raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
+    result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
+    data = []
+    for i, r in enumerate(result.results):
+        vector = pool(r.outputs, pooling)
+        if service.settings.openai_normalize:
+            vector = l2_normalize(vector)
+        data.append({"object": "embedding", "index": i, "embedding": encode_vectors(vector, body.encoding_format)})
+    usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
+    return json_response({"object": "list", "data": data, "model": service.model_name, "usage": usage},
+                         headers=result.timings.headers())

@@ -1,0 +1,62 @@
+"""GET /health, /ready, /info and /metrics."""
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from app.responses import json_response
+from app.routes import ServiceRoute, get_service, require_api_key
+from app.schemas import ERROR_RESPONSES
+from app.service import InferenceService
+
+router = APIRouter(route_class=ServiceRoute, tags=["system"])
+
+
+@router.get("/health")
+async def health() -> Response:
+    """The process is alive (says nothing about the model: see /ready)."""
+    return json_response({"status": "ok"})
+
+
+@router.get("/ready", responses={503: ERROR_RESPONSES[503]})
+async def ready(service: InferenceService = Depends(get_service)) -> Response:
+    """200 once the model is loaded and a real forward pass succeeded; 503 before and while shutting down."""
+    return json_response({"status": "ready", "model": service.model_name})
+
+
+@router.get("/info", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
+async def info(service: InferenceService = Depends(get_service)) -> Response:
+    """The model and how it is served."""
+    m, s, e = service.manifest, service.settings, service.engine
+    return json_response({
+        "model": service.model_name,
+        "dimensions": m.hidden_size,
+        "max_length": m.max_length,
+        "num_layers": m.num_layers,
+        "vocab_size": m.vocab_size,
+        "lowercase": m.lowercase,
+        "has_pooler": m.has_pooler,
+        "has_nsp_head": m.has_nsp_head,
+        "poolings": ["cls", *(["pooled"] if m.has_pooler else []), "mean", "none"],
+        "device": e.device,
+        "precision": e.precision,
+        "provider": e.provider,
+        "artifact": {"format_version": m.format_version, "created_at": m.created_at,
+                     "weights_sha256": m.weights_sha256, "versions": m.versions},
+        "limits": {
+            "max_batch_tokens": s.max_batch_tokens, "max_batch_size": s.max_batch_size,
+            "max_wait_ms": s.max_wait_ms, "max_queued_sequences": s.max_queued_sequences,
+            "max_concurrent_requests": s.max_concurrent_requests,
+            "max_inputs_per_request": s.max_inputs_per_request, "max_input_chars": s.max_input_chars,
+            "max_request_bytes": s.max_request_bytes, "inference_workers": s.inference_workers,
+        },
+        "openai": {"pooling": s.openai_pooling, "normalize": s.openai_normalize},
+        "auth": s.api_key is not None,
+    })
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,135 @@
+"""Request and response bodies of every endpoint (the OpenAPI schema at /docs is made from these)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Pair = Annotated[list[str], Field(min_length=2, max_length=2, description="[text_a, text_b]")]
+Pooling = Literal["cls", "pooled", "mean", "none"]
+EncodingFormat = Literal["float", "base64"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def as_items(inputs: str | list) -> list:
+    """Request inputs -> list of str | (text_a, text_b)."""
+    if isinstance(inputs, str):
+        return [inputs]
+    return [x if isinstance(x, str) else (x[0], x[1]) for x in inputs]
+
+
+class EmbedRequest(_Strict):
+    inputs: str | list[str | Pair] = Field(
+        description="a text, or a list whose items are texts or sentence pairs [text_a, text_b] "
+                    "(encoded [CLS] A [SEP] B [SEP] with segment ids 0 / 1)",
+        examples=["The quick brown fox", ["first text", ["a question?", "its answer."]]])
+    pooling: Pooling = Field("cls", description="cls: the raw [CLS] vector; pooled: BERT's pooler, "
+                             "tanh(dense([CLS])); mean: average over all real tokens, [CLS] and [SEP] "
+                             "included (as sentence-transformers); none: no embedding")
+    normalize: bool = Field(False, description="L2-normalise the embedding (not the token vectors)")
+    truncate: bool = Field(True, description="cut inputs to the model's max length; false: an over-long "
+                           "input is answered 413")
+    return_tokens: bool = Field(False, description="add each input's tokens and their vectors")
+    encoding_format: EncodingFormat = Field("float", description="base64: little-endian float32 bytes; "
+                                            "token_embeddings as one [n_tokens, hidden] row-major block")
+
+
+class TokenizeRequest(_Strict):
+    inputs: str | list[str | Pair]
+    truncate: bool = True
+
+
+class NspRequest(_Strict):
+    pairs: list[Pair] = Field(description="[[text_a, text_b], ...]: does B follow A?")
+    truncate: bool = True
+
+
+class OpenAIEmbeddingRequest(BaseModel):
+    """OpenAI's /v1/embeddings body; unknown fields (e.g. `user`) are ignored as OpenAI does."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = Field(None, description="accepted and ignored: the server has one model")
+    encoding_format: EncodingFormat = "float"
+    dimensions: int | None = Field(None, description="only the model's own width is accepted")
+
+
+class Token(BaseModel):
+    id: int
+    token: str
+    segment: int = Field(description="0: text_a, 1: text_b")
+    start: int = Field(description="character offset in its own text (text_a or text_b); 0 for specials")
+    end: int
+    special: bool
+
+
+class EmbeddingItem(BaseModel):
+    index: int
+    embedding: list[float] | str | None = Field(description="null for pooling none; str for base64")
+    tokens: list[Token] | None = None
+    token_embeddings: list[list[float]] | str | None = None
+
+
+class Usage(BaseModel):
+    tokens: int = Field(description="tokens processed, specials included")
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    data: list[EmbeddingItem]
+    usage: Usage
+
+
+class TokenizeItem(BaseModel):
+    index: int
+    tokens: list[Token]
+
+
+class TokenizeResponse(BaseModel):
+    model: str
+    data: list[TokenizeItem]
+    usage: Usage
+
+
+class NspItem(BaseModel):
+    index: int
+    is_next: float = Field(description="softmax probability that text_b follows text_a")
+    logits: list[float] = Field(description="[is_next, not_next]")
+
+
+class NspResponse(BaseModel):
+    model: str
+    data: list[NspItem]
+    usage: Usage
+
+
+class OpenAIEmbedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class OpenAIUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class OpenAIEmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[OpenAIEmbedding]
+    model: str
+    usage: OpenAIUsage
+
+
+class ErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 413, 422, 429, 503)}

@@ -1,0 +1,71 @@
+"""Every server setting, read from `python -m app` flags and BERTSERVE_* environment variables."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "BERTSERVE_"
+
+
+class Settings(BaseSettings):
+    """Invalid values stop the server at startup with a message naming the setting."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      protected_namespaces=())  # fields model_dir, model_name
+
+    model_dir: Path = Field(description="artifact folder written by `python -m export` (manifest.json, "
+                                        "tokenizer.json, ONNX graphs)")
+    host: str = Field("127.0.0.1", description="address to listen on (the container image sets 0.0.0.0)")
+    port: int = Field(8000, ge=1, le=65535)
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when onnxruntime has the CUDA provider and the artifact an fp16 graph")
+    precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
+        "auto", description="auto: fp16 on CUDA, fp32 on CPU; int8 is CPU only")
+    cuda_device_id: int = Field(0, ge=0)
+    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = one per core")
+    inference_workers: int = Field(1, ge=1, le=8, description="batches run at the same time on the one session")
+    max_batch_tokens: int = Field(16384, ge=1, description="token budget of a batch, counted padded: "
+                                                           "batch size x its longest sequence")
+    max_batch_size: int = Field(64, ge=1, description="most sequences in one batch")
+    max_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
+                                                               "before running a batch that is not full")
+    max_queued_sequences: int = Field(4096, ge=1, description="queue limit: beyond it requests get 429")
+    max_concurrent_requests: int = Field(512, ge=1, description="requests being served at once; beyond: 429")
+    max_inputs_per_request: int = Field(512, ge=1)
+    max_input_chars: int = Field(2_000_000, ge=1, description="longest text accepted, even with truncation")
+    max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body; beyond: 413")
+    api_key: SecretStr | None = Field(None, description="when set, requests need `Authorization: Bearer KEY` "
+                                                        "(all but /health, /ready, /metrics and the docs)")
+    model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")
+    openai_pooling: Literal["cls", "pooled", "mean"] = Field("cls", description="pooling of /v1/embeddings")
+    openai_normalize: bool = Field(True, description="L2-normalise /v1/embeddings vectors, as OpenAI's are")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
+
+    @field_validator("api_key", "model_name", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, v):
+        return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("model_dir")
+    @classmethod
+    def _folder_exists(cls, v: Path) -> Path:
+        if not v.is_dir():
+            raise ValueError(f"{v} is not a folder; point it at an artifact folder made by `python -m export`")
+        return v
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower(cls, v):
+        return v.lower() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Settings":
+        if self.device == "cpu" and self.precision == "fp16":
+            raise ValueError("precision fp16 needs device cuda (or auto): the fp16 graph is built for CUDA")
+        if self.device == "cuda" and self.precision == "int8":
+            raise ValueError("precision int8 runs on the CPU only: use device cpu (or auto)")
+        return self

@@ -1,0 +1,245 @@
+"""Load generator and CPU comparisons for the embedding server (loopback only, bounded in count and time).
+
+  load     N concurrent clients against a running server: texts/s, p50 / p95 / p99 latency.
+  compare  on one CPU: sentence-transformers' encode (same weights, same texts, CLS pooling), the raw
+           ONNX Runtime session (tokenizer + session, no server), and the server through HTTP
+           (`python -m app` started here, load from this process).
+  formats  bytes and time per /embed response, float vs base64, with return_tokens.
+
+  python bench/http_load.py load --url http://127.0.0.1:8000 --concurrency 16 --requests 2000
+  python bench/http_load.py compare --model-dir MODEL_DIR --artifact ARTIFACT_DIR --texts 512
+  python bench/http_load.py formats --url http://127.0.0.1:8000
+The load generator is its own process: the server under test runs in another one.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+_WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or "
+          "has had not but first one their its new after who they have her she two been other when there "
+          "all during into school time may years more most only over city some world would where later up "
+          "such used many can state about national out known university united then made people system "
+          "search vector embedding server batch token model language query document retrieval cluster "
+          "training export graph runtime kernel attention layer normalisation dynamic budget latency").split()
+
+
+def make_texts(n: int, seed: int = 0, min_words: int = 6, max_words: int = 40) -> list[str]:
+    """Deterministic sentences of varied length (about 8 to 60 tokens with a BERT vocabulary)."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(rng.randint(min_words, max_words))).capitalize() + "."
+            for _ in range(n)]
+
+
+def _loopback(url: str) -> None:
+    host = httpx.URL(url).host
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit(f"refusing to load {host}: this benchmark targets loopback servers only")
+
+
+def _pct(values: list[float], p: float) -> float:
+    return float(np.percentile(values, p)) if values else float("nan")
+
+
+async def run_load(url: str, texts: list[str], concurrency: int, per_request: int = 1, duration_s: float = 60.0,
+                   body: dict | None = None, endpoint: str = "/embed", api_key: str | None = None) -> dict:
+    """Send `texts` in requests of `per_request` from `concurrency` clients; stop early after duration_s."""
+    _loopback(url)
+    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+    next_chunk = 0
+    latencies: list[float] = []
+    done_texts = errors = 0
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits, headers=headers) as client:
+        await client.post(endpoint, json={"inputs": texts[:1], **(body or {})})  # connection + warm-up
+        started = time.perf_counter()
+        deadline = started + duration_s
+
+        async def worker() -> None:
+            nonlocal next_chunk, done_texts, errors
+            while next_chunk < len(chunks) and time.perf_counter() < deadline:
+                chunk = chunks[next_chunk]
+                next_chunk += 1
+                t0 = time.perf_counter()
+                r = await client.post(endpoint, json={"inputs": chunk, **(body or {})})
+                latencies.append(time.perf_counter() - t0)
+                if r.status_code == 200:
+                    done_texts += len(chunk)
+                else:
+                    errors += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {"texts": done_texts, "errors": errors, "wall_s": round(wall, 3),
+            "texts_per_s": round(done_texts / wall, 1), "requests_per_s": round(len(latencies) / wall, 1),
+            "p50_ms": round(_pct(latencies, 50) * 1e3, 2), "p95_ms": round(_pct(latencies, 95) * 1e3, 2),
+            "p99_ms": round(_pct(latencies, 99) * 1e3, 2), "concurrency": concurrency, "per_request": per_request}
+
+
+@contextlib.contextmanager
+def serve(artifact: Path, **settings):
+    """`python -m app` on a free loopback port, as deployed; yields its URL once /ready answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    env.update({f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()})
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(port),
+                             "--log-level", "warning"], cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited with {proc.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def raw_engine(artifact: Path, texts: list[str], batch_size: int) -> dict:
+    """The floor under the server: tokenizer + ORT session in batches, texts in the given order."""
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    tok.enable_truncation(manifest["max_length"])
+    tok.enable_padding(pad_id=manifest["special_tokens"]["[PAD]"])
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the server
+    session = ort.InferenceSession(str(artifact / manifest["graphs"]["fp32"]["file"]), opts,
+                                   providers=["CPUExecutionProvider"])
+
+    def run(batch: list[str]) -> np.ndarray:
+        encs = tok.encode_batch(batch)
+        feeds = {"input_ids": np.array([e.ids for e in encs], dtype=np.int64),
+                 "attention_mask": np.array([e.attention_mask for e in encs], dtype=np.int64),
+                 "token_type_ids": np.array([e.type_ids for e in encs], dtype=np.int64)}
+        return session.run(["cls_embedding"], feeds)[0]
+
+    run(texts[:batch_size])
+    started = time.perf_counter()
+    for i in range(0, len(texts), batch_size):
+        run(texts[i:i + batch_size])
+    wall = time.perf_counter() - started
+    return {"texts": len(texts), "wall_s": round(wall, 3), "texts_per_s": round(len(texts) / wall, 1),
+            "batch_size": batch_size}
+
+
+def sentence_transformers_encode(model_dir: Path, texts: list[str], batch_size: int) -> dict:
+    """sentence-transformers over the same weights (BERT + CLS pooling), as its users run it on a CPU."""
+    from sentence_transformers import SentenceTransformer, models
+
+    bert = models.Transformer(str(model_dir))
+    model = SentenceTransformer(modules=[bert, models.Pooling(bert.get_word_embedding_dimension(), "cls")],
+                                device="cpu")
+    model.encode(texts[:batch_size], batch_size=batch_size)
+    started = time.perf_counter()
+    model.encode(texts, batch_size=batch_size)
+    wall = time.perf_counter() - started
+    return {"texts": len(texts), "wall_s": round(wall, 3), "texts_per_s": round(len(texts) / wall, 1),
+            "batch_size": batch_size}
+
+
+def formats(url: str, texts: list[str], repeats: int = 20, per_request: int = 8) -> dict:
+    _loopback(url)
+    out = {}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for fmt in ("float", "base64"):
+            body = {"inputs": texts[:per_request], "return_tokens": True, "encoding_format": fmt}
+            c.post("/embed", json=body)
+            sizes, times = [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                r = c.post("/embed", json=body)
+                times.append(time.perf_counter() - t0)
+                sizes.append(len(r.content))
+            out[fmt] = {"bytes_per_response": int(np.mean(sizes)), "ms_per_response": round(_pct(times, 50) * 1e3, 2),
+                        "texts_per_request": per_request}
+    return out
+
+
+def compare(args) -> dict:
+    texts = make_texts(args.texts, args.seed)
+    results = {"texts": args.texts, "cpu_count": os.cpu_count()}
+    print("raw engine ...", file=sys.stderr)
+    results["raw_engine"] = raw_engine(args.artifact, texts, args.batch_size)
+    with serve(args.artifact, precision="fp32", device="cpu") as url:
+        for concurrency, per_request in ((args.concurrency, 1), (args.concurrency, 8)):
+            print(f"server: {concurrency} clients x {per_request} text(s) per request ...", file=sys.stderr)
+            results[f"server_c{concurrency}_x{per_request}"] = asyncio.run(
+                run_load(url, texts, concurrency, per_request, args.duration))
+        results["formats"] = formats(url, texts)
+    if not args.skip_st:
+        print("sentence-transformers ...", file=sys.stderr)
+        try:
+            results["sentence_transformers"] = sentence_transformers_encode(args.model_dir, texts, args.batch_size)
+        except ImportError as e:
+            results["sentence_transformers"] = {"error": f"not installed ({e}): pip install sentence-transformers"}
+    st = results.get("sentence_transformers", {}).get("texts_per_s")
+    if st:
+        for key, value in results.items():
+            if isinstance(value, dict) and "texts_per_s" in value and key != "sentence_transformers":
+                value["x_sentence_transformers"] = round(value["texts_per_s"] / st, 2)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    load = sub.add_parser("load", help="load a running server")
+    load.add_argument("--url", default="http://127.0.0.1:8000")
+    load.add_argument("--concurrency", type=int, default=16)
+    load.add_argument("--requests", type=int, default=1000, help="requests to send (at most)")
+    load.add_argument("--texts-per-request", type=int, default=1)
+    load.add_argument("--duration", type=float, default=60, help="stop after this many seconds")
+    load.add_argument("--endpoint", default="/embed")
+    load.add_argument("--api-key", default=os.environ.get("BERTSERVE_API_KEY"))
+    fmt = sub.add_parser("formats", help="response size and time, float vs base64, with return_tokens")
+    fmt.add_argument("--url", default="http://127.0.0.1:8000")
+    cmp_ = sub.add_parser("compare", help="sentence-transformers vs raw ORT vs the server through HTTP (CPU)")
+    cmp_.add_argument("--model-dir", type=Path, required=True, help="the BERT model folder that was exported")
+    cmp_.add_argument("--artifact", type=Path, required=True, help="its artifact folder (python -m export)")
+    cmp_.add_argument("--texts", type=int, default=512)
+    cmp_.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' and the raw engine's")
+    cmp_.add_argument("--concurrency", type=int, default=16)
+    cmp_.add_argument("--duration", type=float, default=120)
+    cmp_.add_argument("--skip-st", action="store_true")
+    for p in (load, fmt, cmp_):
+        p.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if args.command == "load":
+        texts = make_texts(args.requests * args.texts_per_request, args.seed)
+        result = asyncio.run(run_load(args.url, texts, args.concurrency, args.texts_per_request, args.duration,
+                                      endpoint=args.endpoint, api_key=args.api_key))
+    elif args.command == "formats":
+        result = formats(args.url, make_texts(64, args.seed))
+    else:
+        result = compare(args)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,563 @@
+"""The server in process: httpx.AsyncClient over ASGITransport with the lifespan run, against the tiny
+exported artifact. Embeddings are checked against the ONNX session run directly on the same ids."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+from pydantic import ValidationError
+from tokenizers import Tokenizer
+
+from app.batcher import DynamicBatcher
+from app.engine import EngineError, resolve_device_precision
+from app.main import create_app
+from app.settings import Settings
+from artifact.manifest import ManifestError, read_manifest
+
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Embedding servers turn text into vectors.",
+    "short",
+    "Überraschung: naïve café résumé, 東京 and emoji 🚀 must tokenize without errors.",
+    "Dynamic batching packs queued requests up to a token budget to keep the device busy " * 3,
+]
+
+
+@contextlib.asynccontextmanager
+async def serving(artifact, **overrides):
+    app = create_app(Settings(model_dir=artifact, **overrides))
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+            yield client, app
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_artifact_dir):
+    return tiny_artifact_dir
+
+
+@pytest.fixture(scope="module")
+def reference(artifact):
+    """The artifact's fp32 graph and tokenizer used directly, one sequence at a time."""
+    session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    tok.enable_truncation(read_manifest(artifact).max_length)
+
+    def forward(a, b=None):
+        enc = tok.encode(a, b) if b is not None else tok.encode(a)
+        ids = np.array([enc.ids], dtype=np.int64)
+        names = [o.name for o in session.get_outputs()]
+        out = session.run(names, {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                  "token_type_ids": np.array([enc.type_ids], dtype=np.int64)})
+        return {n: v[0] for n, v in zip(names, out)}, enc
+
+    return forward
+
+
+def assert_error(r: httpx.Response, status: int, type_: str | None = None, *words: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}, body
+    if type_:
+        assert body["error"]["type"] == type_, body
+    for w in words:
+        assert w in body["error"]["message"], body
+    return body["error"]
+
+
+# --- embeddings ----------------------------------------------------------------------------------------
+
+def test_embed_matches_onnx_session_for_every_pooling(artifact, reference):
+    async def go():
+        async with serving(artifact) as (c, _):
+            got = {}
+            for pooling in ("cls", "pooled", "mean"):
+                r = await c.post("/embed", json={"inputs": TEXTS, "pooling": pooling})
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["model"] == "tiny" and [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
+                got[pooling] = [np.array(d["embedding"], dtype=np.float32) for d in body["data"]]
+                for h in ("x-tokenize-ms", "x-queue-ms", "x-inference-ms"):
+                    assert float(r.headers[h]) >= 0
+            return got, body["usage"]["tokens"]
+    got, usage = run(go())
+    total = 0
+    for i, text in enumerate(TEXTS):
+        ref, enc = reference(text)
+        total += len(enc.ids)
+        np.testing.assert_allclose(got["cls"][i], ref["cls_embedding"], atol=1e-5)
+        np.testing.assert_allclose(got["pooled"][i], ref["pooled_embedding"], atol=1e-5)
+        # mean over every real token, [CLS] and [SEP] included
+        np.testing.assert_allclose(got["mean"][i], ref["token_embeddings"].mean(axis=0), atol=1e-5)
+    assert usage == total
+
+
+def test_batched_equals_alone_and_pairs_match_session(artifact, reference):
+    pair = ["Is this the question?", "This is its answer, in segment one."]
+    inputs = [TEXTS[0], pair, TEXTS[2], [TEXTS[3], TEXTS[4]]]
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            together = (await c.post("/embed", json={"inputs": inputs, "return_tokens": True})).json()["data"]
+            alone = [(await c.post("/embed", json={"inputs": [x], "return_tokens": True})).json()["data"][0]
+                     for x in inputs]
+            return together, alone
+    together, alone = run(go())
+    for t, a in zip(together, alone):
+        np.testing.assert_allclose(t["embedding"], a["embedding"], atol=1e-5)
+        np.testing.assert_allclose(t["token_embeddings"], a["token_embeddings"], atol=1e-5)
+        assert t["tokens"] == a["tokens"]
+    ref, enc = reference(*pair)
+    np.testing.assert_allclose(together[1]["embedding"], ref["cls_embedding"], atol=1e-5)
+    np.testing.assert_allclose(together[1]["token_embeddings"], ref["token_embeddings"], atol=1e-5)
+    tokens = together[1]["tokens"]
+    assert [t["id"] for t in tokens] == enc.ids and [t["segment"] for t in tokens] == enc.type_ids
+    assert tokens[0]["token"] == "[CLS]" and tokens[0]["special"] and tokens[-1]["token"] == "[SEP]"
+    assert {t["segment"] for t in tokens} == {0, 1}
+    for t in tokens:
+        if not t["special"]:
+            piece = pair[t["segment"]][t["start"]:t["end"]]
+            assert piece.lower() == t["token"].removeprefix("##") or t["token"] == "[UNK]", (t, piece)
+
+
+def test_offsets_slice_the_original_text(artifact):
+    texts = ["Überraschung: naïve café, 東京 🚀 and CAPITALS", "tab\tand\nnewline  spaces"]
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            return (await c.post("/tokenize", json={"inputs": texts})).json()
+    body = run(go())
+    for text, item in zip(texts, body["data"]):
+        real = [t for t in item["tokens"] if not t["special"]]
+        assert real and all(t["segment"] == 0 for t in real)
+        for t in real:
+            piece = text[t["start"]:t["end"]]
+            assert piece, t
+            if t["token"] != "[UNK]":  # the normaliser lower-cases and strips accents
+                import unicodedata
+                plain = "".join(c for c in unicodedata.normalize("NFD", piece.lower()) if not unicodedata.combining(c))
+                assert plain == t["token"].removeprefix("##"), (t, piece)
+    assert "東" in [texts[0][t["start"]:t["end"]] for t in body["data"][0]["tokens"]]
+
+
+def test_normalize_base64_and_pooling_none(artifact):
+    async def go():
+        async with serving(artifact) as (c, _):
+            f = (await c.post("/embed", json={"inputs": "hello world", "normalize": True,
+                                              "return_tokens": True})).json()["data"][0]
+            b = (await c.post("/embed", json={"inputs": "hello world", "normalize": True, "return_tokens": True,
+                                              "encoding_format": "base64"})).json()["data"][0]
+            none = (await c.post("/embed", json={"inputs": ["hello world"], "pooling": "none"})).json()
+            none_tok = (await c.post("/embed", json={"inputs": "hello world", "pooling": "none",
+                                                     "return_tokens": True})).json()
+            return f, b, none, none_tok
+    f, b, none, none_tok = run(go())
+    assert abs(np.linalg.norm(f["embedding"]) - 1) < 1e-5
+    vec = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vec, f["embedding"], atol=1e-7)
+    tok = np.frombuffer(base64.b64decode(b["token_embeddings"]), dtype="<f4").reshape(len(b["tokens"]), -1)
+    np.testing.assert_allclose(tok, f["token_embeddings"], atol=1e-7)
+    assert none["data"] == [{"index": 0, "embedding": None}] and none["usage"]["tokens"] > 0
+    assert none_tok["data"][0]["embedding"] is None and len(none_tok["data"][0]["token_embeddings"]) == len(none_tok["data"][0]["tokens"])
+
+
+def test_nsp_probability_and_logits(artifact, reference):
+    pairs = [["The cat sat on the mat.", "It was warm there."], ["short", TEXTS[4]]]
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            return (await c.post("/nsp", json={"pairs": pairs})).json()
+    body = run(go())
+    for pair, item in zip(pairs, body["data"]):
+        ref, _ = reference(*pair)
+        np.testing.assert_allclose(item["logits"], ref["nsp_logits"], atol=1e-5)
+        e = np.exp(ref["nsp_logits"] - ref["nsp_logits"].max())
+        assert abs(item["is_next"] - e[0] / e.sum()) < 1e-5
+
+
+def test_openai_embeddings(artifact, reference):
+    async def go():
+        async with serving(artifact) as (c, _):
+            one = (await c.post("/v1/embeddings", json={"input": "hello world", "model": "anything"})).json()
+            many = (await c.post("/v1/embeddings", json={"input": ["a", "b c"], "encoding_format": "base64",
+                                                          "user": "ignored"})).json()
+            dims = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 64})
+            same_dims = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 128})
+            ids = await c.post("/v1/embeddings", json={"input": [[1, 2, 3]]})
+            return one, many, dims, same_dims, ids
+    one, many, dims, same_dims, ids = run(go())
+    assert one["object"] == "list" and one["model"] == "tiny" and one["data"][0]["object"] == "embedding"
+    ref, enc = reference("hello world")
+    expected = ref["cls_embedding"] / np.linalg.norm(ref["cls_embedding"])
+    np.testing.assert_allclose(one["data"][0]["embedding"], expected, atol=1e-5)
+    assert one["usage"] == {"prompt_tokens": len(enc.ids), "total_tokens": len(enc.ids)}
+    assert [d["index"] for d in many["data"]] == [0, 1]
+    assert np.frombuffer(base64.b64decode(many["data"][0]["embedding"]), dtype="<f4").shape == (128,)
+    assert_error(dims, 400, "unsupported", "dimensions")
+    assert same_dims.status_code == 200
+    assert_error(ids, 400, "unsupported", "token-id")
+
+
+# --- errors --------------------------------------------------------------------------------------------
+
+LONG = "word " * 1000  # about 1000 tokens: over the tiny model's 128
+
+
+@pytest.mark.parametrize("path,body,status,type_,words", [
+    ("/embed", {"inputs": ""}, 422, "invalid_request", ["inputs[0]", "empty"]),
+    ("/embed", {"inputs": ["ok", "  \n\t "]}, 422, "invalid_request", ["inputs[1]", "whitespace"]),
+    ("/embed", {"inputs": ["ok", ["a", ""]]}, 422, "invalid_request", ["inputs[1][1]"]),
+    ("/embed", {"inputs": ["ok", "\x00\x01\x02"]}, 422, "invalid_request", ["inputs[1]", "no tokens"]),
+    ("/embed", {"inputs": []}, 422, "invalid_request", ["empty"]),
+    ("/embed", {"inputs": 5}, 422, "invalid_request", ["inputs"]),
+    ("/embed", {"inputs": [["a", "b", "c"]]}, 422, "invalid_request", ["inputs"]),
+    ("/embed", {"inputs": "x", "pooling": "max"}, 422, "invalid_request", ["pooling"]),
+    ("/embed", {"inputs": "x", "normalize": "yes"}, 422, "invalid_request", ["normalize"]),
+    ("/embed", {"inputs": "x", "unknown": 1}, 422, "invalid_request", ["unknown"]),
+    ("/embed", {"text": "x"}, 422, "invalid_request", ["inputs"]),
+    ("/embed", ["x"], 422, "invalid_request", []),
+    ("/embed", {"inputs": ["x"] * 10_000}, 413, "too_many_inputs", ["10000", "512"]),
+    ("/embed", {"inputs": ["ok", LONG], "truncate": False}, 413, "input_too_long", ["inputs[1]", "128"]),
+    ("/embed", {"inputs": "a" * 2_000_001}, 413, "input_too_long", ["inputs[0]", "characters"]),
+    ("/nsp", {"pairs": [["a", "b"], "c"]}, 422, "invalid_request", ["pairs"]),
+    ("/nsp", {"pairs": [["a", " "]]}, 422, "invalid_request", ["pairs[0][1]"]),
+    ("/tokenize", {"inputs": ["fine", ""]}, 422, "invalid_request", ["inputs[1]"]),
+    ("/v1/embeddings", {"input": ""}, 422, "invalid_request", ["input[0]"]),
+    ("/v1/embeddings", {"inputs": "x"}, 422, "invalid_request", ["input"]),
+])
+def test_bad_requests_are_clear_4xx_and_the_server_goes_on(artifact, path, body, status, type_, words):
+    async def go():
+        async with serving(artifact) as (c, _):
+            r = await c.post(path, json=body)
+            ok = await c.post("/embed", json={"inputs": "still alive"})
+            return r, ok
+    r, ok = run(go())
+    assert_error(r, status, type_, *words)
+    assert ok.status_code == 200
+
+
+async def chunks(parts):
+    for p in parts:
+        yield p
+
+
+def test_malformed_bodies(artifact):
+    async def go():
+        async with serving(artifact, max_request_bytes=4096) as (c, _):
+            out = {
+                "invalid_json": await c.post("/embed", content=b'{"inputs": ["a",'),
+                "non_utf8": await c.post("/embed", content=b'{"inputs": "\xff\xfe bad"}'),
+                "lone_surrogate": await c.post("/embed", content=b'{"inputs": "\\ud800"}'),
+                "no_body": await c.post("/embed"),
+                "too_big": await c.post("/embed", json={"inputs": "x" * 5000}),
+                "chunked_too_big": await c.post("/embed", content=chunks([b'{"inputs": "', b"x" * 5000, b'"}'])),
+                "no_content_type": await c.post("/embed", content=b'{"inputs": "plain curl -d"}',
+                                                headers={"content-type": "application/x-www-form-urlencoded"}),
+                "not_found": await c.get("/nope"),
+                "wrong_method": await c.get("/embed"),
+            }
+            out["after"] = await c.post("/embed", json={"inputs": "still alive"})
+            return out
+    out = run(go())
+    assert_error(out["invalid_json"], 422, "invalid_request", "JSON")
+    assert_error(out["non_utf8"], 422, "invalid_request", "JSON")
+    assert_error(out["lone_surrogate"], 422, "invalid_request")
+    assert_error(out["no_body"], 422, "invalid_request")
+    assert_error(out["too_big"], 413, "payload_too_large", "4096")
+    assert_error(out["chunked_too_big"], 413, "payload_too_large")
+    assert out["no_content_type"].status_code == 200
+    assert_error(out["not_found"], 404, "not_found")
+    assert_error(out["wrong_method"], 405, "method_not_allowed")
+    assert out["after"].status_code == 200
+
+
+def test_huge_text_is_truncated_quickly(artifact, reference):
+    text = "Embedding servers turn text into vectors for search and clustering. " * 15_000  # ~1 MB
+    assert len(text) > 1_000_000
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            started = time.perf_counter()
+            r = await c.post("/embed", json={"inputs": text, "return_tokens": True})
+            took = time.perf_counter() - started
+            too_long = await c.post("/embed", json={"inputs": text, "truncate": False})
+            return r, took, too_long
+    r, took, too_long = run(go())
+    assert r.status_code == 200 and took < 1.0, took
+    item = r.json()["data"][0]
+    ref, enc = reference(text)  # the whole text tokenised, then truncated
+    assert [t["id"] for t in item["tokens"]] == enc.ids and len(enc.ids) == 128
+    np.testing.assert_allclose(item["embedding"], ref["cls_embedding"], atol=1e-5)
+    assert_error(too_long, 413, "input_too_long", "inputs[0]")
+
+
+def test_unsupported_without_pooler_or_nsp_head(artifact, tmp_path):
+    folder = tmp_path / "bare"
+    shutil.copytree(artifact, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest.update(has_pooler=False, has_nsp_head=False)
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    async def go():
+        async with serving(folder) as (c, _):
+            return (await c.post("/nsp", json={"pairs": [["a", "b"]]}),
+                    await c.post("/embed", json={"inputs": "a", "pooling": "pooled"}),
+                    (await c.get("/info")).json())
+    nsp, pooled, info = run(go())
+    assert_error(nsp, 400, "unsupported", "next-sentence")
+    assert_error(pooled, 400, "unsupported", "pooler")
+    assert info["has_nsp_head"] is False and "pooled" not in info["poolings"]
+
+
+def test_api_key(artifact):
+    async def go():
+        async with serving(artifact, api_key="s3cret") as (c, _):
+            return (await c.post("/embed", json={"inputs": "a"}),
+                    await c.post("/embed", json={"inputs": "a"}, headers={"Authorization": "Bearer wrong"}),
+                    await c.post("/embed", json={"inputs": "a"}, headers={"Authorization": "Bearer s3cret"}),
+                    await c.get("/info"), await c.get("/health"), await c.get("/ready"), await c.get("/metrics"))
+    missing, wrong, right, info, health, ready, metrics = run(go())
+    assert_error(missing, 401, "unauthorized", "Bearer")
+    assert missing.headers["www-authenticate"] == "Bearer"
+    assert_error(wrong, 401, "unauthorized")
+    assert_error(info, 401, "unauthorized")
+    assert right.status_code == health.status_code == ready.status_code == metrics.status_code == 200
+
+
+def test_not_ready_before_the_lifespan_ran(artifact):
+    app = create_app(Settings(model_dir=artifact))  # lifespan not run: no model loaded
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health"), await c.get("/ready"), await c.post("/embed", json={"inputs": "a"})
+    health, ready, embed = run(go())
+    assert health.status_code == 200
+    assert_error(ready, 503, "not_ready")
+    assert_error(embed, 503, "not_ready")
+
+
+# --- batching, overload, cancellation, metrics ---------------------------------------------------------
+
+def _slow_engine(app, seconds: float):
+    batcher = app.state.service.batcher
+    real = batcher._run
+
+    def slow(batch):
+        time.sleep(seconds)
+        return real(batch)
+    batcher._run = slow
+
+
+def test_concurrent_requests_are_batched_and_correct(artifact):
+    texts = [f"request number {i} " + "word " * (i % 13) for i in range(50)]
+
+    async def go():
+        async with serving(artifact, max_wait_ms=5) as (c, app):
+            alone = [(await c.post("/embed", json={"inputs": t})).json()["data"][0]["embedding"] for t in texts[:5]]
+            _slow_engine(app, 0.02)  # let the queue fill while a batch runs
+            rs = await asyncio.gather(*(c.post("/embed", json={"inputs": t}) for t in texts))
+            return alone, rs, (await c.get("/metrics")).text
+    alone, rs, metrics = run(go())
+    assert all(r.status_code == 200 for r in rs)
+    for a, r in zip(alone, rs):
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], a, atol=1e-5)
+    batches = _metric(metrics, "bertserve_batch_size_count")
+    assert batches < 55 - 5, metrics  # 55 sequences in clearly fewer batches
+    assert _metric(metrics, 'bertserve_batch_size_bucket{le="1.0"}') < batches
+
+
+def test_overload_answers_429_with_retry_after(artifact):
+    async def go():
+        async with serving(artifact, max_queued_sequences=4, max_batch_size=2) as (c, app):
+            _slow_engine(app, 0.2)
+            rs = await asyncio.gather(*(c.post("/embed", json={"inputs": ["a b", "c d"]}) for _ in range(8)))
+            after = await c.post("/embed", json={"inputs": "fine again"})
+            return rs, after, (await c.get("/metrics")).text
+    rs, after, metrics = run(go())
+    codes = sorted(r.status_code for r in rs)
+    assert 200 in codes and 429 in codes, codes
+    for r in rs:
+        if r.status_code == 429:
+            assert_error(r, 429, "overloaded", "queue")
+            assert int(r.headers["retry-after"]) >= 1
+    assert after.status_code == 200
+    assert _metric(metrics, 'bertserve_request_failures_total{endpoint="/embed",status="429",type="overloaded"}') >= 1
+
+
+def test_concurrent_request_limit(artifact):
+    async def go():
+        async with serving(artifact, max_concurrent_requests=2) as (c, app):
+            _slow_engine(app, 0.2)
+            return await asyncio.gather(*(c.post("/embed", json={"inputs": "a"}) for _ in range(5)))
+    codes = sorted(r.status_code for r in run(go()))
+    assert codes.count(200) >= 2 and 429 in codes, codes
+
+
+def test_cancelled_requests_are_dropped_before_inference(artifact):
+    async def go():
+        async with serving(artifact, max_batch_size=1) as (c, app):
+            _slow_engine(app, 0.3)
+            first = asyncio.create_task(c.post("/embed", json={"inputs": "runs first"}))
+            await asyncio.sleep(0.05)  # first is running; the next ones wait in the queue
+            doomed = asyncio.create_task(c.post("/embed", json={"inputs": ["x", "y", "z"]}))
+            await asyncio.sleep(0.05)
+            doomed.cancel()  # the client goes away
+            with contextlib.suppress(asyncio.CancelledError):
+                await doomed
+            r = await first
+            after = await c.post("/embed", json={"inputs": "after"})
+            return r, after, (await c.get("/metrics")).text
+    r, after, metrics = run(go())
+    assert r.status_code == 200 and after.status_code == 200
+    assert _metric(metrics, "bertserve_dropped_sequences_total") == 3
+    assert _metric(metrics, "bertserve_sequences_total") == 2  # "runs first" and "after" only
+    assert _metric(metrics, "bertserve_queue_depth") == 0
+
+
+def test_metrics_count_requests_failures_and_stages(artifact):
+    async def go():
+        async with serving(artifact) as (c, _):
+            await c.post("/embed", json={"inputs": ["a", "b"]})
+            await c.post("/embed", json={"inputs": ""})
+            await c.post("/nsp", json={"pairs": [["a", "b"]]})
+            await c.get("/nope")
+            return (await c.get("/metrics")).text
+    m = run(go())
+    assert _metric(m, 'bertserve_requests_total{endpoint="/embed",status="200"}') == 1
+    assert _metric(m, 'bertserve_request_failures_total{endpoint="/embed",status="422",type="invalid_request"}') == 1
+    assert _metric(m, 'bertserve_request_failures_total{endpoint="other",status="404",type="not_found"}') == 1
+    for name in ("bertserve_tokenize_duration_seconds_count", "bertserve_queue_duration_seconds_count",
+                 "bertserve_inference_duration_seconds_count", "bertserve_batch_tokens_count"):
+        assert _metric(m, name) >= 1, name
+    assert 'bertserve_model_info{model="tiny",precision="fp32",provider="CPUExecutionProvider"} 1.0' in m
+
+
+def _metric(text: str, name: str) -> float:
+    """The value of one sample line of the Prometheus text, `name` with its labels exactly as written."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+# --- info, int8, settings, engine choice, import boundary -----------------------------------------------
+
+def test_info_and_int8(artifact):
+    async def go():
+        async with serving(artifact, precision="int8") as (c, _):
+            info = (await c.get("/info")).json()
+            r = await c.post("/embed", json={"inputs": TEXTS, "normalize": True})
+        async with serving(artifact) as (c, _):
+            fp32 = await c.post("/embed", json={"inputs": TEXTS, "normalize": True})
+        return info, r, fp32
+    info, r, fp32 = run(go())
+    assert info["precision"] == "int8" and info["device"] == "cpu" and info["dimensions"] == 128
+    assert info["has_nsp_head"] is True and info["limits"]["max_batch_tokens"] == 16384
+    for a, b in zip(r.json()["data"], fp32.json()["data"]):
+        assert float(np.dot(a["embedding"], b["embedding"])) > 0.99
+
+
+def test_settings_fail_on_bad_values(artifact, tmp_path, monkeypatch):
+    for bad in ({"port": 0}, {"max_batch_tokens": 0}, {"device": "tpu"}, {"precision": "bf16"},
+                {"device": "cpu", "precision": "fp16"}, {"device": "cuda", "precision": "int8"},
+                {"max_wait_ms": -1}, {"model_dir": tmp_path / "missing"}, {"max_batch_size": "many"}):
+        with pytest.raises(ValidationError):
+            Settings(**{"model_dir": artifact, **bad})
+    monkeypatch.setenv("BERTSERVE_MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("BERTSERVE_API_KEY", "")
+    s = Settings(model_dir=artifact)
+    assert s.max_batch_size == 7 and s.api_key is None
+    monkeypatch.setenv("BERTSERVE_MAX_BATCH_SIZE", "-3")
+    with pytest.raises(ValidationError):
+        Settings(model_dir=artifact)
+
+
+def test_device_and_precision_choice(artifact):
+    manifest = read_manifest(artifact)
+    cpu_only = ["CPUExecutionProvider"]
+    assert resolve_device_precision("auto", "auto", manifest, cpu_only) == ("cpu", "fp32")
+    assert resolve_device_precision("auto", "int8", manifest, cpu_only) == ("cpu", "int8")
+    with pytest.raises(EngineError, match="onnxruntime-gpu"):
+        resolve_device_precision("cuda", "auto", manifest, cpu_only)
+    with pytest.raises(ManifestError, match="no fp16 graph"):  # this artifact was exported on the CPU
+        resolve_device_precision("cuda", "fp16", manifest, ["CUDAExecutionProvider", *cpu_only])
+    both = ["CUDAExecutionProvider", *cpu_only]
+    assert resolve_device_precision("auto", "auto", manifest, both) == ("cuda", "fp32")
+
+
+def test_batcher_packs_by_length_within_the_budget():
+    async def go():
+        b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=40, max_batch_size=4, max_wait_ms=0,
+                           max_queued=100)
+        b._closed = False
+        lengths = [10, 3, 9, 4, 10, 2, 30]
+        futures = b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in lengths], frozenset())
+        futures[4].cancel()
+        b._drop_cancelled()
+        first = [e.length for e in b._take_batch()]
+        second = [e.length for e in b._take_batch()]
+        third = [e.length for e in b._take_batch()]
+        return first, second, third, b.queued
+    first, second, third, left = run(go())
+    assert 10 in first and sorted(first) == [3, 4, 9, 10]  # oldest (10) + nearest lengths, 4 x 10 = 40
+    assert second == [2] or sorted(second) == [2]  # 2 + 30 would cost 2 x 30 > 40
+    assert third == [30] and left == 0
+
+
+def test_app_never_imports_torch(artifact):
+    code = f"""
+import asyncio, sys
+import httpx
+import app.main, app.__main__
+from app.main import create_app
+from app.settings import Settings
+async def go():
+    a = create_app(Settings(model_dir={str(artifact)!r}))
+    async with a.router.lifespan_context(a):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t") as c:
+            assert (await c.post("/embed", json={{"inputs": "x", "return_tokens": True}})).status_code == 200
+asyncio.run(go())
+assert "torch" not in sys.modules, "app imported torch"
+assert "transformers" not in sys.modules and "training" not in sys.modules and "export" not in sys.modules
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.gpu
+def test_cuda_fp16_serves_what_cpu_fp32_serves(tiny_model_dir, tmp_path):
+    from export.pipeline import export_artifact
+
+    folder = tmp_path / "cuda_artifact"
+    export_artifact(tiny_model_dir, folder, device="cuda")
+
+    async def go(**settings):
+        async with serving(folder, **settings) as (c, _):
+            info = (await c.get("/info")).json()
+            r = await c.post("/embed", json={"inputs": [*TEXTS, ["a pair", "of texts"]], "normalize": True,
+                                             "return_tokens": True})
+            nsp = await c.post("/nsp", json={"pairs": [["a", "b"], [TEXTS[0], TEXTS[4]]]})
+            return info, r.json()["data"], nsp.json()["data"]
+    gpu_info, gpu, gpu_nsp = run(go())
+    cpu_info, cpu, cpu_nsp = run(go(device="cpu"))
+    assert (gpu_info["device"], gpu_info["precision"], gpu_info["provider"]) == ("cuda", "fp16", "CUDAExecutionProvider")
+    assert cpu_info["precision"] == "fp32"
+    for g, c in zip(gpu, cpu):
+        assert float(np.dot(g["embedding"], c["embedding"])) > 0.999
+        np.testing.assert_allclose(g["token_embeddings"], c["token_embeddings"], atol=0.05)
+    for g, c in zip(gpu_nsp, cpu_nsp):
+        assert abs(g["is_next"] - c["is_next"]) < 0.01

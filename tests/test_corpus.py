@@ -1,0 +1,238 @@
+"""Reading corpora: sentence splitting, .txt/.jsonl documents, bad input, and the docstring corpus."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+
+from training import docstring_corpus as dc
+from training.corpus import (MAX_SENTENCE_CHARS, CorpusError, CorpusStats, read_documents, resolve_corpus_files,
+                             split_sentences)
+from training.data import DataConfig, prepare_data
+
+
+def test_split_sentences_keeps_abbreviations_and_splits_real_stops():
+    text = ('Use a list, e.g. Python lists, i.e. Mutable ones. Dr. Smith agreed! Did he? "Yes." '
+            'Version 3.11 is out. J. R. R. Tolkien wrote it. lower case after a stop stays. 42 is last')
+    assert split_sentences(text) == [
+        "Use a list, e.g. Python lists, i.e. Mutable ones.", "Dr. Smith agreed!", "Did he?", '"Yes."',
+        "Version 3.11 is out.", "J. R. R. Tolkien wrote it. lower case after a stop stays.", "42 is last"]
+
+
+def test_txt_documents_are_separated_by_blank_lines(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_text("First doc line one. Still one!\nLine two.\n\n\n  \nSecond doc.\n\nThird doc\n", encoding="utf-8")
+    stats = CorpusStats()
+    docs = list(read_documents([f], stats))
+    assert docs == [["First doc line one.", "Still one!", "Line two."], ["Second doc."], ["Third doc"]]
+    assert (stats.documents, stats.sentences, stats.words) == (3, 5, 12)
+
+
+def test_jsonl_documents_skip_and_count_bad_lines(tmp_path, caplog):
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"text": "One. Two.\n\nThree."}) + "\nnot json\n" + json.dumps({"title": "x"})
+                 + "\n\n" + json.dumps({"text": "Four."}) + "\n", encoding="utf-8")
+    stats = CorpusStats()
+    with caplog.at_level(logging.WARNING):
+        docs = list(read_documents([f], stats))
+    assert docs == [["One.", "Two.", "Three."], ["Four."]]
+    assert stats.bad_jsonl_lines == 2 and "skipped 2 lines" in caplog.text
+
+
+def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"Good line.\nBad \xff\xfe bytes here.\n\nOther doc \xc3\x28.\n")
+    stats = CorpusStats()
+    with caplog.at_level(logging.WARNING):
+        docs = list(read_documents([f], stats))
+    assert len(docs) == 2 and "\ufffd" in docs[0][1]
+    assert stats.lines_with_bad_bytes == 2 and stats.files_with_bad_bytes == [str(f)]
+    assert "not UTF-8" in caplog.text
+
+
+@pytest.mark.parametrize("line", ["word " * 2_000_000, "x" * 10_000_000, "Short one. " * 900_000])
+def test_a_10mb_line_is_read_in_bounded_sentences(tmp_path, line):
+    f = tmp_path / "big.txt"
+    f.write_text("Before.\n" + line + "\nAfter.\n\nNext doc.\n")
+    started = time.perf_counter()
+    docs = list(read_documents([f]))
+    assert time.perf_counter() - started < 30
+    assert len(docs) == 2 and docs[0][0] == "Before." and docs[0][-1] == "After."
+    assert max(len(s) for s in docs[0]) <= MAX_SENTENCE_CHARS
+    # Nothing lost but whitespace, even where a sentence straddles two read pieces.
+    assert sum(len(s.replace(" ", "")) for s in docs[0][1:-1]) == len(line.replace(" ", ""))
+
+
+def test_resolve_files_folders_and_globs(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for name in ("a/1.txt", "a/b/2.jsonl", "a/b/3.csv", "c.txt"):
+        (tmp_path / name).write_text("x")
+    files = resolve_corpus_files([str(tmp_path / "a"), str(tmp_path / "*.txt"), str(tmp_path / "c.txt")])
+    assert [f.relative_to(tmp_path.resolve()).as_posix() for f in files] == ["a/1.txt", "a/b/2.jsonl", "c.txt"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "does not exist"), ("empty_folder", "no .txt or .jsonl files"),
+    ("wrong_suffix", "neither .txt nor .jsonl"), ("glob_no_match", "does not exist"),
+])
+def test_bad_corpus_paths_raise_corpus_error(tmp_path, case, message):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "data.csv").write_text("a,b\n")
+    path = {"missing": tmp_path / "nope.txt", "empty_folder": tmp_path / "empty",
+            "wrong_suffix": tmp_path / "data.csv", "glob_no_match": tmp_path / "zz*.txt"}[case]
+    with pytest.raises(CorpusError, match=message):
+        prepare_data(DataConfig(corpus=(str(path),), vocab_size=200, cache_dir=str(tmp_path / "cache")),
+                     show_progress=False)
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "has 0 document"), ("\n\n   \n", "has 0 document"),
+    ("Only one document.\nWith two lines.\n", "has 1 document"),
+    ("Doc one.\n\nDoc two.\n\nDoc three.\n", "too few to hold out"),
+])
+def test_too_small_corpora_raise_corpus_error(tmp_path, content, message):
+    f = tmp_path / "c.txt"
+    f.write_text(content)
+    cfg = DataConfig(corpus=(str(f),), vocab_size=200, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(CorpusError, match=message) as err:
+        prepare_data(cfg, show_progress=False)
+    assert "\n" not in str(err.value)
+    assert not list((tmp_path / "cache").glob("data-*"))  # nothing half-built left behind
+
+
+def test_corpus_error_is_a_value_error():
+    assert issubclass(CorpusError, ValueError)
+
+
+# --- docstring corpus -----------------------------------------------------------------------------
+
+_PACKAGE = '''"""A small module that explains several things. It has sentences the corpus should keep.
+
+Example::
+
+    x = compute(3)
+    print(x)
+
+>>> compute(2)
+4
+>>> for i in range(2):
+...     print(i)
+0
+1
+
+See :func:`compute` and :class:`~pkg.mod.Thing` for ``details``, or `the docs <http://x.org>`_.
+"""
+import pathlib
+pathlib.Path(__file__).with_name("IMPORTED").write_text("yes")
+raise RuntimeError("this module must never be imported")
+
+
+def compute(x):
+    """Compute the square of a number and hand it back to the caller at once.
+
+    Parameters
+    ----------
+    x : int
+        The number.
+
+    .. code-block:: python
+
+        compute(1)
+
+    .. note:: This is **important** and *useful* for everybody reading it today.
+    """
+
+
+class Thing:
+    """Too short to keep."""
+
+    def method(self):
+        """Compute the square of a number and hand it back to the caller at once.
+
+        Parameters
+        ----------
+        x : int
+            The number.
+
+        .. code-block:: python
+
+            compute(1)
+
+        .. note:: This is **important** and *useful* for everybody reading it today.
+        """
+
+    if True:
+        def nested(self):
+            """A docstring inside an if block is still found by the statement walk, all of it."""
+'''
+
+
+def _docstring_docs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_docstring_corpus_drops_examples_and_markup_and_never_imports(tmp_path):
+    pkg = tmp_path / "site" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text(_PACKAGE)
+    (pkg / "broken.py").write_text('"""Syntax error below, the file is skipped quietly."""\ndef (:\n')
+    out = dc.docstring_corpus(tmp_path / "cache", roots=[tmp_path / "site"], show_progress=False, workers=1)
+    docs = _docstring_docs(out)
+    texts = [d["text"] for d in docs]
+    assert not (pkg / "IMPORTED").exists() and "pkg.mod" not in sys.modules and "mod" not in sys.modules
+    assert texts[0] == ("A small module that explains several things. It has sentences the corpus should keep.\n"
+                        "Example:\n"
+                        "See compute and pkg.mod.Thing for details, or the docs.")
+    assert ("Compute the square of a number and hand it back to the caller at once.\n"
+            "x : int The number.\n"
+            "This is important and useful for everybody reading it today.") in texts
+    assert len(texts) == 3  # method's docstring equals compute's (deduplicated); Thing's is too short
+    assert any(d["source"].endswith("mod.py:Thing.nested") for d in docs)
+    joined = "\n".join(texts)
+    for noise in (">>>", "...", "print(", "compute(1)", "0\n1", "----", "::", "``", ":func:", "http"):
+        assert noise not in joined
+
+
+def test_docstring_corpus_is_cached_and_rebuilt_when_a_file_changes(tmp_path, monkeypatch):
+    pkg = tmp_path / "site" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "a.py").write_text('"""One module docstring that is long enough to be kept in the corpus."""\n')
+    first = dc.docstring_corpus(tmp_path / "cache", roots=[tmp_path / "site"], show_progress=False, workers=1)
+    with monkeypatch.context() as m:
+        m.setattr(dc, "file_documents", lambda p: pytest.fail("re-extracted a cached corpus"))
+        assert dc.docstring_corpus(tmp_path / "cache", roots=[tmp_path / "site"], show_progress=False) == first
+    (pkg / "b.py").write_text('"""Another module docstring that is long enough to be kept, as well."""\n')
+    second = dc.docstring_corpus(tmp_path / "cache", roots=[tmp_path / "site"], show_progress=False, workers=1)
+    assert second != first and len(_docstring_docs(second)) == 2
+
+
+def test_docstring_corpus_on_a_slice_of_the_stdlib(tmp_path):
+    """Real docstrings (json, the same in parallel workers), in sorted-file order, no doctests."""
+    roots = [Path(sysconfig.get_paths()["stdlib"]) / "json"]
+    serial = dc.docstring_corpus(tmp_path / "one", roots=roots, show_progress=False, workers=1)
+    parallel = dc.docstring_corpus(tmp_path / "two", roots=roots, show_progress=False, workers=2)
+    assert serial.read_bytes() == parallel.read_bytes()
+    docs = _docstring_docs(serial)
+    assert len(docs) >= 10
+    assert all(len(d["text"].split()) >= dc.MIN_WORDS and ">>>" not in d["text"] for d in docs)
+    sources = [d["source"].split(":")[0] for d in docs]
+    assert sources == sorted(sources)
+
+
+def test_empty_corpus_config_uses_the_docstring_corpus(tmp_path, monkeypatch):
+    pkg = tmp_path / "site"
+    pkg.mkdir()
+    for i in range(6):
+        (pkg / f"m{i}.py").write_text(
+            f'"""Module number {i} explains how its functions work. It has two sentences."""\n\n'
+            f'def f():\n    """Function {i} returns nothing at all, but its docstring is long enough."""\n')
+    monkeypatch.setattr(dc, "default_source_roots", lambda: [pkg])
+    data = prepare_data(DataConfig(vocab_size=150, cache_dir=str(tmp_path / "cache"), heldout_fraction=0.1),
+                        show_progress=False)
+    assert data.stats["documents"] == 12 and data.stats["corpus"].startswith("python docstrings")
+    assert data.train.num_examples(0) > 0

@@ -1,0 +1,138 @@
+"""`python -m training.pretrain` end to end on small corpora: what it writes, and the one-line errors
+(exit 2, no traceback, no model folder) for inputs it cannot use."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_trainer import REPO, read_metrics, small_args, write_corpus
+
+from training.checkpoint import list_checkpoints
+from training.model_folder import load_model_folder
+from training.pretrain import main
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One short run whose outputs several tests read (and must not change)."""
+    root = tmp_path_factory.mktemp("cli")
+    corpus = write_corpus(root / "corpus.txt", n_docs=80, seed=3)
+    cache = root / "cache"
+    args = small_args(corpus, cache, root / "model", root / "run", "--max-steps", "12", "--eval-every", "6",
+                      "--checkpoint-every", "6", "--log-every", "3")
+    return root, corpus, cache, args
+
+
+def test_end_to_end_writes_a_loadable_folder_metrics_and_summary(finished_run, capsys):
+    root, *_, args = finished_run
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1].startswith("done: 12 steps")
+    assert "held-out MLM accuracy" in out and "NSP accuracy" in out
+
+    folder = root / "model"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "training_summary.json"} <= \
+        {p.name for p in folder.iterdir()}
+    loaded = load_model_folder(folder)
+    assert loaded.has_mlm_head and loaded.has_nsp_head and loaded.config.num_hidden_layers == 2
+
+    import transformers
+    hf = transformers.BertForPreTraining.from_pretrained(folder).eval()
+    ids = torch.tensor([[2, 10, 11, 3, 12, 3]])
+    with torch.no_grad():
+        ours = loaded.model(ids, torch.tensor([[0, 0, 0, 0, 1, 1]]), torch.ones_like(ids))
+        theirs = hf(input_ids=ids, token_type_ids=torch.tensor([[0, 0, 0, 0, 1, 1]]),
+                    attention_mask=torch.ones_like(ids))
+    assert torch.allclose(ours.nsp_logits, theirs.seq_relationship_logits, atol=1e-4)
+
+    summary = json.loads((folder / "training_summary.json").read_text())
+    assert summary["steps"] == 12 and summary["tokens_seen"] > 0 and summary["wall_time_s"] > 0
+    for key in ("mlm_accuracy", "mlm_baseline_accuracy", "nsp_accuracy", "nsp_baseline_accuracy", "mlm_loss"):
+        assert key in summary["heldout"]
+    assert summary["versions"]["torch"] == torch.__version__
+    assert summary["data_stats"][0]["documents"] == 80
+
+    train_events = read_metrics(root / "run")
+    assert [r["step"] for r in train_events] == [3, 6, 9, 12]
+    assert {"loss", "mlm_loss", "nsp_loss", "lr", "tokens_per_s", "tokens_seen", "grad_norm"} <= train_events[0].keys()
+    assert [r["step"] for r in read_metrics(root / "run", "eval")] == [6, 12]
+    assert [p.name for p in list_checkpoints(root / "run")] == ["ckpt-00000006.pt", "ckpt-00000012.pt"]
+
+
+def _fails(capsys, argv: list[str], *expected: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def test_rerun_without_resume_is_refused_and_other_configurations_too(finished_run, capsys):
+    root, corpus, cache, args = finished_run
+    if not list_checkpoints(root / "run"):
+        assert main(args) == 0
+    before = (root / "model" / "model.safetensors").read_bytes()
+    _fails(capsys, args, "holds checkpoints of an earlier run", "--resume")
+    _fails(capsys, [*args, "--resume", "--preset", "mini"], "another configuration", "hidden_size")
+    _fails(capsys, [*args, "--resume", "--vocab-size", "400"], "another configuration", "vocab_size")
+    assert (root / "model" / "model.safetensors").read_bytes() == before  # the folder was left alone
+
+
+def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
+    root, corpus, cache, _ = finished_run
+    run_dir = tmp_path / "run"
+    args = small_args(corpus, cache, tmp_path / "model", run_dir, "--max-steps", "4", "--checkpoint-every", "2")
+    assert main(args) == 0
+    newest = list_checkpoints(run_dir)[-1]
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    _fails(capsys, [*args, "--resume", "--max-steps", "6"], str(newest), "ckpt-00000002.pt")
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "one_document", "unknown_preset", "bad_steps"])
+def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    extra: list[str] = []
+    if case == "empty":
+        corpus.write_text("\n\n   \n")
+    elif case == "one_document":
+        corpus.write_text("Just one document.\nIt has two sentences but nothing to pair it with.\n")
+    elif case in ("unknown_preset", "bad_steps"):
+        write_corpus(corpus, n_docs=10)
+        extra = ["--preset", "huge"] if case == "unknown_preset" else ["--max-steps", "0"]
+    out = tmp_path / "model"
+    expected = {"missing": "does not exist", "empty": "", "one_document": "document",
+                "unknown_preset": "unknown preset 'huge'", "bad_steps": "--max-steps"}[case]
+    _fails(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
+    assert not out.exists()
+    assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
+
+
+def test_undecodable_bytes_and_a_huge_line_still_train(tmp_path):
+    """Bad UTF-8 is replaced (with a warning), a 2 MB line is cut into pieces: no traceback."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=30, seed=5)
+    with open(corpus, "ab") as f:
+        f.write(b"\nA line with \xff\xfe bytes that are not UTF-8.\nAnd one more sentence.\n\n")
+        f.write(b"word " * 400_000 + b"\n")
+    cmd = [sys.executable, "-m", "training.pretrain",
+           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2")]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert (tmp_path / "model" / "model.safetensors").is_file()
+
+
+def test_help_lists_every_knob():
+    done = subprocess.run([sys.executable, "-m", "training.pretrain", "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0
+    for flag in ("--corpus", "--preset", "--out", "--max-steps", "--max-seq-len", "--resume", "--batch-size",
+                 "--grad-accum", "--lr", "--warmup-steps", "--weight-decay", "--clip-norm", "--seed",
+                 "--eval-every", "--eval-batches", "--checkpoint-every", "--keep-checkpoints", "--vocab-size",
+                 "--vocab-file", "--no-lowercase", "--whole-word-masking", "--max-predictions", "--compile",
+                 "--device", "--precision", "--phase2-seq-len", "--phase2-steps", "--cache-dir", "--run-dir"):
+        assert flag in done.stdout, flag

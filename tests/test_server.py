@@ -1,0 +1,187 @@
+"""The server as it is deployed: `python -m app` (the container's CMD) in a subprocess on a loopback
+port, driven over real HTTP: every endpoint, concurrency, disconnects, overload, bad input, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT, **settings):
+    """`python -m app` with BERTSERVE_* settings; yields its base URL once /ready answers 200; stops it
+    with SIGTERM and checks that it shut down gracefully."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    env.update({f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()}, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([str(python), "-m", "app", "--model-dir", str(artifact), "--port", str(port)],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError("server not ready after 60 s")
+            time.sleep(0.1)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log = proc.stdout.read()
+    # uvicorn re-raises SIGTERM after its graceful shutdown, so the exit status is the signal's.
+    assert rc in (0, -signal.SIGTERM) and "Application shutdown complete" in log, f"exit {rc}:\n{log}"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifact_dir):
+    with running_server(tiny_artifact_dir, max_wait_ms=5) as base:
+        yield base
+
+
+def metric(base: str, name: str) -> float:
+    for line in httpx.get(f"{base}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_every_endpoint(server):
+    with httpx.Client(base_url=server, timeout=30) as c:
+        assert c.get("/health").json() == {"status": "ok"}
+        assert c.get("/ready").json()["status"] == "ready"
+        info = c.get("/info").json()
+        assert info["dimensions"] == 128 and info["provider"] == "CPUExecutionProvider"
+        assert c.get("/docs").status_code == 200
+        assert {"/embed", "/nsp", "/tokenize", "/v1/embeddings"} <= set(c.get("/openapi.json").json()["paths"])
+        embed = c.post("/embed", json={"inputs": ["a text", ["text a", "text b"]], "pooling": "mean",
+                                       "return_tokens": True, "normalize": True})
+        assert embed.status_code == 200 and len(embed.json()["data"]) == 2
+        assert {"x-tokenize-ms", "x-queue-ms", "x-inference-ms"} <= set(embed.headers)
+        assert embed.json()["data"][1]["tokens"][-1]["segment"] == 1
+        assert 0 < c.post("/nsp", json={"pairs": [["a", "b"]]}).json()["data"][0]["is_next"] < 1
+        assert c.post("/tokenize", json={"inputs": "東京 🚀"}).json()["data"][0]["tokens"][1]["token"] == "東"
+        assert c.post("/v1/embeddings", json={"input": ["x", "y"], "model": "tiny"}).json()["object"] == "list"
+        assert "bertserve_requests_total" in c.get("/metrics").text
+
+
+def test_fifty_concurrent_clients_are_batched_and_correct(server):
+    texts = [f"concurrent text {i} " + "more words " * (i % 7) for i in range(50)]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server, timeout=60) as c:
+            alone = [(await c.post("/embed", json={"inputs": t})).json()["data"][0]["embedding"] for t in texts[:8]]
+            before = metric(server, "bertserve_batch_size_count")
+            rs = await asyncio.gather(*(c.post("/embed", json={"inputs": t}) for t in texts))
+            return alone, rs, before
+    alone, rs, before = asyncio.run(go())
+    assert [r.status_code for r in rs] == [200] * 50
+    for a, r in zip(alone, rs):
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], a, atol=1e-5)
+    batches = metric(server, "bertserve_batch_size_count") - before
+    assert batches < 50, f"50 concurrent requests ran in {batches} batches: no batching happened"
+
+
+def test_bad_inputs_get_clear_4xx_and_the_server_goes_on(server):
+    with httpx.Client(base_url=server, timeout=60) as c:
+        cases = [
+            (c.post("/embed", content=b'{"inputs": "\xc3\x28"}'), 422),  # invalid UTF-8
+            (c.post("/embed", content=b"{not json"), 422),
+            (c.post("/embed", json={"inputs": 3}), 422),
+            (c.post("/embed", json={"inputs": [""]}), 422),
+            (c.post("/embed", json={"inputs": ["\u200b\x07"]}), 422),  # nothing a tokenizer keeps
+            (c.post("/embed", json={"inputs": ["x"] * 10_000}), 413),
+            (c.post("/embed", json={"inputs": "word " * 200_000, "truncate": False}), 413),
+            (c.post("/embed", content=b"x" * (9 * 1024 * 1024)), 413),  # over max_request_bytes
+            (c.get("/missing"), 404),
+        ]
+        for r, status in cases:
+            assert r.status_code == status, (status, r.text[:300])
+            assert set(r.json()["error"]) == {"type", "message"}
+        ok = c.post("/embed", json={"inputs": ["emoji 🚀🔥", "CJK 東京都", "ctrl\x01chars\ttab", "word " * 200_000]})
+        assert ok.status_code == 200 and len(ok.json()["data"]) == 4
+        assert c.get("/ready").status_code == 200
+
+
+def test_disconnects_and_overload(tiny_artifact_dir):
+    """A batcher that waits 1 s for company: queued work sits still long enough to observe."""
+    with running_server(tiny_artifact_dir, max_wait_ms=1000, max_queued_sequences=4) as base:
+        port = int(base.rsplit(":", 1)[1])
+        # A client that sends its request and hangs up: its 3 sequences never reach the engine.
+        body = b'{"inputs": ["gone", "before", "answer"]}'
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(0.3)
+        # A client that hangs up halfway through its body.
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"inputs\": ")
+        deadline = time.monotonic() + 10
+        while metric(base, "bertserve_dropped_sequences_total") < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert metric(base, "bertserve_dropped_sequences_total") == 3
+        assert metric(base, "bertserve_sequences_total") == 0
+
+        async def overload():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                return await asyncio.gather(*(c.post("/embed", json={"inputs": ["a", "b"]}) for _ in range(3)))
+        rs = asyncio.run(overload())
+        assert sorted(r.status_code for r in rs) == [200, 200, 429]
+        refused = next(r for r in rs if r.status_code == 429)
+        assert refused.json()["error"]["type"] == "overloaded" and int(refused.headers["retry-after"]) >= 1
+        assert httpx.post(f"{base}/embed", json={"inputs": "still fine"}, timeout=30).status_code == 200
+
+
+def test_openai_client(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    r = client.embeddings.create(model="tiny", input=["hello world", "second text"])  # base64 by default
+    assert [d.index for d in r.data] == [0, 1] and len(r.data[0].embedding) == 128
+    assert abs(np.linalg.norm(r.data[0].embedding) - 1) < 1e-5
+    floats = client.embeddings.create(model="tiny", input="hello world", encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, r.data[0].embedding, atol=1e-6)
+    assert r.usage.prompt_tokens > 0
+
+
+@pytest.mark.parametrize("args,env,words", [
+    (["--model-dir", "/nonexistent"], {}, "model_dir"),
+    (["--port", "0"], {}, "port"),
+    ([], {"BERTSERVE_DEVICE": "tpu"}, "device"),
+    ([], {"BERTSERVE_MAX_BATCH_TOKENS": "lots"}, "max_batch_tokens"),
+])
+def test_bad_settings_stop_the_server_at_once(tiny_artifact_dir, args, env, words):
+    cmd = [sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), *args]
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
+def test_a_folder_that_is_not_an_artifact_is_refused(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "manifest.json" in r.stderr, r.stderr

@@ -1,0 +1,55 @@
+"""The container image's install steps (scripts/install-serve.sh), run for real: a fresh virtual
+environment gets the `serve` extra from PyPI, the server imports without torch and serves the artifact
+with the image's command, `python -m app`, started outside the source tree."""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_server import running_server  # noqa: F401  (same start / ready / stop as the image)
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the Dockerfile copies into the image (the rest is kept out by .dockerignore).
+IMAGE_FILES = ["pyproject.toml", "README.md", "app", "artifact", "scripts/install-serve.sh"]
+
+
+def _pypi_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_install_script_builds_a_torch_free_server(tmp_path, tiny_artifact_dir):
+    if not _pypi_reachable():
+        pytest.skip("PyPI is not reachable from here")
+    context = tmp_path / "context"
+    for name in IMAGE_FILES:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, context / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            (context / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, context / name)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    r = subprocess.run(["bash", str(context / "scripts/install-serve.sh"), "cpu"], env={"PYTHON": str(python),
+                       "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "serving runtime OK" in r.stdout
+    listed = subprocess.run([str(python), "-m", "pip", "list"], capture_output=True, text=True).stdout
+    assert "torch" not in listed and "transformers" not in listed
+
+    with running_server(tiny_artifact_dir, python=python, cwd="/") as base:
+        import httpx
+        r = httpx.post(f"{base}/embed", json={"inputs": ["installed", ["a", "b"]]}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 128

@@ -1,0 +1,206 @@
+"""Reads a text corpus into documents (lists of sentences): .txt files in the original BERT format
+(one sentence or paragraph per line, documents separated by blank lines) and .jsonl files (a `text`
+field per document), named as files, folders or globs.
+
+Everything streams: a file is never read whole, and an over-long line is cut into bounded pieces.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CORPUS_SUFFIXES = (".txt", ".jsonl")
+# Longer "sentences" (tables, minified data, a 10 MB line with no full stop) are cut into pieces of at
+# most this many characters, at whitespace where there is some: pairs are built from whole sentences.
+MAX_SENTENCE_CHARS = 1000
+# A line is read in pieces of this many characters so a file with no newline never sits in memory whole.
+_READ_CHARS = 1 << 20
+
+Document = list[str]
+
+
+class CorpusError(ValueError):
+    """A corpus that cannot be used (missing, empty, too few documents); the message says what to do."""
+
+
+@dataclass
+class CorpusStats:
+    """Counted while reading; the reader adds to it, so one object can follow several passes."""
+
+    files: int = 0
+    documents: int = 0
+    sentences: int = 0
+    words: int = 0
+    characters: int = 0
+    lines_with_bad_bytes: int = 0
+    bad_jsonl_lines: int = 0
+    files_with_bad_bytes: list[str] = field(default_factory=list)
+
+
+# --- sentences ---------------------------------------------------------------------------------
+
+# Candidate boundary: . ! ? (maybe closing quotes/brackets), whitespace, then something that starts a
+# sentence (capital, digit, quote or opening bracket). `word` is the word the stop ends.
+_BOUNDARY = re.compile(r"""(?P<word>\w*)(?P<stop>[.!?]+)(?P<close>["')\]’”]*)\s+(?=["'(\[‘“]?[A-Z0-9])""")
+# Words whose full stop ends no sentence ("e.g." and "i.e." end in a one-letter word, like initials).
+_ABBREVIATIONS = frozenset("""
+    etc vs cf al dr mr mrs ms prof sr jr st no nos fig figs eq eqs approx ca resp incl
+    sec ch vol pp jan feb mar apr jun jul aug sep sept oct nov dec mt inc ltd co corp dept est
+""".split())
+
+
+def _is_abbreviation(word: str) -> bool:
+    return len(word) == 1 and word.isalpha() or word.lower() in _ABBREVIATIONS
+
+
+def _cut_long(sentence: str) -> Iterator[str]:
+    start, n = 0, len(sentence)
+    while n - start > MAX_SENTENCE_CHARS:
+        cut = sentence.rfind(" ", start + MAX_SENTENCE_CHARS // 2, start + MAX_SENTENCE_CHARS)
+        cut = start + MAX_SENTENCE_CHARS if cut < 0 else cut
+        head = sentence[start:cut].strip()
+        if head:
+            yield head
+        start = cut
+    tail = sentence[start:].strip()
+    if tail:
+        yield tail
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of one line or paragraph, none longer than MAX_SENTENCE_CHARS."""
+    out: list[str] = []
+    start = 0
+    for m in _BOUNDARY.finditer(text):
+        if m["stop"] == "." and not m["close"] and _is_abbreviation(m["word"]):
+            continue
+        end = m.end("close")
+        piece = text[start:end].strip()
+        if piece:
+            out.extend(_cut_long(piece))
+        start = m.end()
+    piece = text[start:].strip()
+    if piece:
+        out.extend(_cut_long(piece))
+    return out
+
+
+# --- files -------------------------------------------------------------------------------------
+
+def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The .txt/.jsonl files named by `paths` (files, folders searched recursively, globs), each once,
+    in a deterministic order (as given; sorted within a folder or glob)."""
+    paths = [str(p) for p in paths]
+    if not paths:
+        raise CorpusError("no corpus given; pass --corpus with .txt/.jsonl files, folders or globs")
+    files: list[Path] = []
+    for entry in paths:
+        p = Path(entry).expanduser()
+        if p.is_file():
+            found = [p]
+        elif p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.suffix in CORPUS_SUFFIXES and f.is_file())
+        elif glob.has_magic(entry):
+            found = sorted(Path(f) for f in glob.glob(str(p), recursive=True)
+                           if Path(f).suffix in CORPUS_SUFFIXES and Path(f).is_file())
+        else:
+            raise CorpusError(f"corpus path {entry} does not exist; check the path or the glob")
+        if p.is_file() and p.suffix not in CORPUS_SUFFIXES:
+            raise CorpusError(f"corpus file {entry} is neither .txt nor .jsonl; convert it or leave it out")
+        files.extend(found)
+    unique = list(dict.fromkeys(f.resolve() for f in files))
+    if not unique:
+        raise CorpusError(f"no .txt or .jsonl files found in {', '.join(paths)}; "
+                          f"point --corpus at files with one of those suffixes")
+    return unique
+
+
+def _read_pieces(f) -> Iterator[tuple[str, bool]]:
+    """(text, ends_the_line) pieces of at most _READ_CHARS characters."""
+    while True:
+        piece = f.readline(_READ_CHARS)
+        if not piece:
+            return
+        if piece.endswith("\n"):
+            yield piece[:-1], True
+        else:
+            yield piece, len(piece) < _READ_CHARS  # short and no newline: the last line of the file
+
+
+def _txt_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
+    doc: Document = []
+    carry = ""  # the unfinished last sentence of a line that is still being read
+    bad_lines = 0
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for piece, line_ends in _read_pieces(f):
+            if "\ufffd" in piece:
+                bad_lines += 1
+            if line_ends and not carry and not piece.strip():
+                if doc:
+                    yield doc
+                doc = []
+                continue
+            sentences = split_sentences(carry + piece)
+            carry = "" if line_ends or not sentences else sentences.pop()
+            doc.extend(sentences)
+    if carry:
+        doc.append(carry)
+    if doc:
+        yield doc
+    _note_bad_bytes(path, bad_lines, stats)
+
+
+def _text_document(text: str) -> Document:
+    return [s for line in text.splitlines() for s in split_sentences(line)]
+
+
+def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
+    bad_lines = bad_json = 0
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            if "\ufffd" in line:
+                bad_lines += 1
+            try:
+                text = json.loads(line)["text"]
+                if not isinstance(text, str):
+                    raise TypeError("text is not a string")
+            except (ValueError, KeyError, TypeError):
+                bad_json += 1
+                continue
+            doc = _text_document(text)
+            if doc:
+                yield doc
+    if bad_json:
+        stats.bad_jsonl_lines += bad_json
+        log.warning("%s: skipped %d lines that are not JSON objects with a string `text` field", path, bad_json)
+    _note_bad_bytes(path, bad_lines, stats)
+
+
+def _note_bad_bytes(path: Path, bad_lines: int, stats: CorpusStats) -> None:
+    if bad_lines:
+        stats.lines_with_bad_bytes += bad_lines
+        stats.files_with_bad_bytes.append(str(path))
+        log.warning("%s: %d lines had bytes that are not UTF-8 (replaced by U+FFFD)", path, bad_lines)
+
+
+def read_documents(files: Iterable[Path], stats: CorpusStats | None = None) -> Iterator[Document]:
+    """Every non-empty document of `files`, in order, counting into `stats`."""
+    stats = stats if stats is not None else CorpusStats()
+    for path in files:
+        stats.files += 1
+        reader = _jsonl_documents if path.suffix == ".jsonl" else _txt_documents
+        for doc in reader(path, stats):
+            stats.documents += 1
+            stats.sentences += len(doc)
+            stats.words += sum(len(s.split()) for s in doc)
+            stats.characters += sum(len(s) for s in doc)
+            yield doc

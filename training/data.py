@@ -1,0 +1,295 @@
+"""The pre-training data the trainer sees: `prepare_data(DataConfig)` builds (or finds in the cache)
+the tokenizer and the token shards, and hands out MLM + NSP batches that are a pure function of
+(seed, epoch, batch index) — so every rank and every resumed run agrees on them.
+
+corpus files (or the docstring corpus) → WordPiece → shards (cached under a hash of what made them)
+→ per epoch: sentence pairs (examples.py) → shuffled → per example: masking (masking.py) → padded batch
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from training.corpus import CorpusError, CorpusStats, read_documents, resolve_corpus_files
+from training.docstring_corpus import docstring_corpus, docstring_corpus_path
+from training.examples import NSP_LABEL, PAIR_COLUMNS, create_pairs
+from training.masking import Masker
+from training.shards import TokenShards, write_shards
+from training.wordpiece import CLS, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
+    train_wordpiece
+
+log = logging.getLogger(__name__)
+
+_FORMAT = 1          # bump when the shard layout or the tokenisation changes
+_MIN_FREQUENCY = 2   # of a WordPiece we train
+_DONE = "DONE"
+_WAIT_LOG_S = 60.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    corpus: tuple[str, ...] = ()          # empty -> embedded default corpus (docstrings)
+    vocab_size: int = 8192                # vocab to train when no vocab_file
+    vocab_file: str | None = None         # use an existing vocab.txt instead of training one
+    lowercase: bool = True
+    max_seq_len: int = 128
+    short_seq_prob: float = 0.1
+    masked_lm_prob: float = 0.15
+    max_predictions_per_seq: int = 20
+    whole_word_masking: bool = False
+    heldout_fraction: float = 0.01
+    cache_dir: str = ".cache/bertserve"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.corpus, (str, os.PathLike)):  # one path given bare
+            object.__setattr__(self, "corpus", (str(self.corpus),))
+        else:
+            object.__setattr__(self, "corpus", tuple(str(p) for p in self.corpus))
+        if self.max_seq_len < 8:
+            raise ValueError(f"max_seq_len {self.max_seq_len} is too short for [CLS] A [SEP] B [SEP]; use >= 8")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise ValueError(f"short_seq_prob {self.short_seq_prob} is not a probability")
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise ValueError(f"masked_lm_prob {self.masked_lm_prob} must lie strictly between 0 and 1")
+        if self.max_predictions_per_seq < 1:
+            raise ValueError("max_predictions_per_seq must be at least 1")
+        if not 0.0 <= self.heldout_fraction <= 0.5:
+            raise ValueError(f"heldout_fraction {self.heldout_fraction} must lie in [0, 0.5]")
+        if self.vocab_file is None and self.vocab_size < 105:
+            raise ValueError(f"vocab_size {self.vocab_size} is too small; use at least 105")
+
+
+def _seed(*parts: object) -> int:
+    """A 64-bit seed from any parts, the same on every machine and Python (unlike hash())."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+class PretrainingDataset:
+    """The MLM + NSP examples of a set of documents. Pairs are drawn anew each epoch, masks anew for
+    each example; nothing but the pairs of the current epoch (five integers each) is held in memory."""
+
+    def __init__(self, shards: TokenShards, document_ids: np.ndarray, tokenizer: Tokenizer, *,
+                 max_seq_len: int, short_seq_prob: float, masker: Masker, pairing_seed: int = 0):
+        self.shards = shards
+        self.document_ids = np.asarray(document_ids, dtype=np.int64)
+        self.max_seq_len, self.short_seq_prob = max_seq_len, short_seq_prob
+        self.masker = masker
+        # Pairs depend on (pairing_seed, epoch) only, so that num_examples(epoch) needs no seed; the
+        # run's seed orders the examples and draws the masks.
+        self.pairing_seed = pairing_seed
+        self.cls_id, self.sep_id, self.pad_id = (tokenizer.token_to_id(t) for t in (CLS, SEP, PAD))
+        self._pairs: tuple[int, np.ndarray] | None = None  # the last epoch's
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_ids)
+
+    def pairs(self, epoch: int) -> np.ndarray:
+        """int64 [examples, PAIR_COLUMNS] of this epoch, in document order (see training.examples)."""
+        if self._pairs is None or self._pairs[0] != epoch:
+            if self.num_documents < 2:
+                pairs = np.zeros((0, PAIR_COLUMNS), dtype=np.int64)
+            else:
+                rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
+                pairs = create_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng)
+            self._pairs = (epoch, pairs)
+        return self._pairs[1]
+
+    def num_examples(self, epoch: int) -> int:
+        return len(self.pairs(epoch))
+
+    def num_batches(self, epoch: int, batch_size: int, world_size: int = 1) -> int:
+        """Batches each rank gets in `epoch` (the ragged tail is dropped)."""
+        return self.num_examples(epoch) // (batch_size * world_size)
+
+    def order(self, epoch: int, seed: int) -> np.ndarray:
+        """The epoch's example indices in the order they are served."""
+        return np.random.default_rng(_seed("order", seed, epoch)).permutation(self.num_examples(epoch))
+
+    def example(self, epoch: int, seed: int, index: int) -> dict[str, np.ndarray | int]:
+        """Example `index` of the epoch's pairs, masked: input_ids, token_type_ids, mlm_labels (each
+        int64 [length]) and nsp_label."""
+        a0, a1, b0, b1, label = self.pairs(epoch)[index, :NSP_LABEL + 1].tolist()
+        len_a, len_b = a1 - a0, b1 - b0
+        ids = np.empty(len_a + len_b + 3, dtype=np.int64)          # [CLS] A [SEP] B [SEP]
+        ids[0], ids[len_a + 1], ids[-1] = self.cls_id, self.sep_id, self.sep_id
+        ids[1: len_a + 1] = self.shards.tokens(a0, a1)
+        ids[len_a + 2: -1] = self.shards.tokens(b0, b1)
+        segment = np.zeros(len(ids), dtype=np.int64)
+        segment[len_a + 2:] = 1
+        masked, labels = self.masker(ids, np.random.default_rng(_seed("mask", seed, epoch, index)))
+        return {"input_ids": masked, "token_type_ids": segment, "mlm_labels": labels, "nsp_label": label}
+
+    def batches(self, epoch: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                skip_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+        """Deterministic given (seed, epoch). Global batch b is examples [b·W·B, (b+1)·W·B) of the
+        shuffled epoch; rank r takes the r-th slice of B of it. Padded to the batch's longest sequence."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        order = self.order(epoch, seed)
+        for b in range(skip_batches, self.num_batches(epoch, batch_size, world_size)):
+            first = (b * world_size + rank) * batch_size
+            yield self._collate([self.example(epoch, seed, int(i)) for i in order[first: first + batch_size]])
+
+    def _collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
+        length = max(len(e["input_ids"]) for e in examples)
+        n = len(examples)
+        input_ids = np.full((n, length), self.pad_id, dtype=np.int64)   # [B, S]
+        token_type_ids = np.zeros((n, length), dtype=np.int64)
+        attention_mask = np.zeros((n, length), dtype=np.int64)
+        mlm_labels = np.full((n, length), -100, dtype=np.int64)
+        for row, e in enumerate(examples):
+            k = len(e["input_ids"])
+            input_ids[row, :k] = e["input_ids"]
+            token_type_ids[row, :k] = e["token_type_ids"]
+            attention_mask[row, :k] = 1
+            mlm_labels[row, :k] = e["mlm_labels"]
+        return {"input_ids": torch.from_numpy(input_ids), "token_type_ids": torch.from_numpy(token_type_ids),
+                "attention_mask": torch.from_numpy(attention_mask), "mlm_labels": torch.from_numpy(mlm_labels),
+                "nsp_labels": torch.tensor([e["nsp_label"] for e in examples], dtype=torch.int64)}
+
+    def most_frequent_token_id(self) -> int:
+        """The commonest non-special token of these documents (the 'always predict it' MLM baseline)."""
+        counts = self.shards.token_counts(self.document_ids).copy()
+        counts[self.masker.is_special[: len(counts)]] = -1
+        return int(np.argmax(counts))
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Tokenizer
+    tokenizer_dir: Path
+    train: PretrainingDataset
+    heldout: PretrainingDataset
+    stats: dict
+
+
+# --- building the cache ---------------------------------------------------------------------------
+
+def split_documents(n_documents: int, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train ids, held-out ids): held-out documents spread evenly over the corpus, at least two
+    (NSP draws B from another document) unless the fraction is 0."""
+    k = 0 if heldout_fraction == 0 else max(2, round(n_documents * heldout_fraction))
+    if n_documents < 2:
+        raise CorpusError(f"the corpus has {n_documents} document(s); NSP needs at least two: separate "
+                          f"documents with a blank line (.txt) or write one JSON line per document (.jsonl)")
+    if n_documents - k < 2:
+        raise CorpusError(f"the corpus has {n_documents} documents, too few to hold out {k} and train on "
+                          f"at least 2; add documents or set heldout_fraction=0")
+    heldout = np.unique(((np.arange(k) + 0.5) * n_documents / max(k, 1)).astype(np.int64))
+    train = np.setdiff1d(np.arange(n_documents, dtype=np.int64), heldout, assume_unique=True)
+    return train, heldout
+
+
+def _corpus_fingerprint(cfg: DataConfig) -> tuple[str, list[Path] | None]:
+    """What identifies the corpus, and its files (None for the default corpus: extracted on build)."""
+    if not cfg.corpus:
+        return docstring_corpus_path(Path(cfg.cache_dir) / "docstrings").name, None
+    files = resolve_corpus_files(cfg.corpus)
+    parts = [f"{f}|{f.stat().st_size}|{f.stat().st_mtime_ns}" for f in files]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest(), files
+
+
+def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
+    if cfg.vocab_file is not None:
+        vocab_path = Path(cfg.vocab_file)
+        if not vocab_path.is_file():
+            raise ValueError(f"vocab file {cfg.vocab_file} does not exist")
+        vocab = "file:" + hashlib.sha256(vocab_path.read_bytes()).hexdigest()
+    else:
+        vocab = f"train:{cfg.vocab_size}:{_MIN_FREQUENCY}"
+    return hashlib.sha256(repr((_FORMAT, corpus_id, vocab, cfg.lowercase)).encode()).hexdigest()[:16]
+
+
+def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progress: bool) -> None:
+    """Everything into a temporary sibling, renamed into place at the end (so it is whole or absent)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    timings: dict[str, float] = {}
+    try:
+        started = time.perf_counter()
+        if files is None:
+            files = [docstring_corpus(Path(cfg.cache_dir) / "docstrings", show_progress=show_progress)]
+        timings["extract_s"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        if cfg.vocab_file is not None:
+            tokenizer = tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
+        else:
+            counted = CorpusStats()
+            sentences = (s for doc in read_documents(files, counted) for s in doc)
+            tokenizer = train_wordpiece(sentences, cfg.vocab_size, cfg.lowercase, _MIN_FREQUENCY, show_progress)
+            split_documents(counted.documents, cfg.heldout_fraction)  # fail before tokenising a bad corpus
+        save_tokenizer(tokenizer, tmp / "tokenizer")
+        timings["tokenizer_s"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        stats = CorpusStats()
+        meta = write_shards(read_documents(files, stats), tokenizer, tmp / "shards", show_progress=show_progress)
+        timings["tokenize_s"] = time.perf_counter() - started
+        split_documents(meta["documents"], cfg.heldout_fraction)
+
+        summary = {**asdict(stats), "documents": meta["documents"], "sentences": meta["sentences"],
+                   "tokens": meta["tokens"], "vocab_size": meta["vocab_size"],
+                   "corpus_files": [str(f) for f in files], **timings}
+        (tmp / "corpus.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (tmp / _DONE).write_text("")
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / _DONE).is_file():  # not a concurrent build that finished first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("prepared data in %s (%s)", folder, ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+
+
+def _wait_for(done: Path) -> None:
+    started = last_log = time.monotonic()
+    while not done.is_file():
+        if time.monotonic() - last_log > _WAIT_LOG_S:
+            log.info("waiting %.0fs for rank 0 to prepare %s", time.monotonic() - started, done.parent)
+            last_log = time.monotonic()
+        time.sleep(1.0)
+
+
+def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> PreparedData:
+    """Builds (or loads from cache) the tokenizer and the token shards. Only rank 0 builds; other ranks
+    wait for the cache's DONE marker, so it is safe to call on every rank."""
+    corpus_id, files = _corpus_fingerprint(cfg)
+    folder = Path(cfg.cache_dir) / f"data-{_cache_key(cfg, corpus_id)}"
+    built_now = False
+    if not (folder / _DONE).is_file():
+        if rank == 0:
+            _build(cfg, files, folder, show_progress)
+            built_now = True
+        else:
+            _wait_for(folder / _DONE)
+
+    tokenizer = load_tokenizer_from_folder(folder / "tokenizer")
+    shards = TokenShards(folder / "shards")
+    train_ids, heldout_ids = split_documents(shards.n_documents, cfg.heldout_fraction)
+    masker = Masker(tokenizer, cfg.masked_lm_prob, cfg.max_predictions_per_seq, cfg.whole_word_masking)
+
+    def dataset(ids: np.ndarray) -> PretrainingDataset:
+        return PretrainingDataset(shards, ids, tokenizer, max_seq_len=cfg.max_seq_len,
+                                  short_seq_prob=cfg.short_seq_prob, masker=masker)
+
+    corpus = json.loads((folder / "corpus.json").read_text())
+    stats = {**corpus, "train_documents": len(train_ids), "heldout_documents": len(heldout_ids),
+             "cache": str(folder), "built_now": built_now,
+             "corpus": "python docstrings (default)" if not cfg.corpus else ", ".join(cfg.corpus)}
+    return PreparedData(tokenizer, folder / "tokenizer", dataset(train_ids), dataset(heldout_ids), stats)

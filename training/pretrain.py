@@ -1,0 +1,300 @@
+"""`python -m training.pretrain`: prepare the data, pretrain BERT (MLM + NSP), write the model folder.
+
+Defaults train the `tiny` preset on the embedded default corpus in about ten minutes on 2 CPU cores.
+Under `torchrun` it trains with DDP, one process per device; only rank 0 writes files.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from training.checkpoint import CheckpointError, check_compatible, list_checkpoints, load_checkpoint
+from training.corpus import CorpusError
+from training.data import DataConfig, prepare_data
+from training.model import PRESETS, BertForPreTraining, preset_config
+from training.model_folder import ModelFolderError, save_model_folder
+from training.trainer import (DistInfo, Phase, TrainConfig, barrier, setup_distributed, teardown_distributed,
+                              train)
+
+# Peak learning rates that train each preset stably at the default batch; --lr overrides.
+PRESET_LR = {"tiny": 1e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
+# Every model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
+MAX_POSITIONS = 512
+
+
+class _RankZeroFailed(Exception):
+    """Another rank's copy of an error rank 0 already reported."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d, t = DataConfig(), TrainConfig()
+    p = argparse.ArgumentParser(
+        prog="python -m training.pretrain",
+        description="Pretrain BERT (masked LM + next-sentence prediction) on your text and write a model "
+                    "folder (config.json, model.safetensors, tokenizer files) that `python -m export` and "
+                    "transformers read. With no arguments: the tiny preset on the embedded default corpus, "
+                    "about ten minutes on 2 CPU cores.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
+                   help=".txt (one sentence/paragraph per line, blank line between documents) or .jsonl "
+                        "(`text` field) files, folders or globs; none: the embedded default corpus")
+    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per training sequence")
+    g.add_argument("--max-predictions", type=int, default=d.max_predictions_per_seq,
+                   help="most masked tokens per sequence")
+    g.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob, help="share of tokens masked")
+    g.add_argument("--whole-word-masking", action="store_true", help="mask all pieces of a word together")
+    g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="WordPiece vocabulary to train")
+    g.add_argument("--vocab-file", default=None, help="use this vocab.txt instead of training a tokenizer")
+    g.add_argument("--no-lowercase", action="store_true", help="keep case (a cased model)")
+    g.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
+                   help="share of documents held out for evaluation")
+    g.add_argument("--cache-dir", default=d.cache_dir, help="where prepared data is cached")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
+    g.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (BERT: 0.1)")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max-steps", type=int, default=1200, help="optimiser steps (of phase 1)")
+    g.add_argument("--batch-size", type=int, default=t.batch_size,
+                   help="sequences per micro-batch per process (the effective batch is this x --grad-accum "
+                        "x processes)")
+    g.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimiser step")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (default per preset: "
+                        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items()) + ")")
+    g.add_argument("--warmup-steps", type=int, default=None,
+                   help="linear warm-up steps (default: --warmup-fraction of all steps)")
+    g.add_argument("--warmup-fraction", type=float, default=t.warmup_fraction,
+                   help="warm-up as a share of all steps, when --warmup-steps is not given")
+    g.add_argument("--weight-decay", type=float, default=t.weight_decay,
+                   help="AdamW weight decay (never on biases and LayerNorm weights)")
+    g.add_argument("--clip-norm", type=float, default=t.clip_norm, help="gradient clipping norm; 0: off")
+    g.add_argument("--seed", type=int, default=t.seed, help="seed of weights, data order, masks and dropout")
+    g.add_argument("--phase2-steps", type=int, default=0,
+                   help="steps of a second phase at --phase2-seq-len, as in the BERT paper; 0: none")
+    g.add_argument("--phase2-seq-len", type=int, default=512, help="sequence length of phase 2")
+    g.add_argument("--phase2-max-predictions", type=int, default=80, help="most masked tokens per sequence in phase 2")
+    g.add_argument("--phase2-batch-size", type=int, default=None, help="micro-batch of phase 2 (default: --batch-size)")
+
+    g = p.add_argument_group("run")
+    g.add_argument("--out", default="models/default", help="model folder to write at the end")
+    g.add_argument("--run-dir", default=None,
+                   help="checkpoints and metrics.jsonl (default: runs/<name of --out>)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --run-dir (starts fresh if there is none)")
+    g.add_argument("--fresh", action="store_true",
+                   help="delete the checkpoints and metrics already in --run-dir and start over")
+    g.add_argument("--eval-every", type=int, default=400, help="held-out evaluation every N steps; 0: at the end only")
+    g.add_argument("--eval-batches", type=int, default=t.eval_batches, help="held-out batches per evaluation")
+    g.add_argument("--checkpoint-every", type=int, default=400, help="checkpoint every N steps (and at the end)")
+    g.add_argument("--keep-checkpoints", type=int, default=t.keep_checkpoints, help="newest checkpoints kept")
+    g.add_argument("--log-every", type=int, default=t.log_every, help="a metrics line every N steps")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    g = p.add_argument_group("hardware")
+    g.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
+    g.add_argument("--precision", default=t.precision, choices=("auto", "fp32", "bf16"),
+                   help="auto: bf16 autocast on GPU, fp32 on CPU")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU: faster after warm-up)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    return p
+
+
+def data_configs(args: argparse.Namespace) -> list[DataConfig]:
+    phase1 = DataConfig(
+        corpus=tuple(args.corpus), vocab_size=args.vocab_size, vocab_file=args.vocab_file,
+        lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len, masked_lm_prob=args.masked_lm_prob,
+        max_predictions_per_seq=args.max_predictions, whole_word_masking=args.whole_word_masking,
+        heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir,
+    )
+    if args.phase2_steps <= 0:
+        return [phase1]
+    return [phase1, replace(phase1, max_seq_len=args.phase2_seq_len,
+                            max_predictions_per_seq=args.phase2_max_predictions)]
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr or PRESET_LR[args.preset],
+        warmup_steps=args.warmup_steps, warmup_fraction=args.warmup_fraction, weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
+        eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
+        keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile,
+    )
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
+    if args.max_steps < 1:
+        raise ValueError(f"--max-steps must be at least 1, got {args.max_steps}")
+    if args.phase2_steps < 0:
+        raise ValueError(f"--phase2-steps must not be negative, got {args.phase2_steps}")
+    for flag, value in (("--max-seq-len", args.max_seq_len), ("--phase2-seq-len", args.phase2_seq_len)):
+        if not 8 <= value <= MAX_POSITIONS:
+            raise ValueError(f"{flag} must lie in [8, {MAX_POSITIONS}], got {value}")
+    if not 0 <= args.dropout < 1:
+        raise ValueError(f"--dropout must lie in [0, 1), got {args.dropout}")
+    if args.resume and args.fresh:
+        raise ValueError("--resume and --fresh contradict each other; pass one")
+
+
+def _rank0_first(dist: DistInfo, fn):
+    """Run `fn` on rank 0 first (it builds the caches), then on the other ranks; an error on rank 0
+    stops every rank instead of leaving them waiting at a barrier."""
+    if not dist.distributed:
+        return fn()
+    failure: list[str | None] = [None]
+    result = None
+    if dist.is_main:
+        try:
+            result = fn()
+        except Exception as e:
+            failure[0] = f"{type(e).__name__}: {e}"
+            torch.distributed.broadcast_object_list(failure, src=0)
+            raise
+    torch.distributed.broadcast_object_list(failure, src=0)
+    if not dist.is_main:
+        if failure[0] is not None:
+            raise _RankZeroFailed(failure[0])
+        result = fn()
+    barrier(dist)
+    return result
+
+
+def _versions() -> dict[str, str]:
+    import numpy
+    import tokenizers
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+            "tokenizers": tokenizers.__version__}
+
+
+def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
+    out, run_dir = Path(args.out), Path(args.run_dir or Path("runs") / Path(args.out).name)
+    cfg = train_config(args)
+    dcfgs = data_configs(args)
+
+    # Decide how the run starts before spending time on data: a wrong checkpoint fails fast.
+    existing = list_checkpoints(run_dir)
+    if existing and not args.resume and not args.fresh:
+        raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
+                              f"pass --resume to continue it, --fresh to start over, or another --run-dir")
+    if args.fresh and dist.is_main:
+        for path in existing:
+            path.unlink()
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    barrier(dist)
+    resume_from = existing[-1] if args.resume and existing else None
+    resume_state = load_checkpoint(resume_from) if resume_from is not None else None
+    if resume_state is not None:
+        check_compatible(resume_from, resume_state, {"data_config": _comparable(dcfgs[0])})
+
+    prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
+                                                            show_progress=dist.is_main and not args.no_progress))
+                for c in dcfgs]
+    vocab_size = prepared[0].tokenizer.get_vocab_size()
+    if len(prepared) > 1 and prepared[1].tokenizer.get_vocab() != prepared[0].tokenizer.get_vocab():
+        raise ValueError("phase 2 data got another vocabulary than phase 1; pass --vocab-file to fix one")
+    model_config = replace(preset_config(args.preset, vocab_size=vocab_size, max_position_embeddings=MAX_POSITIONS),
+                           hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
+    meta = {
+        "model_config": asdict(model_config),
+        "data_config": _comparable(dcfgs[0]),
+        "phases_config": [_comparable(c) for c in dcfgs[1:]],
+        "train_config": asdict(cfg),
+    }
+    if resume_state is not None:
+        check_compatible(resume_from, resume_state, {"model_config": meta["model_config"]})
+
+    phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
+                    steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
+                    max_predictions=c.max_predictions_per_seq,
+                    batch_size=args.batch_size if i == 0 else (args.phase2_batch_size or args.batch_size))
+              for i, (p, c) in enumerate(zip(prepared, dcfgs))]
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+    model = BertForPreTraining(model_config)
+    if dist.is_main:
+        n_params = sum(p.numel() for p in model.parameters())
+        print(f"training {args.preset} ({n_params / 1e6:.1f}M parameters, vocabulary {vocab_size}) on {dist.device}"
+              f" x{dist.world_size}: {sum(p.steps for p in phases)} steps of "
+              f"{args.batch_size * cfg.grad_accum * dist.world_size} sequences; "
+              f"{'resuming from ' + str(resume_from) if resume_from else 'checkpoints in ' + str(run_dir)}",
+              flush=True)
+    result = train(model, phases, cfg, dist, run_dir, checkpoint_meta=meta, resume_from=resume_from,
+                   resume_state=resume_state, show_progress=not args.no_progress)
+    del resume_state
+
+    summary = {
+        "preset": args.preset,
+        "model_config": model_config.to_hf_dict(),
+        "train_config": asdict(cfg),
+        "data_config": [_comparable(c) for c in dcfgs],
+        "data_stats": [p.stats for p in prepared],
+        "phases": [{"name": ph.name, "steps": ph.steps, "max_seq_len": ph.max_seq_len,
+                    "batch_size": ph.batch_size} for ph in phases],
+        "steps": result.steps,
+        "tokens_seen": result.tokens_seen,
+        "wall_time_s": round(result.wall_time_s, 1),
+        "world_size": dist.world_size,
+        "device": str(dist.device) if dist.device.type == "cpu" else torch.cuda.get_device_name(dist.device),
+        "heldout": result.final_eval,
+        "versions": _versions(),
+    }
+    if dist.is_main:
+        save_model_folder(model, prepared[0].tokenizer_dir, out, extra_files={"training_summary.json": summary})
+    barrier(dist)
+    return summary
+
+
+def _comparable(c: DataConfig) -> dict[str, Any]:
+    """The data settings that decide what the model sees (the cache location does not)."""
+    d = asdict(c)
+    d.pop("cache_dir", None)
+    d["corpus"] = [str(x) for x in d["corpus"]]
+    return d
+
+
+def summary_line(summary: dict[str, Any], out: Path) -> str:
+    h = summary["heldout"]
+    minutes, seconds = divmod(round(summary["wall_time_s"]), 60)
+    return (f"done: {summary['steps']} steps, {summary['tokens_seen'] / 1e6:.2f}M tokens in {minutes}m{seconds:02d}s; "
+            f"held-out MLM accuracy {h['mlm_accuracy']:.3f} (most frequent token {h['mlm_baseline_accuracy']:.3f}), "
+            f"NSP accuracy {h['nsp_accuracy']:.3f} (baseline {h['nsp_baseline_accuracy']:.3f}); model folder {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    dist = DistInfo()
+    try:
+        check_args(args)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        dist = setup_distributed(args.device)
+        summary = run(args, dist)
+    except _RankZeroFailed:
+        return 2  # rank 0 printed it
+    except (CorpusError, ModelFolderError, CheckpointError, ValueError) as e:
+        print(f"error: {e}" if not dist.distributed else f"error (rank {dist.rank}): {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; continue with --resume", file=sys.stderr)
+        return 130
+    finally:
+        teardown_distributed()
+    if dist.is_main:
+        print(summary_line(summary, Path(args.out)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

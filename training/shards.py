@@ -1,0 +1,158 @@
+"""Token shards: a corpus tokenised once into flat arrays that training only memory-maps.
+
+A shard folder holds
+    tokens-00000.bin ...  token ids (uint16, or uint32 past 65,535 ids); a document never spans two files
+    sentences.bin         int64 [sentences + 1]: where each sentence starts in the global token stream
+    documents.bin         int64 [documents + 1]: the first sentence of each document
+    token_counts.npy      int64 [vocab size]: how often each id occurs
+    shards.json           dtype, files and totals
+Documents stream through: memory stays bounded by one tokenisation batch, whatever the corpus size.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from training.corpus import Document
+
+SHARD_TOKENS = 1 << 26          # 64 Mi tokens (128 MiB of uint16) per token file
+_BATCH_SENTENCES = 16384         # sentences per encode_batch call
+_META = "shards.json"
+
+
+def _token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+class _Writer:
+    def __init__(self, out_dir: Path, vocab_size: int, shard_tokens: int):
+        self.out_dir, self.shard_tokens, self.vocab_size = out_dir, shard_tokens, vocab_size
+        self.dtype = _token_dtype(vocab_size)
+        self.sentences = open(out_dir / "sentences.bin", "wb")
+        self.documents = open(out_dir / "documents.bin", "wb")
+        self.token_file = None
+        self.shards: list[dict] = []
+        self.n_tokens = self.n_sentences = self.n_documents = 0
+        self.counts = np.zeros(vocab_size, dtype=np.int64)
+
+    def add(self, lengths: list[int], ids: np.ndarray) -> None:
+        """One document: its sentences' token counts and all its ids."""
+        if self.token_file is None or self.shards[-1]["end"] - self.shards[-1]["start"] >= self.shard_tokens:
+            self._next_shard()
+        starts = self.n_tokens + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)])
+        self.sentences.write(starts.astype(np.int64).tobytes())
+        self.documents.write(np.int64(self.n_sentences).tobytes())
+        self.token_file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.counts += np.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
+        self.n_tokens += len(ids)
+        self.n_sentences += len(lengths)
+        self.n_documents += 1
+        self.shards[-1]["end"] = self.n_tokens
+
+    def _next_shard(self) -> None:
+        if self.token_file is not None:
+            self.token_file.close()
+        name = f"tokens-{len(self.shards):05d}.bin"
+        self.token_file = open(self.out_dir / name, "wb")
+        self.shards.append({"file": name, "start": self.n_tokens, "end": self.n_tokens})
+
+    def close(self) -> dict:
+        self.sentences.write(np.int64(self.n_tokens).tobytes())
+        self.documents.write(np.int64(self.n_sentences).tobytes())
+        for f in (self.sentences, self.documents, self.token_file):
+            if f is not None:
+                f.close()
+        np.save(self.out_dir / "token_counts.npy", self.counts)
+        meta = {"dtype": self.dtype.name, "shards": self.shards, "tokens": self.n_tokens,
+                "sentences": self.n_sentences, "documents": self.n_documents, "vocab_size": self.vocab_size}
+        (self.out_dir / _META).write_text(json.dumps(meta, indent=2) + "\n")
+        return meta
+
+
+def _batched(documents: Iterable[Document], max_sentences: int):
+    batch, size = [], 0
+    for doc in documents:
+        batch.append(doc)
+        size += len(doc)
+        if size >= max_sentences:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: Path, *,
+                 shard_tokens: int = SHARD_TOKENS, show_progress: bool = True) -> dict:
+    """Tokenise `documents` (no special tokens added) into a shard folder; returns its totals.
+    Sentences with no tokens and documents with no sentences left are dropped."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = _Writer(out_dir, tokenizer.get_vocab_size(), shard_tokens)
+    # "[SEP]" written in the text (docstrings about BERT have it) must stay text, not become the special id.
+    tokenizer.encode_special_tokens = True
+    try:
+        with tqdm(desc="tokenising", unit="doc", disable=not show_progress, mininterval=1.0) as bar:
+            for batch in _batched(documents, _BATCH_SENTENCES):
+                flat = [s for doc in batch for s in doc]
+                encoded = tokenizer.encode_batch(flat, add_special_tokens=False)
+                at = 0
+                for doc in batch:
+                    ids = [e.ids for e in encoded[at: at + len(doc)]]
+                    at += len(doc)
+                    lengths = [len(x) for x in ids if x]
+                    if lengths:
+                        writer.add(lengths, np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
+                                                        count=sum(lengths)))
+                bar.update(len(batch))
+    finally:
+        tokenizer.encode_special_tokens = False
+    return writer.close()
+
+
+def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
+    return np.memmap(path, dtype=dtype, mode="r").view(np.ndarray)
+
+
+class TokenShards:
+    """A shard folder, memory-mapped. Token positions are global (across the token files)."""
+
+    def __init__(self, folder: Path | str):
+        self.folder = Path(folder)
+        meta = json.loads((self.folder / _META).read_text())
+        self.meta = meta
+        self.n_tokens, self.n_sentences, self.n_documents = meta["tokens"], meta["sentences"], meta["documents"]
+        self.vocab_size = meta["vocab_size"]
+        dtype = np.dtype(meta["dtype"])
+        # Plain ndarray views of the maps: numpy's memmap subclass costs microseconds per slice.
+        self._files = [_mapped(self.folder / s["file"], dtype) for s in meta["shards"]]
+        self._file_starts = np.array([s["start"] for s in meta["shards"]], dtype=np.int64)
+        self.sentence_starts = _mapped(self.folder / "sentences.bin", np.dtype(np.int64))
+        self.document_starts = _mapped(self.folder / "documents.bin", np.dtype(np.int64))
+
+    def tokens(self, start: int, end: int) -> np.ndarray:
+        """Ids at global positions [start, end), which must lie within one document."""
+        if len(self._files) == 1:
+            return self._files[0][start:end]
+        f = int(np.searchsorted(self._file_starts, start, side="right")) - 1
+        base = int(self._file_starts[f])
+        return self._files[f][start - base: end - base]
+
+    def token_counts(self, document_ids: np.ndarray | None = None) -> np.ndarray:
+        """Occurrences of each id over all documents, or over `document_ids` (sorted)."""
+        total = np.load(self.folder / "token_counts.npy")
+        if document_ids is None or len(document_ids) == self.n_documents:
+            return total
+        # Count the smaller side: a held-out set directly, a training set as all minus the held-out rest.
+        others = np.setdiff1d(np.arange(self.n_documents), document_ids, assume_unique=True)
+        smaller = document_ids if len(document_ids) <= len(others) else others
+        counts = np.zeros_like(total)
+        for d in smaller:
+            s0, s1 = self.document_starts[d], self.document_starts[d + 1]
+            ids = self.tokens(int(self.sentence_starts[s0]), int(self.sentence_starts[s1]))
+            counts += np.bincount(ids, minlength=len(total))[: len(total)]
+        return counts if smaller is document_ids else total - counts
