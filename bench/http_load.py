@@ -1,9 +1,9 @@
 """Load generator and CPU comparisons for the embedding server (loopback only, bounded in count and time).
 
   load     N concurrent clients against a running server: texts/s, p50 / p95 / p99 latency.
-  compare  on one CPU: sentence-transformers' encode (same weights, same texts, CLS pooling), the raw
-           ONNX Runtime session (tokenizer + session, no server), and the server through HTTP
-           (`python -m app` started here, load from this process).
+  compare  sentence-transformers' encode on the CPU (same weights, same texts, CLS pooling), the raw
+           engine (the server's tokenizer + OrtEngine, no HTTP), and the server through HTTP (`python -m
+           app` started here, load from this process); --device cuda --precision fp16: no s-t.
   formats  bytes and time per /embed response, float vs base64, with return_tokens.
 
   python bench/http_load.py load --url http://127.0.0.1:8000 --concurrency 16 --requests 2000
@@ -30,6 +30,8 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/http_load.py` from a checkout: app/ is importable
+    sys.path.insert(0, str(ROOT))
 _WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or "
           "has had not but first one their its new after who they have her she two been other when there "
           "all during into school time may years more most only over city some world would where later up "
@@ -116,26 +118,24 @@ def serve(artifact: Path, **settings):
         proc.wait(timeout=30)
 
 
-def raw_engine(artifact: Path, texts: list[str], batch_size: int) -> dict:
-    """The floor under the server: tokenizer + ORT session in batches, texts in the given order."""
-    import onnxruntime as ort
+def raw_engine(artifact: Path, texts: list[str], batch_size: int, device: str = "cpu", precision: str = "fp32") -> dict:
+    """The floor under the server: its tokenizer and engine (app.engine.OrtEngine, IO binding on CUDA)
+    called directly in fixed batches of the texts in order, no HTTP, no batcher."""
+    from app.engine import Batch, OrtEngine
+    from artifact.manifest import read_manifest
     from tokenizers import Tokenizer
 
-    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest = read_manifest(artifact)
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
-    tok.enable_truncation(manifest["max_length"])
-    tok.enable_padding(pad_id=manifest["special_tokens"]["[PAD]"])
-    opts = ort.SessionOptions()
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # as the server
-    session = ort.InferenceSession(str(artifact / manifest["graphs"]["fp32"]["file"]), opts,
-                                   providers=["CPUExecutionProvider"])
+    tok.enable_truncation(manifest.max_length)
+    tok.enable_padding(pad_id=manifest.special_tokens["[PAD]"])
+    engine = OrtEngine(artifact, manifest, device, precision)
 
     def run(batch: list[str]) -> np.ndarray:
         encs = tok.encode_batch(batch)
-        feeds = {"input_ids": np.array([e.ids for e in encs], dtype=np.int64),
-                 "attention_mask": np.array([e.attention_mask for e in encs], dtype=np.int64),
-                 "token_type_ids": np.array([e.type_ids for e in encs], dtype=np.int64)}
-        return session.run(["cls_embedding"], feeds)[0]
+        return engine.run(Batch(np.array([e.ids for e in encs], dtype=np.int64),
+                                np.array([e.attention_mask for e in encs], dtype=np.int64),
+                                np.array([e.type_ids for e in encs], dtype=np.int64), ("cls_embedding",)))
 
     run(texts[:batch_size])
     started = time.perf_counter()
@@ -143,7 +143,7 @@ def raw_engine(artifact: Path, texts: list[str], batch_size: int) -> dict:
         run(texts[i:i + batch_size])
     wall = time.perf_counter() - started
     return {"texts": len(texts), "wall_s": round(wall, 3), "texts_per_s": round(len(texts) / wall, 1),
-            "batch_size": batch_size}
+            "batch_size": batch_size, "device": device, "precision": precision}
 
 
 def sentence_transformers_encode(model_dir: Path, texts: list[str], batch_size: int) -> dict:
@@ -183,14 +183,14 @@ def compare(args) -> dict:
     texts = make_texts(args.texts, args.seed)
     results = {"texts": args.texts, "cpu_count": os.cpu_count()}
     print("raw engine ...", file=sys.stderr)
-    results["raw_engine"] = raw_engine(args.artifact, texts, args.batch_size)
-    with serve(args.artifact, precision="fp32", device="cpu") as url:
+    results["raw_engine"] = raw_engine(args.artifact, texts, args.batch_size, args.device, args.precision)
+    with serve(args.artifact, precision=args.precision, device=args.device) as url:
         for concurrency, per_request in ((args.concurrency, 1), (args.concurrency, 8)):
             print(f"server: {concurrency} clients x {per_request} text(s) per request ...", file=sys.stderr)
             results[f"server_c{concurrency}_x{per_request}"] = asyncio.run(
                 run_load(url, texts, concurrency, per_request, args.duration))
         results["formats"] = formats(url, texts)
-    if not args.skip_st:
+    if not args.skip_st and args.device == "cpu":
         print("sentence-transformers ...", file=sys.stderr)
         try:
             results["sentence_transformers"] = sentence_transformers_encode(args.model_dir, texts, args.batch_size)
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--concurrency", type=int, default=16)
     cmp_.add_argument("--duration", type=float, default=120)
     cmp_.add_argument("--skip-st", action="store_true")
+    cmp_.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    cmp_.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32")
     for p in (load, fmt, cmp_):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
