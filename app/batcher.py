@@ -61,12 +61,16 @@ class DynamicBatcher:
         self._slots = asyncio.Semaphore(workers)
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
-        self._running: set[asyncio.Task] = set()
+        self._running: set[asyncio.Future] = set()  # one per batch in a worker thread
+        self._running_batches = 0
+        self._last_finish = 0.0  # perf_counter() when the last batch finished
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = True
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
         self._closed = False
+        self._loop_ref = asyncio.get_running_loop()
         self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="inference")
         self._loop_task = asyncio.create_task(self._loop(), name="batcher")
 
@@ -166,68 +170,92 @@ class DynamicBatcher:
             except BaseException:
                 self._slots.release()
                 raise
-            batch = self._take_batch()
-            task = asyncio.create_task(self._execute(batch))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._launch(self._take_batch())
+
+    def _arrived_idle(self) -> bool:
+        """Whether the oldest entry came to an idle batcher: no batch running then or now. Work that
+        queued up behind a running batch has waited already, so it runs as soon as a slot is free."""
+        return self._running_batches == 0 and self._queue[0].enqueued > self._last_finish
 
     async def _wait_for_work(self) -> None:
-        """Until some live entry is queued; then, while the batch is not full, until the oldest has
-        waited max_wait_ms (a busy worker already gives arrivals time to gather)."""
+        """Until some live entry is queued; then, only for work that came to an idle batcher and while
+        the batch is not full, until the oldest has waited max_wait_ms."""
         while True:
             self._drop_cancelled()
             if not self._queue:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            while not self._is_full():
-                remaining = self._queue[0].enqueued + self.max_wait_s - time.perf_counter()
-                if remaining <= 0:
-                    break
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
-            self._drop_cancelled()
+            if self.max_wait_s > 0 and self._arrived_idle():
+                await self._gather_more()
+                self._drop_cancelled()
             if self._queue:  # else everything waiting was cancelled meanwhile
                 return
 
-    async def _execute(self, entries: list[Entry]) -> None:
-        try:
-            started = time.perf_counter()
-            outputs = frozenset().union(*(e.outputs for e in entries))
-            loop = asyncio.get_running_loop()
-            try:
-                batch, result = await loop.run_in_executor(self._executor, self._collate_and_run, entries, outputs)
-            except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
-                log.exception("inference failed on a batch of %d", len(entries))
-                for entry in entries:
-                    if not entry.future.done():
-                        entry.future.set_exception(e)
+    async def _gather_more(self) -> None:
+        while not self._is_full():
+            remaining = self._queue[0].enqueued + self.max_wait_s - time.perf_counter()
+            if remaining <= 0:
                 return
-            inference_s = time.perf_counter() - started
-            if self._metrics:
-                self._metrics.observe_batch(len(entries), batch.input_ids.size, inference_s)
-            for row, entry in enumerate(entries):
-                if entry.future.done():  # cancelled while running
-                    continue
-                mine = {name: (value[row, : entry.length] if value.ndim == 3 else value[row])
-                        for name, value in result.items() if name in entry.outputs}
-                entry.future.set_result(EntryResult(mine, started - entry.enqueued, inference_s, len(entries)))
-        finally:
-            self._slots.release()
-            self._wakeup.set()
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
-    def _collate_and_run(self, entries: list[Entry], outputs: frozenset[str]) -> tuple[Batch, dict[str, np.ndarray]]:
-        """Worker thread: pad to the longest in the batch and run the engine."""
-        longest = max(e.length for e in entries)
-        ids = np.full((len(entries), longest), self.pad_id, dtype=np.int64)  # [B, S]
-        mask = np.zeros((len(entries), longest), dtype=np.int64)
-        types = np.zeros((len(entries), longest), dtype=np.int64)
-        for row, e in enumerate(entries):
-            ids[row, : e.length] = e.ids
-            mask[row, : e.length] = 1
-            types[row, : e.length] = e.type_ids
-        batch = Batch(ids, mask, types, tuple(sorted(outputs)))
-        return batch, self._run(batch)
+    # -- running -----------------------------------------------------------------------------------------
+    def _launch(self, entries: list[Entry]) -> None:
+        """Hand the batch to a worker thread; `_finish` runs back on the loop, once per batch."""
+        outputs = frozenset().union(*(e.outputs for e in entries))
+        done = self._loop_ref.create_future()
+        self._running.add(done)
+        self._running_batches += 1
+        self._executor.submit(self._work, entries, outputs, time.perf_counter(), done)
+
+    def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
+        """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call."""
+        try:
+            batch = collate([e.ids for e in entries], [e.type_ids for e in entries], self.pad_id, outputs)
+            outcome: dict[str, np.ndarray] | Exception = self._run(batch)
+            tokens = batch.input_ids.size
+        except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
+            outcome, tokens = e, 0
+        self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done)
+
+    def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
+                started: float, done: asyncio.Future) -> None:
+        now = time.perf_counter()
+        self._running_batches -= 1
+        self._last_finish = now
+        self._slots.release()
+        self._wakeup.set()
+        self._running.discard(done)
+        done.set_result(None)
+        if isinstance(outcome, Exception):
+            log.error("inference failed on a batch of %d", len(entries), exc_info=outcome)
+            for entry in entries:
+                if not entry.future.done():
+                    entry.future.set_exception(outcome)
+            return
+        inference_s = now - started
+        if self._metrics:
+            self._metrics.observe_batch(len(entries), tokens, inference_s)
+        size = len(entries)
+        for row, entry in enumerate(entries):
+            if entry.future.done():  # cancelled while running
+                continue
+            mine = {name: (value[row, : entry.length] if value.ndim == 3 else value[row])
+                    for name, value in outcome.items() if name in entry.outputs}
+            entry.future.set_result(EntryResult(mine, started - entry.enqueued, inference_s, size))
+
+
+
+def collate(ids: list[np.ndarray], type_ids: list[np.ndarray], pad_id: int, outputs: frozenset[str]) -> Batch:
+    """Pad sequences to the longest with a few whole-array operations (not three per row)."""
+    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    real = np.arange(lengths.max()) < lengths[:, None]  # [B, S] True on real tokens; filled row-major
+    input_ids = np.full(real.shape, pad_id, dtype=np.int64)
+    input_ids[real] = np.concatenate(ids)
+    token_type_ids = np.zeros(real.shape, dtype=np.int64)
+    token_type_ids[real] = np.concatenate(type_ids)
+    return Batch(input_ids, real.astype(np.int64), token_type_ids, tuple(sorted(outputs)))

@@ -48,6 +48,7 @@ class MetricsMiddleware:
 
     def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: frozenset[str]):
         self.app, self.metrics, self.endpoints = app, metrics, endpoints
+        self._cache: dict[tuple[str, int], tuple] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -68,8 +69,19 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
-            m = self.metrics
-            m.requests.labels(endpoint, str(status)).inc()
+            seconds = time.perf_counter() - started
+            requests, duration = self._children(endpoint, status)
+            requests.inc()
+            duration.observe(seconds)
             if status >= 400:
-                m.failures.labels(endpoint, str(status), notes.get("error_type", "internal_error")).inc()
-            m.request_seconds.labels(endpoint).observe(time.perf_counter() - started)
+                self.metrics.failures.labels(endpoint, str(status), notes.get("error_type", "internal_error")).inc()
+
+    def _children(self, endpoint: str, status: int) -> tuple:
+        """The labelled counter and histogram of (endpoint, status), looked up once: `labels()` costs a
+        lock and a dict lookup on every request otherwise. Both label sets are bounded."""
+        key = (endpoint, status)
+        children = self._cache.get(key)
+        if children is None:
+            m = self.metrics
+            children = self._cache[key] = (m.requests.labels(endpoint, str(status)), m.request_seconds.labels(endpoint))
+        return children

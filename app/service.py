@@ -100,14 +100,16 @@ class InferenceService:
     async def _wait(self, futures: list[asyncio.Future], request: Request | None) -> list[EntryResult]:
         """All results, or ClientClosed as soon as the client disconnects; either way no entry of this
         request stays queued (cancelled futures are dropped by the batcher before inference)."""
-        gathered = asyncio.gather(*futures)
+        one = len(futures) == 1  # the common case needs no gather
+        gathered = futures[0] if one else asyncio.gather(*futures)
         gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio warning
         watcher = asyncio.ensure_future(_disconnect(request)) if request is not None else None
         try:
             waiting = {gathered} if watcher is None else {gathered, watcher}
             done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
             if gathered in done or watcher.exception() is not None:
-                return await gathered
+                results = await gathered
+                return [results] if one else results
             raise ClientClosed("the client closed the connection before its answer was ready")
         finally:
             if watcher is not None:

@@ -30,8 +30,9 @@ class Settings(BaseSettings):
     max_batch_tokens: int = Field(16384, ge=1, description="token budget of a batch, counted padded: "
                                                            "batch size x its longest sequence")
     max_batch_size: int = Field(64, ge=1, description="most sequences in one batch")
-    max_wait_ms: float = Field(2.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
-                                                               "before running a batch that is not full")
+    max_wait_ms: float = Field(0.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
+                               "before running a batch that is not full (work that queued behind a running "
+                               "batch never waits); 0: a lone request runs at once")
     max_queued_sequences: int = Field(4096, ge=1, description="queue limit: beyond it requests get 429")
     max_concurrent_requests: int = Field(512, ge=1, description="requests being served at once; beyond: 429")
     max_inputs_per_request: int = Field(512, ge=1)

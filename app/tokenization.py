@@ -103,7 +103,7 @@ class TextTokenizer:
             batch = list(items)
             tokenizer = self._full
         try:
-            encodings = tokenizer.encode_batch(batch)
+            encodings = _encode_all(tokenizer, batch)
         except Exception as e:  # lone surrogates ("\ud800") and the like cannot become UTF-8
             for i, item in enumerate(items):
                 for part in ([item] if isinstance(item, str) else item):
@@ -124,6 +124,14 @@ class TextTokenizer:
                                    f"ignored characters?)")
             out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.type_ids, dtype=np.int64), enc))
         return out
+
+
+def _encode_all(tokenizer: Tokenizer, batch: list[Item]) -> list[Encoding]:
+    """encode_batch spreads over a thread pool, whose hand-off costs more than one short text."""
+    if len(batch) == 1:
+        item = batch[0]
+        return [tokenizer.encode(item) if isinstance(item, str) else tokenizer.encode(*item)]
+    return tokenizer.encode_batch(batch)
 
 
 def describe_tokens(encoded: Encoded) -> list[dict]:

@@ -5,10 +5,15 @@
            engine (the server's tokenizer + OrtEngine, no HTTP), and the server through HTTP (`python -m
            app` started here, load from this process); --device cuda --precision fp16: no s-t.
   formats  bytes and time per /embed response, float vs base64, with return_tokens.
+  serving  the issue's GPU check in one command: the raw engine (app.engine, IO binding on CUDA) on the
+           same texts in the batch sizes the batcher forms, then `python -m app` loaded by several client
+           PROCESSES with single-text and 16-text /embed requests (cls), and one short text at
+           concurrency 1; prints HTTP / engine ratios, writes http_serving.json under $OUT when set.
 
   python bench/http_load.py load --url http://127.0.0.1:8000 --concurrency 16 --requests 2000
   python bench/http_load.py compare --model-dir MODEL_DIR --artifact ARTIFACT_DIR --texts 512
   python bench/http_load.py formats --url http://127.0.0.1:8000
+  python bench/http_load.py serving --artifact ARTIFACT_DIR --processes 8 --connections 16   # GPU box
 The load generator is its own process: the server under test runs in another one.
 """
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -204,6 +210,168 @@ def compare(args) -> dict:
     return results
 
 
+# -- serving: engine vs HTTP under several client processes ----------------------------------------------
+SHORT_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+def engine_reference(artifact: Path, texts: list[str], batch_sizes: list[int], device: str, precision: str,
+                     seconds: float) -> dict:
+    """The server's own tokenizer, collation and engine with no HTTP and no batcher: texts/s at each batch
+    size (the texts in arrival order, as the batcher sees them), and batch-1 latency of SHORT_TEXT."""
+    from app.batcher import collate
+    from app.engine import OrtEngine, resolve_device_precision
+    from app.tokenization import TextTokenizer
+    from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, read_manifest
+    import onnxruntime as ort
+
+    manifest = read_manifest(artifact)
+    device, precision = resolve_device_precision(device, precision, manifest, ort.get_available_providers())
+    engine = OrtEngine(artifact, manifest, device, precision)
+    tokenizer = TextTokenizer(artifact / TOKENIZER_FILE, manifest.max_length, 2_000_000, manifest.special_tokens)
+    encoded = tokenizer.encode(texts, truncate=True)
+    outputs = frozenset({CLS_EMBEDDING})
+
+    def batch_of(encs):
+        return collate([e.ids for e in encs], [e.type_ids for e in encs], engine.pad_id, outputs)
+
+    result = {"device": device, "precision": precision, "provider": engine.provider,
+              "mean_tokens": round(float(np.mean([e.length for e in encoded])), 1), "texts_per_s": {}}
+    for size in batch_sizes:
+        batches = [batch_of(encoded[i:i + size]) for i in range(0, len(encoded) - size + 1, size)]
+        for b in batches[:3]:
+            engine.run(b)  # warm-up: CUDA kernels for these shapes
+        done, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds:
+            for b in batches:
+                engine.run(b)
+                done += size
+        result["texts_per_s"][size] = round(done / (time.perf_counter() - started), 1)
+    short = batch_of(tokenizer.encode([SHORT_TEXT], truncate=True))
+    times = []
+    for _ in range(20):
+        engine.run(short)
+    for _ in range(300):
+        t0 = time.perf_counter()
+        engine.run(short)
+        times.append(time.perf_counter() - t0)
+    result["batch1_short_p50_ms"] = round(_pct(times, 50) * 1e3, 3)
+    result["best_texts_per_s"] = max(result["texts_per_s"].values())
+    return result
+
+
+def _client_process(url: str, texts: list[str], per_request: int, connections: int, start_at: float,
+                    duration_s: float, seed: int) -> dict:
+    """One client process: `connections` closed-loop workers on one asyncio loop and one httpx pool."""
+    rng = random.Random(seed)
+
+    async def go() -> dict:
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+        latencies: list[float] = []
+        errors = 0
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+            await asyncio.gather(*(client.post("/embed", json={"inputs": SHORT_TEXT}) for _ in range(connections)))
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+            cpu0, deadline = time.process_time(), time.perf_counter() + duration_s
+
+            async def worker() -> None:
+                nonlocal errors
+                while time.perf_counter() < deadline:
+                    i = rng.randrange(len(texts) - per_request + 1)
+                    body = {"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls"}
+                    t0 = time.perf_counter()
+                    r = await client.post("/embed", json=body)
+                    latencies.append(time.perf_counter() - t0)
+                    errors += r.status_code != 200
+
+            await asyncio.gather(*(worker() for _ in range(connections)))
+        return {"latencies": latencies, "errors": errors, "cpu_s": time.process_time() - cpu0}
+
+    return asyncio.run(go())
+
+
+def multiprocess_load(url: str, texts: list[str], per_request: int, processes: int, connections: int,
+                      duration_s: float) -> dict:
+    """processes x connections concurrent clients; also how busy the clients were (they must not be
+    the bottleneck: client_cpu_share near 1.0 means add processes)."""
+    _loopback(url)
+    start_at = time.time() + 3.0  # every process connected and warmed up first
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(processes) as pool:
+        parts = pool.starmap(_client_process, [(url, texts, per_request, connections, start_at, duration_s, seed)
+                                               for seed in range(processes)])
+    latencies = [x for p in parts for x in p["latencies"]]
+    requests = len(latencies)
+    cpu = sum(p["cpu_s"] for p in parts)
+    return {"clients": processes * connections, "processes": processes, "texts_per_request": per_request,
+            "requests_per_s": round(requests / duration_s, 1), "texts_per_s": round(requests * per_request / duration_s, 1),
+            "p50_ms": round(_pct(latencies, 50) * 1e3, 2), "p99_ms": round(_pct(latencies, 99) * 1e3, 2),
+            "errors": sum(p["errors"] for p in parts),
+            "client_cpu_us_per_request": round(cpu / max(requests, 1) * 1e6, 1),
+            "client_cpu_share": round(cpu / (processes * duration_s), 2)}
+
+
+async def _sequential_latency(url: str, text: str, requests: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        for _ in range(50):
+            await client.post("/embed", json={"inputs": text})
+        times = []
+        for _ in range(requests):
+            t0 = time.perf_counter()
+            await client.post("/embed", json={"inputs": text})
+            times.append(time.perf_counter() - t0)
+    return {"p50_ms": round(_pct(times, 50) * 1e3, 3), "p99_ms": round(_pct(times, 99) * 1e3, 3)}
+
+
+def _server_batches(url: str) -> tuple[float, float]:
+    """(batches, sequences) so far, from /metrics: their difference over a run gives the mean batch size."""
+    text = httpx.get(f"{url}/metrics").text
+    values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith(("bertserve_batch_size_count ", "bertserve_batch_size_sum "))}
+    return values.get("bertserve_batch_size_count", 0.0), values.get("bertserve_batch_size_sum", 0.0)
+
+
+def serving(args) -> dict:
+    texts = make_texts(args.texts, args.seed)
+    batch_sizes = [int(x) for x in args.engine_batches.split(",")]
+    print("raw engine ...", file=sys.stderr)
+    engine = engine_reference(args.artifact, texts, batch_sizes, args.device, args.precision, args.engine_seconds)
+    results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}}
+    settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms}
+    with serve(args.artifact, **settings) as url:
+        for per_request in (1, 16):
+            print(f"HTTP: {args.processes} processes x {args.connections} connections, {per_request} text(s) "
+                  f"per request ...", file=sys.stderr)
+            before = _server_batches(url)
+            run = multiprocess_load(url, texts, per_request, args.processes, args.connections, args.duration)
+            after = _server_batches(url)
+            run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
+            run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
+            results["http"][f"x{per_request}"] = run
+        print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
+        one = asyncio.run(_sequential_latency(url, SHORT_TEXT, args.latency_requests))
+        one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
+        results["http"]["c1_short"] = one
+    return results
+
+
+def print_serving_table(r: dict) -> None:
+    e = r["engine"]
+    print(f"engine ({e['provider']}, {e['precision']}, mean {e['mean_tokens']} tokens/text): "
+          + ", ".join(f"b{b} {v:,.0f} texts/s" for b, v in e["texts_per_s"].items())
+          + f"; batch-1 short text p50 {e['batch1_short_p50_ms']} ms")
+    print(f"{'HTTP /embed (cls)':<26}{'texts/s':>10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
+          f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}")
+    for key in ("x1", "x16"):
+        h = r["http"][key]
+        label = f"{h['texts_per_request']} text(s), {h['clients']} clients"
+        print(f"{label:<26}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
+              f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}{h['client_cpu_share']:>12}")
+    c1 = r["http"]["c1_short"]
+    print(f"one short text, concurrency 1: p50 {c1['p50_ms']} ms (engine batch-1 {e['batch1_short_p50_ms']} ms, "
+          f"+{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms")
+    print("targets: x engine >= 0.85; +ms over engine <= 2; client cpu share well under 1.0 (else add --processes)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -227,7 +395,20 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--skip-st", action="store_true")
     cmp_.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     cmp_.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32")
-    for p in (load, fmt, cmp_):
+    srv = sub.add_parser("serving", help="engine vs HTTP with several client processes (the GPU check)")
+    srv.add_argument("--artifact", type=Path, required=True, help="artifact folder (python -m export)")
+    srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    srv.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8"], default="auto")
+    srv.add_argument("--texts", type=int, default=4096)
+    srv.add_argument("--engine-batches", default="1,8,32,64", help="batch sizes for the raw engine")
+    srv.add_argument("--engine-seconds", type=float, default=3.0, help="per batch size")
+    srv.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                     help="client processes (default: half the cores; the server needs the rest)")
+    srv.add_argument("--connections", type=int, default=16, help="concurrent connections per client process")
+    srv.add_argument("--duration", type=float, default=15.0, help="seconds per HTTP run")
+    srv.add_argument("--latency-requests", type=int, default=2000)
+    srv.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's setting")
+    for p in (load, fmt, cmp_, srv):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -237,6 +418,14 @@ def main(argv: list[str] | None = None) -> int:
                                       endpoint=args.endpoint, api_key=args.api_key))
     elif args.command == "formats":
         result = formats(args.url, make_texts(64, args.seed))
+    elif args.command == "serving":
+        result = serving(args)
+        print_serving_table(result)
+        if os.environ.get("OUT"):
+            path = Path(os.environ["OUT"]) / "http_serving.json"
+            path.write_text(json.dumps(result, indent=2))
+            print(f"wrote {path}", file=sys.stderr)
+        return 0
     else:
         result = compare(args)
     print(json.dumps(result, indent=2))

@@ -78,7 +78,7 @@ def test_resolve_files_folders_and_globs(tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist"), ("empty_folder", "no .txt or .jsonl files"),
-    ("wrong_suffix", "neither .txt nor .jsonl"), ("glob_no_match", "does not exist"),
+    ("wrong_suffix", "neither .txt nor .jsonl"), ("glob_no_match", "no .txt or .jsonl files"),
 ])
 def test_bad_corpus_paths_raise_corpus_error(tmp_path, case, message):
     (tmp_path / "empty").mkdir()

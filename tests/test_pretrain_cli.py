@@ -119,7 +119,8 @@ def test_undecodable_bytes_and_a_huge_line_still_train(tmp_path):
         f.write(b"\nA line with \xff\xfe bytes that are not UTF-8.\nAnd one more sentence.\n\n")
         f.write(b"word " * 400_000 + b"\n")
     cmd = [sys.executable, "-m", "training.pretrain",
-           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2")]
+           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                      "--heldout-fraction", "0.2")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

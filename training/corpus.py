@@ -47,8 +47,10 @@ class CorpusStats:
 # --- sentences ---------------------------------------------------------------------------------
 
 # Candidate boundary: . ! ? (maybe closing quotes/brackets), whitespace, then something that starts a
-# sentence (capital, digit, quote or opening bracket). `word` is the word the stop ends.
-_BOUNDARY = re.compile(r"""(?P<word>\w*)(?P<stop>[.!?]+)(?P<close>["')\]’”]*)\s+(?=["'(\[‘“]?[A-Z0-9])""")
+# sentence (capital, digit, quote or opening bracket). `word` is the word the stop ends. Matches start
+# only at a word or a run of stops, and never backtrack, so a 10 MB line of anything is read in linear time.
+_BOUNDARY = re.compile(r"""(?<!\w)(?P<word>\w*)(?<![.!?])(?P<stop>[.!?]++)(?P<close>["')\]’”]*+)\s++"""
+                       r"""(?=["'(\[‘“]?[A-Z0-9])""")
 # Words whose full stop ends no sentence ("e.g." and "i.e." end in a one-letter word, like initials).
 _ABBREVIATIONS = frozenset("""
     etc vs cf al dr mr mrs ms prof sr jr st no nos fig figs eq eqs approx ca resp incl

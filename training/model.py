@@ -147,9 +147,20 @@ class BertSelfAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, self.num_heads, self.head_size).transpose(1, 2)  # [B, nh, S, hd]
 
+    def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.training and self.use_sdpa:
+            # Training: one [H -> 3H] matmul instead of three, on the same parameters concatenated per
+            # step (a copy of 3·H² weights, small beside the activations). Inference keeps three.
+            b, s, _ = hidden.shape
+            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # [3H, H]
+            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+            qkv = F.linear(hidden, weight, bias).view(b, s, 3, self.num_heads, self.head_size)
+            return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, nh, S, hd]
+        return self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
+
     def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
         b, s, h = hidden.shape
-        q, k, v = self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
+        q, k, v = self._qkv(hidden)
         if self.use_sdpa:
             ctx = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=self.dropout_p if self.training else 0.0

@@ -21,9 +21,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def make_optimizer(model: nn.Module, lr: float, weight_decay: float, device: torch.device) -> torch.optim.AdamW:
-    # BERT's Adam: beta2 0.999, eps 1e-6. The fused kernel is one launch for all parameters on GPU.
-    kwargs = {"fused": True} if device.type == "cuda" else {}
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999), eps=1e-6, **kwargs)
+    # BERT's Adam: beta2 0.999, eps 1e-6. The fused kernel: one launch for all parameters on GPU, and
+    # about twice as fast as the default per-tensor loop on CPU.
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=(0.9, 0.999), eps=1e-6,
+                             fused=fused or None)
 
 
 class WarmupLinearDecay:

@@ -24,7 +24,7 @@ from training.trainer import (DistInfo, Phase, TrainConfig, barrier, setup_distr
                               train)
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
-PRESET_LR = {"tiny": 1e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
+PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
 # Every model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
 
@@ -199,9 +199,11 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     if resume_state is not None:
         check_compatible(resume_from, resume_state, {"data_config": _comparable(dcfgs[0])})
 
+    started = time.perf_counter()
     prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
                                                             show_progress=dist.is_main and not args.no_progress))
                 for c in dcfgs]
+    prepare_s = time.perf_counter() - started
     vocab_size = prepared[0].tokenizer.get_vocab_size()
     if len(prepared) > 1 and prepared[1].tokenizer.get_vocab() != prepared[0].tokenizer.get_vocab():
         raise ValueError("phase 2 data got another vocabulary than phase 1; pass --vocab-file to fix one")
@@ -216,6 +218,13 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     if resume_state is not None:
         check_compatible(resume_from, resume_state, {"model_config": meta["model_config"]})
 
+    for i, (p, c) in enumerate(zip(prepared, dcfgs)):
+        batch = args.batch_size if i == 0 else (args.phase2_batch_size or args.batch_size)
+        for split, data in (("training", p.train), ("held-out", p.heldout)):
+            if data.num_examples(0) < batch * dist.world_size:
+                raise ValueError(f"the {split} split has {data.num_examples(0)} sequence pairs at length "
+                                 f"{c.max_seq_len}, fewer than one batch of {batch} x {dist.world_size} processes; "
+                                 f"add text, lower --batch-size or raise --heldout-fraction")
     phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
                     steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
                     max_predictions=c.max_predictions_per_seq,
@@ -244,7 +253,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                     "batch_size": ph.batch_size} for ph in phases],
         "steps": result.steps,
         "tokens_seen": result.tokens_seen,
-        "wall_time_s": round(result.wall_time_s, 1),
+        "wall_time_s": round(result.wall_time_s, 1),  # training, summed over resumed runs
+        "data_preparation_s": round(prepare_s, 1),  # this invocation's (near 0 when cached)
         "world_size": dist.world_size,
         "device": str(dist.device) if dist.device.type == "cpu" else torch.cuda.get_device_name(dist.device),
         "heldout": result.final_eval,
@@ -267,7 +277,8 @@ def _comparable(c: DataConfig) -> dict[str, Any]:
 def summary_line(summary: dict[str, Any], out: Path) -> str:
     h = summary["heldout"]
     minutes, seconds = divmod(round(summary["wall_time_s"]), 60)
-    return (f"done: {summary['steps']} steps, {summary['tokens_seen'] / 1e6:.2f}M tokens in {minutes}m{seconds:02d}s; "
+    return (f"done: {summary['steps']} steps, {summary['tokens_seen'] / 1e6:.2f}M tokens in {minutes}m{seconds:02d}s "
+            f"(+{summary['data_preparation_s']:.0f}s data preparation); "
             f"held-out MLM accuracy {h['mlm_accuracy']:.3f} (most frequent token {h['mlm_baseline_accuracy']:.3f}), "
             f"NSP accuracy {h['nsp_accuracy']:.3f} (baseline {h['nsp_baseline_accuracy']:.3f}); model folder {out}")
 

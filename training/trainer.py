@@ -146,8 +146,17 @@ def gather_masked(mlm_labels: torch.Tensor, max_predictions: int) -> tuple[torch
     return positions, labels
 
 
-def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`."""
+def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: torch.device,
+                 pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`.
+
+    The pipeline pads each batch to its longest row; `pad_to` pads further to a fixed length so that
+    a compiled model sees one shape (eager mode is better off without the extra padding)."""
+    if pad_to is not None and batch["input_ids"].shape[1] < pad_to:
+        extra = pad_to - batch["input_ids"].shape[1]
+        batch = {**batch, **{k: F.pad(batch[k], (0, extra), value=0) for k in
+                             ("input_ids", "token_type_ids", "attention_mask")},
+                 "mlm_labels": F.pad(batch["mlm_labels"], (0, extra), value=-100)}
     positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
     inputs = {
         "input_ids": batch["input_ids"],
@@ -269,12 +278,6 @@ class TrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _unwrap(model: nn.Module) -> BertForPreTraining:
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
-
-
 def train(
     model: BertForPreTraining,
     phases: list[Phase],
@@ -375,6 +378,7 @@ def train(
         if i != phase_idx:  # entering a later phase than the checkpoint's: its data starts afresh
             epoch, batch_in_epoch = 0, 0
         stream = BatchStream(phase.train, phase.batch_size, cfg.seed, dist, epoch, batch_in_epoch)
+        fixed_len = phase.max_seq_len if cfg.compile else None
         # Running sums over the log window stay on the device: no host sync until a log line.
         window = torch.zeros(3, device=device)  # loss, mlm loss, nsp loss (summed over micro-batches)
         window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
@@ -382,7 +386,7 @@ def train(
             for micro in range(cfg.grad_accum):
                 batch = stream.next()
                 window_tokens += int(batch["attention_mask"].sum())
-                inputs = model_inputs(batch, phase.max_predictions, device)
+                inputs = model_inputs(batch, phase.max_predictions, device, pad_to=fixed_len)
                 sync = (ddp_model.no_sync() if dist.distributed and micro < cfg.grad_accum - 1
                         else contextlib.nullcontext())
                 with sync:
