@@ -249,7 +249,6 @@ class DynamicBatcher:
             entry.future.set_result(EntryResult(mine, started - entry.enqueued, inference_s, size))
 
 
-
 def collate(ids: list[np.ndarray], type_ids: list[np.ndarray], pad_id: int, outputs: frozenset[str]) -> Batch:
     """Pad sequences to the longest with a few whole-array operations (not three per row)."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))

@@ -6,6 +6,7 @@ Everything streams: a file is never read whole, and an over-long line is cut int
 """
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import logging
@@ -20,8 +21,8 @@ CORPUS_SUFFIXES = (".txt", ".jsonl")
 # Longer "sentences" (tables, minified data, a 10 MB line with no full stop) are cut into pieces of at
 # most this many characters, at whitespace where there is some: pairs are built from whole sentences.
 MAX_SENTENCE_CHARS = 1000
-# A line is read in pieces of this many characters so a file with no newline never sits in memory whole.
-_READ_CHARS = 1 << 20
+# A line is read in pieces of this many bytes so a file with no newline never sits in memory whole.
+_READ_BYTES = 1 << 20
 
 Document = list[str]
 
@@ -124,34 +125,43 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
     return unique
 
 
-def _read_pieces(f) -> Iterator[tuple[str, bool]]:
-    """(text, ends_the_line) pieces of at most _READ_CHARS characters."""
-    while True:
-        piece = f.readline(_READ_CHARS)
-        if not piece:
-            return
-        if piece.endswith("\n"):
-            yield piece[:-1], True
-        else:
-            yield piece, len(piece) < _READ_CHARS  # short and no newline: the last line of the file
+def _read_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
+    """(text, ends_a_line, had_bad_bytes) pieces of at most _READ_BYTES bytes of a UTF-8 file.
+
+    Bytes that are not UTF-8 become U+FFFD; a character cut at a piece's end is completed by the next."""
+    strict, lenient = codecs.getincrementaldecoder("utf-8")(), codecs.getincrementaldecoder("utf-8")("replace")
+    first = True
+    with open(path, "rb") as f:
+        while True:
+            raw = f.readline(_READ_BYTES)
+            ends = raw.endswith(b"\n") or len(raw) < _READ_BYTES  # short and no newline: the file's end
+            try:
+                text, bad = strict.decode(raw, final=ends), False
+            except UnicodeDecodeError:
+                strict.reset()
+                text, bad = lenient.decode(raw, final=ends), True
+                lenient.reset()
+            if first:
+                text, first = text.removeprefix("\ufeff"), False
+            if not raw:
+                return
+            yield text.rstrip("\r\n") if ends else text, ends, bad
 
 
 def _txt_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
     doc: Document = []
     carry = ""  # the unfinished last sentence of a line that is still being read
     bad_lines = 0
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for piece, line_ends in _read_pieces(f):
-            if "\ufffd" in piece:
-                bad_lines += 1
-            if line_ends and not carry and not piece.strip():
-                if doc:
-                    yield doc
-                doc = []
-                continue
-            sentences = split_sentences(carry + piece)
-            carry = "" if line_ends or not sentences else sentences.pop()
-            doc.extend(sentences)
+    for piece, line_ends, bad in _read_pieces(path):
+        bad_lines += bad
+        if line_ends and not carry and not piece.strip():
+            if doc:
+                yield doc
+            doc = []
+            continue
+        sentences = split_sentences(carry + piece)
+        carry = "" if line_ends or not sentences else sentences.pop()
+        doc.extend(sentences)
     if carry:
         doc.append(carry)
     if doc:
@@ -165,22 +175,26 @@ def _text_document(text: str) -> Document:
 
 def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
     bad_lines = bad_json = 0
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if "\ufffd" in line:
-                bad_lines += 1
-            try:
-                text = json.loads(line)["text"]
-                if not isinstance(text, str):
-                    raise TypeError("text is not a string")
-            except (ValueError, KeyError, TypeError):
-                bad_json += 1
-                continue
-            doc = _text_document(text)
-            if doc:
-                yield doc
+    line, line_bad = [], False
+    for piece, line_ends, bad in _read_pieces(path):
+        line.append(piece)
+        line_bad |= bad
+        if not line_ends:
+            continue
+        text, had_bad, line, line_bad = "".join(line), line_bad, [], False
+        bad_lines += had_bad
+        if not text.strip():
+            continue
+        try:
+            text = json.loads(text)["text"]
+            if not isinstance(text, str):
+                raise TypeError("text is not a string")
+        except (ValueError, KeyError, TypeError):
+            bad_json += 1
+            continue
+        doc = _text_document(text)
+        if doc:
+            yield doc
     if bad_json:
         stats.bad_jsonl_lines += bad_json
         log.warning("%s: skipped %d lines that are not JSON objects with a string `text` field", path, bad_json)

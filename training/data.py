@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from training.corpus import CorpusError, CorpusStats, read_documents, resolve_corpus_files
 from training.docstring_corpus import docstring_corpus, docstring_corpus_path
-from training.examples import NSP_LABEL, PAIR_COLUMNS, create_pairs
+from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, create_pairs
 from training.masking import Masker
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
@@ -78,7 +78,7 @@ def _seed(*parts: object) -> int:
 
 class PretrainingDataset:
     """The MLM + NSP examples of a set of documents. Pairs are drawn anew each epoch, masks anew for
-    each example; nothing but the pairs of the current epoch (five integers each) is held in memory."""
+    each example; nothing but the pairs of the current epoch (six integers each) is held in memory."""
 
     def __init__(self, shards: TokenShards, document_ids: np.ndarray, tokenizer: Tokenizer, *,
                  max_seq_len: int, short_seq_prob: float, masker: Masker, pairing_seed: int = 0):
@@ -288,8 +288,14 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
         return PretrainingDataset(shards, ids, tokenizer, max_seq_len=cfg.max_seq_len,
                                   short_seq_prob=cfg.short_seq_prob, masker=masker)
 
+    train, heldout = dataset(train_ids), dataset(heldout_ids)
     corpus = json.loads((folder / "corpus.json").read_text())
+    # Lone-sentence chunks always get a random B (as in the original), so short documents tip NSP towards
+    # NotNext: the run summary needs the real rate for its majority baseline.
+    epoch0 = train.pairs(0)
     stats = {**corpus, "train_documents": len(train_ids), "heldout_documents": len(heldout_ids),
+             "train_examples_epoch0": len(epoch0),
+             "is_next_rate": float(np.mean(epoch0[:, NSP_LABEL] == IS_NEXT)) if len(epoch0) else 0.0,
              "cache": str(folder), "built_now": built_now,
              "corpus": "python docstrings (default)" if not cfg.corpus else ", ".join(cfg.corpus)}
-    return PreparedData(tokenizer, folder / "tokenizer", dataset(train_ids), dataset(heldout_ids), stats)
+    return PreparedData(tokenizer, folder / "tokenizer", train, heldout, stats)

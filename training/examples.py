@@ -1,5 +1,5 @@
 """Sentence pairs for MLM + NSP, built as google-research/bert's `create_instances_from_document`
-builds them, but as token ranges into the shards (five integers per pair) instead of token lists.
+builds them, but as token ranges into the shards (six integers per pair) instead of token lists.
 
 A pair is `[CLS] A [SEP] B [SEP]`: A is one or more consecutive sentences of a document, B either the
 sentences that follow A (IsNext) or a stretch of another random document (NotNext). Both stay

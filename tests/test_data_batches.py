@@ -1,0 +1,204 @@
+"""What the trainer sees: batch layout, determinism, resuming, ranks, held-out split and the cache."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from data_corpora import prepare, write_txt_corpus
+from training.data import DataConfig, prepare_data, split_documents
+from training.shards import TokenShards, write_shards
+from training.wordpiece import CLS, PAD, SEP, SPECIAL_TOKENS
+
+MAX_SEQ_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("batches")
+    return tmp, write_txt_corpus(tmp / "c.txt", n_docs=400, sentences=(2, 10), words=(3, 9))
+
+
+@pytest.fixture(scope="module")
+def data(corpus):
+    return prepare(*corpus, max_seq_len=MAX_SEQ_LEN)
+
+
+def _rows(batch):
+    """Each example of a batch without its padding, as a tuple of lists (comparable across paddings)."""
+    out = []
+    for r in range(len(batch["input_ids"])):
+        n = int(batch["attention_mask"][r].sum())
+        out.append(tuple(tuple(batch[k][r, :n].tolist()) for k in ("input_ids", "token_type_ids", "mlm_labels"))
+                   + (int(batch["nsp_labels"][r]),))
+    return out
+
+
+def _equal(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_batch_layout(data):
+    ids_of = data.tokenizer.token_to_id
+    batches = list(data.train.batches(epoch=0, batch_size=32, seed=0))
+    assert len(batches) == data.train.num_batches(0, 32) == data.train.num_examples(0) // 32
+    for batch in batches:
+        assert set(batch) == {"input_ids", "token_type_ids", "attention_mask", "mlm_labels", "nsp_labels"}
+        assert all(t.dtype == torch.int64 for t in batch.values())
+        b, s = batch["input_ids"].shape
+        assert b == 32 and batch["nsp_labels"].shape == (32,) and s <= MAX_SEQ_LEN
+        lengths = batch["attention_mask"].sum(1)
+        assert int(lengths.max()) == s  # padded to the longest, not to max_seq_len
+        for r in range(b):
+            n = int(lengths[r])
+            ids, types, mask, labels = (batch[k][r] for k in ("input_ids", "token_type_ids", "attention_mask",
+                                                               "mlm_labels"))
+            original = torch.where(labels == -100, ids, labels)
+            seps = (original[:n] == ids_of(SEP)).nonzero().flatten().tolist()
+            assert original[0] == ids_of(CLS) and len(seps) == 2 and seps[1] == n - 1 and 1 < seps[0] < n - 2
+            assert types[: seps[0] + 1].eq(0).all() and types[seps[0] + 1: n].eq(1).all() and types[n:].eq(0).all()
+            assert mask[:n].eq(1).all() and mask[n:].eq(0).all()
+            assert ids[n:].eq(ids_of(PAD)).all() and labels[n:].eq(-100).all()
+        assert set(batch["nsp_labels"].tolist()) <= {0, 1}
+
+
+def test_same_seed_and_epoch_give_identical_batches(corpus, data):
+    first = list(data.train.batches(1, 16, seed=5))
+    again = prepare(*corpus, max_seq_len=MAX_SEQ_LEN)  # a fresh object, from the cache
+    second = list(again.train.batches(1, 16, seed=5))
+    assert len(first) == len(second) and all(_equal(a, b) for a, b in zip(first, second))
+
+
+def test_other_epoch_or_seed_changes_pairs_order_and_masks(data):
+    base = _rows(next(data.train.batches(0, 64, seed=0)))
+    other_epoch = _rows(next(data.train.batches(1, 64, seed=0)))
+    other_seed = _rows(next(data.train.batches(0, 64, seed=1)))
+    assert not set(base) & set(other_epoch)
+    assert not set(base) & set(other_seed)
+    # Same example (same pair) in another epoch's masks: the pair is the same, the masks differ.
+    e0, e1 = data.train.example(0, seed=0, index=3), data.train.example(0, seed=1, index=3)
+    original = lambda e: np.where(e["mlm_labels"] == -100, e["input_ids"], e["mlm_labels"])  # noqa: E731
+    assert np.array_equal(original(e0), original(e1)) and not np.array_equal(e0["mlm_labels"], e1["mlm_labels"])
+
+
+def test_skip_batches_resumes_exactly(data):
+    full = list(data.train.batches(2, 8, seed=9))
+    resumed = list(data.train.batches(2, 8, seed=9, skip_batches=5))
+    assert len(resumed) == len(full) - 5 and all(_equal(a, b) for a, b in zip(full[5:], resumed))
+
+
+def test_ranks_get_disjoint_equal_shares_of_the_epoch(data):
+    """Rank r of W takes slice r of each global batch: two ranks of 4 == one rank of 8, row for row."""
+    single = [_rows(b) for b in data.train.batches(0, 8, seed=4)]
+    ranks = [[_rows(b) for b in data.train.batches(0, 4, seed=4, rank=r, world_size=2)] for r in range(2)]
+    assert len(ranks[0]) == len(ranks[1]) == len(single) == data.train.num_batches(0, 4, world_size=2)
+    assert [r0 + r1 for r0, r1 in zip(*ranks)] == single
+    seen = [row for rank in ranks for batch in rank for row in batch]
+    assert len(set(seen)) == len(seen)
+    with pytest.raises(ValueError):
+        next(data.train.batches(0, 4, seed=4, rank=2, world_size=2))
+
+
+def test_heldout_documents_are_few_spread_and_disjoint(data):
+    train, heldout = data.train.document_ids, data.heldout.document_ids
+    n = data.stats["documents"]
+    assert len(heldout) == max(2, round(0.01 * n)) and not set(train) & set(heldout)
+    assert len(train) + len(heldout) == n
+    assert data.heldout.num_examples(0) > 0 and next(data.heldout.batches(0, 2, seed=0))
+    assert split_documents(1000, 0.02)[1].tolist() == [25, 75, 125, 175, 225, 275, 325, 375, 425, 475, 525,
+                                                       575, 625, 675, 725, 775, 825, 875, 925, 975]
+    assert len(split_documents(10, 0.0)[1]) == 0
+
+
+def test_most_frequent_token_is_counted_over_the_datasets_own_documents(data):
+    shards = data.train.shards
+    special = [data.tokenizer.token_to_id(t) for t in SPECIAL_TOKENS]
+    for ds in (data.train, data.heldout):
+        counts = np.zeros(shards.vocab_size, dtype=np.int64)
+        for d in ds.document_ids:
+            s0, s1 = shards.document_starts[d], shards.document_starts[d + 1]
+            counts += np.bincount(shards.tokens(shards.sentence_starts[s0], shards.sentence_starts[s1]),
+                                  minlength=shards.vocab_size)
+        counts[special] = -1
+        assert ds.most_frequent_token_id() == int(np.argmax(counts))
+
+
+def test_stats_describe_the_corpus(data):
+    s = data.stats
+    assert s["documents"] == 400 and s["sentences"] >= 800 and s["tokens"] > s["words"] > 0
+    assert s["train_documents"] + s["heldout_documents"] == 400 and "is_next_rate" in s
+
+
+# --- the cache --------------------------------------------------------------------------------------
+
+def test_the_cache_is_reused_and_invalidated_by_what_made_it(tmp_path, monkeypatch):
+    corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=50, sentences=(2, 5), words=(3, 8))
+    cfg = DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(tmp_path / "cache"))
+    first = prepare_data(cfg, show_progress=False)
+    assert first.stats["built_now"]
+    assert (first.tokenizer_dir / "vocab.txt").is_file() and (first.tokenizer_dir / "tokenizer.json").is_file()
+
+    import training.data as data_module
+    with monkeypatch.context() as m:
+        m.setattr(data_module, "write_shards", lambda *a, **k: pytest.fail("rebuilt a cached corpus"))
+        again = prepare_data(DataConfig(**{**cfg.__dict__, "max_seq_len": 64, "whole_word_masking": True}),
+                             show_progress=False)
+        assert not again.stats["built_now"] and again.stats["cache"] == first.stats["cache"]
+        on_rank_1 = prepare_data(cfg, rank=1, world_size=2, show_progress=False)
+        assert on_rank_1.stats["cache"] == first.stats["cache"]
+
+    cased = prepare_data(DataConfig(**{**cfg.__dict__, "lowercase": False}), show_progress=False)
+    assert cased.stats["built_now"] and cased.stats["cache"] != first.stats["cache"]
+    with corpus.open("a") as f:
+        f.write("\nOne more document appears here.\n")
+    grown = prepare_data(cfg, show_progress=False)
+    assert grown.stats["built_now"] and grown.stats["documents"] == 51
+    assert len(list((tmp_path / "cache").glob(".*tmp"))) == 0  # no temporary folders left
+
+
+def test_other_ranks_wait_for_rank_0(tmp_path):
+    corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
+    cfg = DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(tmp_path / "cache"))
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(r1=prepare_data(cfg, rank=1, show_progress=False)))
+    waiter.start()
+    waiter.join(timeout=1.5)
+    assert waiter.is_alive()  # nothing built yet: rank 1 waits
+    built = prepare_data(cfg, rank=0, show_progress=False)
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and result["r1"].stats["cache"] == built.stats["cache"]
+
+
+def test_an_existing_vocab_file_is_used(tmp_path, data):
+    vocab = data.tokenizer_dir / "vocab.txt"
+    corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
+    prepared = prepare_data(DataConfig(corpus=(str(corpus),), vocab_file=str(vocab), cache_dir=str(tmp_path)),
+                            show_progress=False)
+    assert prepared.tokenizer.get_vocab() == data.tokenizer.get_vocab()
+    with pytest.raises(ValueError, match="does not exist"):
+        prepare_data(DataConfig(corpus=(str(corpus),), vocab_file=str(tmp_path / "none.txt")), show_progress=False)
+
+
+def test_documents_never_span_token_files(tmp_path, data):
+    docs = [[f"Document {d} sentence {s} has words." for s in range(d % 5 + 1)] for d in range(200)]
+    one = write_shards(docs, data.tokenizer, tmp_path / "one", show_progress=False)
+    many = write_shards(docs, data.tokenizer, tmp_path / "many", shard_tokens=100, show_progress=False)
+    assert len(one["shards"]) == 1 and len(many["shards"]) > 10
+    a, b = TokenShards(tmp_path / "one"), TokenShards(tmp_path / "many")
+    assert np.array_equal(a.sentence_starts, b.sentence_starts) and np.array_equal(a.document_starts, b.document_starts)
+    for d in range(200):
+        lo, hi = (int(a.sentence_starts[a.document_starts[i]]) for i in (d, d + 1))
+        assert np.array_equal(a.tokens(lo, hi), b.tokens(lo, hi))
+    # "[SEP]" written in the text stays text.
+    sep = data.tokenizer.token_to_id(SEP)
+    special = write_shards([["Put [SEP] and [MASK] here."], ["x"]], data.tokenizer, tmp_path / "sp", show_progress=False)
+    assert special["tokens"] > 4 and sep not in TokenShards(tmp_path / "sp").tokens(0, special["tokens"])
+
+
+@pytest.mark.parametrize("bad", [{"max_seq_len": 4}, {"masked_lm_prob": 0.0}, {"short_seq_prob": 1.5},
+                                 {"heldout_fraction": 0.9}, {"vocab_size": 50}, {"max_predictions_per_seq": 0}])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        DataConfig(**bad)
