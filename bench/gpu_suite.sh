@@ -5,6 +5,7 @@
 #   bench/gpu_suite.sh serving   base artifact -> raw engine vs HTTP (bench/http_load.py serving)
 #   bench/gpu_suite.sh engine    fp16 artifact vs PyTorch fp16 SDPA (bench/engine_throughput.py)
 #   bench/gpu_suite.sh train     pre-training step, ours vs transformers compiled (bench/train_throughput.py)
+#   bench/gpu_suite.sh ortsettings  ORT CUDA attention kernels / GEMM options on the padded fp16 graph
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -25,6 +26,14 @@ for part in "$@"; do
       timeout 420 $PY bench/engine_throughput.py --device cuda --preset base 2>&1 | quiet | tee "$OUT/engine.log" | tail -32 ;;
     train)
       timeout 560 $PY bench/train_throughput.py --preset base --batch-size 256 --seq-len 128 2>&1 | quiet | tee "$OUT/train.log" | tail -12 ;;
+    ortsettings)
+      { timeout 200 $PY bench/ort_cuda_settings.py build 2>&1 | quiet | tail -3
+        $PY bench/ort_cuda_settings.py default; $PY bench/ort_cuda_settings.py profile
+        for v in ORT_DISABLE_FLASH_ATTENTION ORT_DISABLE_TRT_FLASH_ATTENTION ORT_DISABLE_FUSED_ATTENTION \
+                 ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION; do env $v=1 VAR=$v $PY bench/ort_cuda_settings.py env; done
+        VAR=gemm16f ORT_CUDA_GEMM_OPTIONS=1 $PY bench/ort_cuda_settings.py env
+        $PY bench/ort_cuda_settings.py opts '{"tunable_op_enable": "1", "tunable_op_tuning_enable": "1"}'
+      } 2>&1 | quiet | tee "$OUT/ort_settings.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

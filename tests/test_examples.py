@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from data_corpora import document_of, prepare, write_txt_corpus
-from training.examples import (A_END, A_START, B_END, B_START, IS_NEXT, NOT_NEXT, NSP_LABEL, TARGET_LENGTH,
-                               create_pairs, truncation)
+from training.examples import (A_END, A_START, B_END, B_START, IS_NEXT, NOT_NEXT, NSP_LABEL, PAIR_COLUMNS,
+                               TARGET_LENGTH, balance_labels, create_pairs, truncation)
 
 MAX_SEQ_LEN = 64
 MAX_NUM_TOKENS = MAX_SEQ_LEN - 3
@@ -174,3 +174,14 @@ def test_truncation_matches_the_original_loop():
         assert min(fa, ba, fb, bb) >= 0 and la - fa - ba >= 1 and lb - fb - bb >= 1
         fronts, backs = fronts + fa + fb, backs + ba + bb
     assert abs(fronts / (fronts + backs) - 0.5) < 0.01
+
+
+def test_balanced_pairs_are_exactly_half_is_next_and_keep_document_order():
+    pairs = np.zeros((1000, PAIR_COLUMNS), dtype=np.int64)
+    pairs[:, 0] = np.arange(1000)  # a_start: stands for document order
+    pairs[:, NSP_LABEL] = np.where(np.arange(1000) % 3 == 0, IS_NEXT, NOT_NEXT)  # 334 IsNext, 666 NotNext
+    balanced = balance_labels(pairs, random.Random(0))
+    labels = balanced[:, NSP_LABEL]
+    assert (labels == IS_NEXT).sum() == (labels == NOT_NEXT).sum() == 334
+    assert (np.diff(balanced[:, 0]) > 0).all()  # order kept, no pair twice
+    assert set(balanced[labels == IS_NEXT, 0]) == set(pairs[pairs[:, NSP_LABEL] == IS_NEXT, 0])  # minority kept whole

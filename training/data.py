@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from training.corpus import CorpusError, CorpusStats, read_documents, resolve_corpus_files
 from training.docstring_corpus import docstring_corpus, docstring_corpus_path
-from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, create_pairs
+from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, create_pairs
 from training.masking import Masker
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
@@ -51,6 +51,7 @@ class DataConfig:
     whole_word_masking: bool = False
     heldout_fraction: float = 0.01
     cache_dir: str = ".cache/bertserve"
+    balance_nsp: bool = True              # drop surplus pairs so that exactly half are IsNext
 
     def __post_init__(self) -> None:
         if isinstance(self.corpus, (str, os.PathLike)):  # one path given bare
@@ -81,11 +82,13 @@ class PretrainingDataset:
     each example; nothing but the pairs of the current epoch (six integers each) is held in memory."""
 
     def __init__(self, shards: TokenShards, document_ids: np.ndarray, tokenizer: Tokenizer, *,
-                 max_seq_len: int, short_seq_prob: float, masker: Masker, pairing_seed: int = 0):
+                 max_seq_len: int, short_seq_prob: float, masker: Masker, balance_nsp: bool = True,
+                 pairing_seed: int = 0):
         self.shards = shards
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
         self.max_seq_len, self.short_seq_prob = max_seq_len, short_seq_prob
         self.masker = masker
+        self.balance_nsp = balance_nsp
         # Pairs depend on (pairing_seed, epoch) only, so that num_examples(epoch) needs no seed; the
         # run's seed orders the examples and draws the masks.
         self.pairing_seed = pairing_seed
@@ -104,6 +107,8 @@ class PretrainingDataset:
             else:
                 rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
                 pairs = create_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng)
+                if self.balance_nsp:
+                    pairs = balance_labels(pairs, rng)
             self._pairs = (epoch, pairs)
         return self._pairs[1]
 
@@ -286,12 +291,12 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
 
     def dataset(ids: np.ndarray) -> PretrainingDataset:
         return PretrainingDataset(shards, ids, tokenizer, max_seq_len=cfg.max_seq_len,
-                                  short_seq_prob=cfg.short_seq_prob, masker=masker)
+                                  short_seq_prob=cfg.short_seq_prob, masker=masker, balance_nsp=cfg.balance_nsp)
 
     train, heldout = dataset(train_ids), dataset(heldout_ids)
     corpus = json.loads((folder / "corpus.json").read_text())
     # Lone-sentence chunks always get a random B (as in the original), so short documents tip NSP towards
-    # NotNext: the run summary needs the real rate for its majority baseline.
+    # NotNext unless balance_nsp: the run summary reports the real rate and its majority baseline.
     epoch0 = train.pairs(0)
     stats = {**corpus, "train_documents": len(train_ids), "heldout_documents": len(heldout_ids),
              "train_examples_epoch0": len(epoch0),

@@ -93,3 +93,18 @@ def _random_b(shards: TokenShards, first_sentence: list[int], end_sentence: list
     goal = int(starts[first]) + max(target_b_length, 1)
     last = min(int(np.searchsorted(starts[first + 1: s1 + 1], goal, side="left")) + first + 1, s1)
     return int(starts[first]), int(starts[last])
+
+
+def balance_labels(pairs: np.ndarray, rng: random.Random) -> np.ndarray:
+    """Drop randomly chosen pairs of the more frequent NSP label until IsNext and NotNext are equal.
+
+    The original's rules force NotNext on every lone-sentence chunk, so a corpus of short documents
+    (docstrings: about 35% IsNext) would teach NSP a prior instead of the task; "B is the real next
+    sentence half the time" is the contract. Document order is kept."""
+    labels = pairs[:, NSP_LABEL]
+    is_next = np.flatnonzero(labels == IS_NEXT)
+    not_next = np.flatnonzero(labels == NOT_NEXT)
+    surplus, keep_all = (not_next, is_next) if len(not_next) > len(is_next) else (is_next, not_next)
+    kept = rng.sample(range(len(surplus)), len(keep_all))
+    chosen = np.sort(np.concatenate([keep_all, surplus[np.asarray(kept, dtype=np.int64)]]))
+    return pairs[chosen]

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
                    help="share of documents held out for evaluation")
     g.add_argument("--cache-dir", default=d.cache_dir, help="where prepared data is cached")
+    g.add_argument("--no-nsp-balance", action="store_true",
+                   help="keep the original's NSP label rates (short documents give mostly NotNext) instead of "
+                        "dropping surplus pairs so that exactly half are IsNext")
 
     g = p.add_argument_group("model")
     g.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
@@ -115,7 +118,7 @@ def data_configs(args: argparse.Namespace) -> list[DataConfig]:
         corpus=tuple(args.corpus), vocab_size=args.vocab_size, vocab_file=args.vocab_file,
         lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len, masked_lm_prob=args.masked_lm_prob,
         max_predictions_per_seq=args.max_predictions, whole_word_masking=args.whole_word_masking,
-        heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir,
+        heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir, balance_nsp=not args.no_nsp_balance,
     )
     if args.phase2_steps <= 0:
         return [phase1]
