@@ -27,9 +27,10 @@ run: export
 train: $(MODEL_DIR)/model.safetensors
 export: $(ARTIFACT_DIR)/manifest.json
 
-# File targets: the model is trained only when missing, the artifact re-exported when the model changed.
+# File targets: the model is trained only when missing (an interrupted run resumes from its last
+# checkpoint), the artifact re-exported when the model changed.
 $(MODEL_DIR)/model.safetensors: | install
-	$(BIN)/python -m training.pretrain --out $(MODEL_DIR)
+	$(BIN)/python -m training.pretrain --out $(MODEL_DIR) --resume
 
 $(ARTIFACT_DIR)/manifest.json: $(MODEL_DIR)/model.safetensors | install
 	$(BIN)/python -m export --model $(MODEL_DIR) --out $(ARTIFACT_DIR) $(EXPORT_FLAGS)
