@@ -1,9 +1,12 @@
 """DynamicBatcher: packs queued sequences into padded batches under a token budget and runs them.
 
-Each queued entry carries its own future and timings. A batch is built around the oldest waiting
-entry (so nothing starves) from the waiting entries closest to it in length (so padding stays small),
-up to `max_batch_tokens` counted padded (batch size x longest) and `max_batch_size`. Entries whose
-future was cancelled (the client went away) are dropped before they cost inference.
+A request's sequences are queued together as one `Group` with ONE future; each sequence is still its
+own queue entry, so a batch is built around the oldest waiting entry (so nothing starves) from the
+waiting entries closest to it in length (so padding stays small), up to `max_batch_tokens` counted
+padded (batch size x longest) and `max_batch_size`. A group may so be split over several batches; its
+rows are gathered into one [n, ...] array per output as batches finish (numpy fancy indexing, no
+per-row futures), and its future resolves when the last row is in. Groups whose future was cancelled
+(the client went away) are dropped before they cost inference.
 """
 from __future__ import annotations
 
@@ -25,25 +28,71 @@ log = logging.getLogger("app.batcher")
 _LOOKAHEAD = 8  # candidates considered per batch: this many times max_batch_size
 
 
+@dataclass(frozen=True, slots=True)
+class GroupResult:
+    """One request's outputs, row i for its sequence i: [n, H] vectors, [n, 2] logits; token vectors
+    (ragged) as a list of n [len_i, H] arrays."""
+    outputs: dict[str, np.ndarray | list[np.ndarray]]
+    queue_s: float  # longest wait of its sequences for a batch
+    inference_s: float  # longest batch it was part of
+    batch_size: int
+
+
 @dataclass(eq=False, slots=True)
-class Entry:
-    ids: np.ndarray  # [n] int64
-    type_ids: np.ndarray  # [n] int64
+class Group:
+    """The sequences of one request, waiting for their rows; `future` gets a GroupResult."""
     outputs: frozenset[str]
     future: asyncio.Future
-    enqueued: float = field(default_factory=time.perf_counter)
+    size: int
+    enqueued: float
+    pending: int = 0
+    rows: dict[str, np.ndarray | list] = field(default_factory=dict)
+    queue_s: float = 0.0
+    inference_s: float = 0.0
+    batch_size: int = 0
+
+    def fill(self, outcome: dict[str, np.ndarray], batch_rows: list[int], my_rows: list[int],
+             lengths: list[int], started: float, inference_s: float, batch_size: int) -> None:
+        """Copy this group's rows of one finished batch; resolve the future once all rows are in."""
+        whole = len(batch_rows) == self.size
+        if whole:  # the whole group in this batch: one gather per output, in the group's order
+            order = np.empty(self.size, dtype=np.intp)
+            order[my_rows] = batch_rows
+        for name in self.outputs:
+            value = outcome[name]
+            if value.ndim == 3:  # token vectors: cut each row's padding off
+                dest = self.rows.get(name)
+                if dest is None:
+                    dest = self.rows[name] = [None] * self.size
+                for b, m, n in zip(batch_rows, my_rows, lengths):
+                    dest[m] = value[b, :n]
+            elif whole:
+                self.rows[name] = value[order]
+            else:
+                dest = self.rows.get(name)
+                if dest is None:
+                    dest = self.rows[name] = np.empty((self.size, *value.shape[1:]), dtype=value.dtype)
+                dest[my_rows] = value[batch_rows]
+        self.queue_s = max(self.queue_s, started - self.enqueued)
+        self.inference_s = max(self.inference_s, inference_s)
+        self.batch_size = max(self.batch_size, batch_size)
+        self.pending -= len(batch_rows)
+        if self.pending == 0 and not self.future.done():
+            self.future.set_result(GroupResult(self.rows, self.queue_s, self.inference_s, self.batch_size))
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One queued sequence: row `index` of its group."""
+    ids: np.ndarray  # [n] int64
+    type_ids: np.ndarray  # [n] int64
+    group: Group
+    index: int
+    length: int
 
     @property
-    def length(self) -> int:
-        return len(self.ids)
-
-
-@dataclass(frozen=True, slots=True)
-class EntryResult:
-    outputs: dict[str, np.ndarray]  # this entry's rows: [H] vectors, [2] logits, [n, H] token vectors
-    queue_s: float
-    inference_s: float
-    batch_size: int
+    def enqueued(self) -> float:
+        return self.group.enqueued
 
 
 class DynamicBatcher:
@@ -83,8 +132,8 @@ class DynamicBatcher:
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
         for entry in self._queue:
-            if not entry.future.done():
-                entry.future.set_exception(NotReady("the server is shutting down"))
+            if not entry.group.future.done():
+                entry.group.future.set_exception(NotReady("the server is shutting down"))
         self._queue.clear()
         self._set_depth()
         if self._executor:
@@ -95,20 +144,25 @@ class DynamicBatcher:
     def queued(self) -> int:
         return len(self._queue)
 
-    def submit(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> list[asyncio.Future]:
-        """Queue the sequences of one request; all or none. Raises Overloaded past the queue limit."""
+    def submit_group(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> asyncio.Future:
+        """Queue the sequences of one request, all or none; the future gets one GroupResult. Raises
+        Overloaded past the queue limit."""
         if self._closed:
             raise NotReady("the server is shutting down")
         if len(self._queue) + len(sequences) > self.max_queued:
             raise Overloaded(f"the queue is full ({len(self._queue)} sequences waiting, limit {self.max_queued}); "
                              f"retry later")
-        loop = asyncio.get_running_loop()
-        now = time.perf_counter()
-        entries = [Entry(ids, types, outputs, loop.create_future(), now) for ids, types in sequences]
-        self._queue.extend(entries)
+        group = Group(outputs, asyncio.get_running_loop().create_future(), len(sequences), time.perf_counter(), len(sequences))
+        self._queue.extend([Entry(ids, types, group, i, len(ids)) for i, (ids, types) in enumerate(sequences)])
         self._set_depth()
         self._wakeup.set()
-        return [e.future for e in entries]
+        return group.future
+
+    def submit(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> list[asyncio.Future]:
+        """Each sequence as its own group of one (all or none): one future per sequence."""
+        if len(self._queue) + len(sequences) > self.max_queued:
+            self.submit_group(sequences, outputs)  # raises Overloaded
+        return [self.submit_group([seq], outputs) for seq in sequences]
 
     def _set_depth(self) -> None:
         if self._metrics:
@@ -116,7 +170,7 @@ class DynamicBatcher:
 
     # -- batching ----------------------------------------------------------------------------------------
     def _drop_cancelled(self) -> None:
-        alive = [e for e in self._queue if not e.future.done()]
+        alive = [e for e in self._queue if not e.group.future.done()]
         dropped = len(self._queue) - len(alive)
         if dropped:
             self._queue = alive
@@ -206,7 +260,7 @@ class DynamicBatcher:
     # -- running -----------------------------------------------------------------------------------------
     def _launch(self, entries: list[Entry]) -> None:
         """Hand the batch to a worker thread; `_finish` runs back on the loop, once per batch."""
-        outputs = frozenset().union(*(e.outputs for e in entries))
+        outputs = frozenset().union(*{e.group.outputs for e in entries})
         done = self._loop_ref.create_future()
         self._running.add(done)
         self._running_batches += 1
@@ -234,19 +288,25 @@ class DynamicBatcher:
         if isinstance(outcome, Exception):
             log.error("inference failed on a batch of %d", len(entries), exc_info=outcome)
             for entry in entries:
-                if not entry.future.done():
-                    entry.future.set_exception(outcome)
+                if not entry.group.future.done():
+                    entry.group.future.set_exception(outcome)
             return
         inference_s = now - started
-        if self._metrics:
-            self._metrics.observe_batch(len(entries), tokens, inference_s)
         size = len(entries)
+        if self._metrics:
+            self._metrics.observe_batch(size, tokens, inference_s)
+        # Rows per group, in one pass; then one gather per group and output.
+        parts: dict[Group, tuple[list[int], list[int], list[int]]] = {}
         for row, entry in enumerate(entries):
-            if entry.future.done():  # cancelled while running
-                continue
-            mine = {name: (value[row, : entry.length] if value.ndim == 3 else value[row])
-                    for name, value in outcome.items() if name in entry.outputs}
-            entry.future.set_result(EntryResult(mine, started - entry.enqueued, inference_s, size))
+            part = parts.get(entry.group)
+            if part is None:
+                part = parts[entry.group] = ([], [], [])
+            part[0].append(row)
+            part[1].append(entry.index)
+            part[2].append(entry.length)
+        for group, (batch_rows, my_rows, lengths) in parts.items():
+            if not group.future.done():  # else cancelled while running
+                group.fill(outcome, batch_rows, my_rows, lengths, started, inference_s, size)
 
 
 def collate(ids: list[np.ndarray], type_ids: list[np.ndarray], pad_id: int, outputs: frozenset[str]) -> Batch:

@@ -11,17 +11,18 @@ from artifact.manifest import CLS_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, "mean": TOKEN_EMBEDDINGS}
 
 
-def pool(outputs: dict[str, np.ndarray], pooling: str) -> np.ndarray:
-    """[H] float32. `mean` averages the real tokens of this entry, [CLS] and [SEP] included (the batcher
-    already cut its padding off), as sentence-transformers' mean pooling does."""
+def pool(outputs: dict, pooling: str) -> np.ndarray:
+    """[n, H] float32, row i for input i. `mean` averages the real tokens of each input, [CLS] and [SEP]
+    included (the batcher already cut the padding off), as sentence-transformers' mean pooling does."""
     if pooling == "mean":
-        return outputs[TOKEN_EMBEDDINGS].mean(axis=0, dtype=np.float32)
+        return np.stack([t.mean(axis=0, dtype=np.float32) for t in outputs[TOKEN_EMBEDDINGS]])
     return outputs[POOLING_OUTPUT[pooling]]
 
 
 def l2_normalize(v: np.ndarray) -> np.ndarray:
-    norm = float(np.linalg.norm(v, axis=-1))
-    return (v / max(norm, 1e-12)).astype(np.float32)
+    """Each row (or the one vector) to unit length; all-zero rows stay zero."""
+    norms = np.linalg.norm(v, axis=-1, keepdims=True)
+    return (v / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -35,3 +36,12 @@ def encode_vectors(v: np.ndarray, encoding_format: str) -> np.ndarray | str:
     if encoding_format == "base64":
         return base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode("ascii")
     return np.ascontiguousarray(v, dtype=np.float32)
+
+
+def encode_rows(m: np.ndarray, encoding_format: str) -> list[np.ndarray | str]:
+    """Row i of an [n, H] block as item i's vector: one conversion for the block, then row views
+    (orjson writes them) or base64 strings."""
+    m = np.ascontiguousarray(m, dtype="<f4")
+    if encoding_format == "base64":
+        return [base64.b64encode(row.tobytes()).decode("ascii") for row in m]
+    return list(m)

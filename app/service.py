@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from app.batcher import DynamicBatcher, EntryResult
+from app.batcher import DynamicBatcher, GroupResult
 from app.engine import OrtEngine
 from app.errors import ClientClosed, InvalidInput, Overloaded, TooManyInputs
 from app.metrics import Metrics
@@ -18,8 +18,13 @@ from app.settings import Settings
 from app.tokenization import Encoded, Item, TextTokenizer
 from artifact.manifest import Manifest
 
-# Below this many characters a request is tokenised on the event loop: a thread hop costs more.
+# One text below this many characters is tokenised on the event loop: a thread hop costs more. Several
+# texts go to a thread, where encode_batch runs without the GIL on the tokenizer's own threads.
 _INLINE_TOKENIZE_CHARS = 4096
+# A request still waiting after this long starts watching for its client going away. Watching costs a
+# task per request (measured: about a third of the Python cost of a one-text /embed), and most answers
+# come sooner; a client that leaves is noticed this much later, its queued work still dropped.
+_WATCH_AFTER_S = 0.02
 
 
 @dataclass(slots=True)
@@ -36,8 +41,13 @@ class Timings:
 @dataclass(slots=True)
 class Inference:
     encoded: list[Encoded]
-    results: list[EntryResult]  # empty when no graph output was needed
+    result: GroupResult | None  # None when no graph output was needed
     timings: Timings
+
+    @property
+    def outputs(self) -> dict:
+        """Graph output name -> row i for input i ([n, H] vectors, [n, 2] logits, list of [len_i, H])."""
+        return self.result.outputs
 
     @property
     def tokens(self) -> int:
@@ -73,10 +83,10 @@ class InferenceService:
         if len(items) > limit:
             raise TooManyInputs(f"{field} has {len(items)} items; the server accepts at most {limit} per request")
         started = time.perf_counter()
-        chars = sum(len(x) if isinstance(x, str) else len(x[0]) + len(x[1]) for x in items)
-        if chars <= _INLINE_TOKENIZE_CHARS:
+        one = items[0]
+        if len(items) == 1 and (len(one) if isinstance(one, str) else len(one[0]) + len(one[1])) <= _INLINE_TOKENIZE_CHARS:
             encoded = self.tokenizer.encode(items, truncate, field)
-        else:  # encode_batch releases the GIL: the event loop keeps serving meanwhile
+        else:  # the event loop keeps serving meanwhile
             encoded = await asyncio.to_thread(self.tokenizer.encode, items, truncate, field)
         seconds = time.perf_counter() - started
         self.metrics.tokenize_seconds.observe(seconds)
@@ -88,36 +98,48 @@ class InferenceService:
             encoded, tokenize_s = await self.tokenize(items, truncate, field)
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
-                return Inference(encoded, [], timings)
-            futures = self.batcher.submit([(e.ids, e.type_ids) for e in encoded], outputs)
-            results = await self._wait(futures, request)
-            timings.queue_s = max(r.queue_s for r in results)
-            timings.inference_s = max(r.inference_s for r in results)
-            for r in results:
-                self.metrics.queue_seconds.observe(r.queue_s)
-            return Inference(encoded, results, timings)
+                return Inference(encoded, None, timings)
+            future = self.batcher.submit_group([(e.ids, e.type_ids) for e in encoded], outputs)
+            result = await self._wait(future, request)
+            timings.queue_s, timings.inference_s = result.queue_s, result.inference_s
+            self.metrics.queue_seconds.observe(result.queue_s)
+            return Inference(encoded, result, timings)
 
-    async def _wait(self, futures: list[asyncio.Future], request: Request | None) -> list[EntryResult]:
-        """All results, or ClientClosed as soon as the client disconnects; either way no entry of this
-        request stays queued (cancelled futures are dropped by the batcher before inference)."""
-        one = len(futures) == 1  # the common case needs no gather
-        gathered = futures[0] if one else asyncio.gather(*futures)
-        gathered.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no asyncio warning
-        watcher = asyncio.ensure_future(_disconnect(request)) if request is not None else None
+    async def _wait(self, future: asyncio.Future, request: Request | None) -> GroupResult:
+        """The result, or ClientClosed once the client is seen gone; either way nothing of this request
+        stays queued (a cancelled group is dropped by the batcher before inference)."""
+        if request is None:
+            try:
+                return await future
+            finally:
+                future.cancel()  # no-op when finished
+        closed = False
+        watcher: asyncio.Task | None = None
+
+        def on_disconnect(w: asyncio.Future) -> None:
+            nonlocal closed
+            if not w.cancelled() and w.exception() is None:  # a receive() error is not a disconnect
+                closed = True
+                future.cancel()
+
+        def watch() -> None:
+            nonlocal watcher
+            if not future.done():
+                watcher = asyncio.ensure_future(_disconnect(request))
+                watcher.add_done_callback(on_disconnect)
+
+        timer = asyncio.get_running_loop().call_later(_WATCH_AFTER_S, watch)
         try:
-            waiting = {gathered} if watcher is None else {gathered, watcher}
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if gathered in done or watcher.exception() is not None:
-                results = await gathered
-                return [results] if one else results
-            raise ClientClosed("the client closed the connection before its answer was ready")
+            return await future
+        except asyncio.CancelledError:
+            if closed:
+                raise ClientClosed("the client closed the connection before its answer was ready") from None
+            raise
         finally:
+            timer.cancel()
             if watcher is not None:
                 watcher.cancel()
-            for f in futures:
-                f.cancel()  # no-op on finished ones
-            if not gathered.done():
-                gathered.cancel()
+            future.cancel()
 
 
 async def _disconnect(request: Request) -> None:

@@ -28,8 +28,12 @@ class Settings(BaseSettings):
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = one per core")
     inference_workers: int = Field(1, ge=1, le=8, description="batches run at the same time on the one session")
     max_batch_tokens: int = Field(16384, ge=1, description="token budget of a batch, counted padded: "
-                                                           "batch size x its longest sequence")
-    max_batch_size: int = Field(64, ge=1, description="most sequences in one batch")
+                                  "batch size x its longest sequence. The real limit on a batch: the engine's "
+                                  "time and memory follow padded tokens, and 16384 keeps BERT-base activations "
+                                  "small on any GPU while batches of short texts still fill max_batch_size")
+    max_batch_size: int = Field(256, ge=1, description="most sequences in one batch; a cap for short texts "
+                                "only (256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "
+                                "stopped at the cap while more work waited")
     max_wait_ms: float = Field(0.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
                                "before running a batch that is not full (work that queued behind a running "
                                "batch never waits); 0: a lone request runs at once")

@@ -115,14 +115,15 @@ class TextTokenizer:
             raise InvalidInput(f"{field} could not be tokenised: {e}") from e
         out = []
         for i, enc in enumerate(encodings):
-            n = len(enc.ids)
+            ids = enc.ids  # each read builds a new list: read once
+            n = len(ids)
             if n > self.max_length:  # only when truncate is false
                 raise InputTooLong(f"{field}[{i}] has {n} tokens; the model accepts at most {self.max_length} "
                                    f"(send truncate: true to cut it)")
             if all(enc.special_tokens_mask):
                 raise InvalidInput(f"{field}[{i}] has no tokens after normalisation (only control or "
                                    f"ignored characters?)")
-            out.append(Encoded(np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.type_ids, dtype=np.int64), enc))
+            out.append(Encoded(np.array(ids, dtype=np.int64), np.array(enc.type_ids, dtype=np.int64), enc))
         return out
 
 

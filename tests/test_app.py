@@ -519,6 +519,50 @@ def test_batcher_packs_by_length_within_the_budget():
     assert third == [30] and left == 0
 
 
+def test_batcher_splits_a_request_over_batches_and_reassembles_its_rows():
+    """One request's sequences, packed by length into several batches, come back in request order."""
+    def engine(batch):  # row i's vectors identify its sequence: its first id and its length
+        lengths = batch.attention_mask.sum(axis=1).astype(np.float32)
+        cls = np.stack([batch.input_ids[:, 0].astype(np.float32), lengths], axis=1)
+        return {"cls_embedding": cls, "token_embeddings": batch.input_ids[:, :, None].astype(np.float32)}
+
+    lengths = [7, 2, 9, 2, 5, 7, 1]
+
+    async def go():
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=18, max_batch_size=2, max_wait_ms=0, max_queued=100)
+        b.start()
+        try:
+            seqs = [(np.arange(100 * i, 100 * i + n, dtype=np.int64), np.zeros(n, np.int64))
+                    for i, n in enumerate(lengths)]
+            future = b.submit_group(seqs, frozenset({"cls_embedding", "token_embeddings"}))
+            return await future, b.queued
+        finally:
+            await b.stop()
+    result, left = run(go())
+    assert left == 0 and result.batch_size <= 2
+    expected = np.array([[100 * i, n] for i, n in enumerate(lengths)], dtype=np.float32)
+    np.testing.assert_array_equal(result.outputs["cls_embedding"], expected)
+    for i, (n, tokens) in enumerate(zip(lengths, result.outputs["token_embeddings"])):
+        np.testing.assert_array_equal(tokens[:, 0], np.arange(100 * i, 100 * i + n))
+
+
+def test_a_request_split_over_batches_equals_its_texts_alone(artifact):
+    inputs = [*TEXTS, ["Is this the question?", "Its answer."], "one more", TEXTS[0]]
+
+    async def go():
+        async with serving(artifact, max_batch_size=2) as (c, _):
+            body = {"inputs": inputs, "return_tokens": True, "pooling": "mean", "normalize": True}
+            together = (await c.post("/embed", json=body)).json()["data"]
+            alone = [(await c.post("/embed", json={**body, "inputs": [x]})).json()["data"][0] for x in inputs]
+            return together, alone
+    together, alone = run(go())
+    assert [t["index"] for t in together] == list(range(len(inputs)))
+    for t, a in zip(together, alone):
+        np.testing.assert_allclose(t["embedding"], a["embedding"], atol=1e-5)
+        np.testing.assert_allclose(t["token_embeddings"], a["token_embeddings"], atol=1e-5)
+        assert t["tokens"] == a["tokens"]
+
+
 def test_app_never_imports_torch(artifact):
     code = f"""
 import asyncio, sys

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from app.errors import Unsupported
-from app.pooling import POOLING_OUTPUT, encode_vectors, l2_normalize, pool
+from app.pooling import POOLING_OUTPUT, encode_rows, encode_vectors, l2_normalize, pool
 from app.responses import json_response
 from app.routes import ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
@@ -26,16 +26,16 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
         outputs.add(TOKEN_EMBEDDINGS)
     result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs")
     fmt = body.encoding_format
-    data = []
-    for i, encoded in enumerate(result.encoded):
-        item: dict = {"index": i, "embedding": None}
-        if body.pooling != "none":
-            vector = pool(result.results[i].outputs, body.pooling)
-            item["embedding"] = encode_vectors(l2_normalize(vector) if body.normalize else vector, fmt)
-        if body.return_tokens:
-            item["tokens"] = describe_tokens(encoded)
-            item["token_embeddings"] = encode_vectors(result.results[i].outputs[TOKEN_EMBEDDINGS], fmt)
-        data.append(item)
+    embeddings: list = [None] * len(result.encoded)
+    if body.pooling != "none":  # the whole request's vectors at once
+        vectors = pool(result.outputs, body.pooling)
+        embeddings = encode_rows(l2_normalize(vectors) if body.normalize else vectors, fmt)
+    if body.return_tokens:
+        token_vectors = result.outputs[TOKEN_EMBEDDINGS]
+        data = [{"index": i, "embedding": embeddings[i], "tokens": describe_tokens(encoded),
+                 "token_embeddings": encode_vectors(token_vectors[i], fmt)} for i, encoded in enumerate(result.encoded)]
+    else:
+        data = [{"index": i, "embedding": e} for i, e in enumerate(embeddings)]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": result.tokens}},
                          headers=result.timings.headers())
 

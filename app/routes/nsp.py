@@ -23,9 +23,8 @@ async def nsp(body: NspRequest, request: Request, service: InferenceService = De
         raise Unsupported("this model has no next-sentence-prediction head (it was exported without one)")
     pairs = [(a, b) for a, b in body.pairs]
     result = await service.infer(request, pairs, body.truncate, frozenset({NSP_LOGITS}), "pairs")
-    data = []
-    for i, r in enumerate(result.results):
-        logits = r.outputs[NSP_LOGITS]
-        data.append({"index": i, "is_next": float(softmax(logits)[0]), "logits": logits})
+    logits = result.outputs[NSP_LOGITS]  # [n, 2]
+    is_next = softmax(logits)[:, 0].tolist()
+    data = [{"index": i, "is_next": p, "logits": row} for i, (p, row) in enumerate(zip(is_next, logits))]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": result.tokens}},
                          headers=result.timings.headers())

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from app.errors import Unsupported
-from app.pooling import POOLING_OUTPUT, encode_vectors, l2_normalize, pool
+from app.pooling import POOLING_OUTPUT, encode_rows, l2_normalize, pool
 from app.responses import json_response
 from app.routes import ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
@@ -29,12 +29,11 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
-    data = []
-    for i, r in enumerate(result.results):
-        vector = pool(r.outputs, pooling)
-        if service.settings.openai_normalize:
-            vector = l2_normalize(vector)
-        data.append({"object": "embedding", "index": i, "embedding": encode_vectors(vector, body.encoding_format)})
+    vectors = pool(result.outputs, pooling)
+    if service.settings.openai_normalize:
+        vectors = l2_normalize(vectors)
+    data = [{"object": "embedding", "index": i, "embedding": e}
+            for i, e in enumerate(encode_rows(vectors, body.encoding_format))]
     usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
     return json_response({"object": "list", "data": data, "model": service.model_name, "usage": usage},
                          headers=result.timings.headers())
