@@ -152,7 +152,8 @@ class DynamicBatcher:
         if len(self._queue) + len(sequences) > self.max_queued:
             raise Overloaded(f"the queue is full ({len(self._queue)} sequences waiting, limit {self.max_queued}); "
                              f"retry later")
-        group = Group(outputs, asyncio.get_running_loop().create_future(), len(sequences), time.perf_counter(), len(sequences))
+        n = len(sequences)
+        group = Group(outputs, asyncio.get_running_loop().create_future(), n, time.perf_counter(), pending=n)
         self._queue.extend([Entry(ids, types, group, i, len(ids)) for i, (ids, types) in enumerate(sequences)])
         self._set_depth()
         self._wakeup.set()
@@ -186,7 +187,12 @@ class DynamicBatcher:
 
     def _take_batch(self) -> list[Entry]:
         """The oldest entry plus its nearest neighbours in length, within the budget and size cap."""
-        window = self._queue[: self.max_batch_size * _LOOKAHEAD]
+        queue = self._queue
+        if len(queue) <= self.max_batch_size and len(queue) * max(e.length for e in queue) <= self.max_batch_tokens:
+            self._queue = []  # everything fits: what the search below would choose, without the search
+            self._set_depth()
+            return queue
+        window = queue[: self.max_batch_size * _LOOKAHEAD]
         anchor = window[0]
         ordered = sorted(window, key=lambda e: e.length)
         lengths = [e.length for e in ordered]

@@ -56,7 +56,8 @@ def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
 
 # Young-generation GC threshold while serving (Python's default: 700 allocations). Each request makes a
 # few hundred short-lived objects; at the default, collections (and the gen-2 passes they trigger over
-# everything the model load left behind) took about a third of the event loop's time per one-text /embed.
+# everything the model load left behind) took about a third of the event loop's time per one-text /embed
+# (in-process A/B on a 2-core CPU box).
 _GC_GEN0_THRESHOLD = 20_000
 
 

@@ -30,8 +30,8 @@ class Metrics:
                                       buckets=_TOKENS, registry=r)
         self.tokenize_seconds = Histogram("bertserve_tokenize_duration_seconds", "tokenisation time per request",
                                           buckets=_LATENCY, registry=r)
-        self.queue_seconds = Histogram("bertserve_queue_duration_seconds", "time a request waited for its batches (its longest-waiting sequence)",
-                                       buckets=_LATENCY, registry=r)
+        self.queue_seconds = Histogram("bertserve_queue_duration_seconds", "time a request waited for its "
+                                       "batches (its longest-waiting sequence)", buckets=_LATENCY, registry=r)
         self.inference_seconds = Histogram("bertserve_inference_duration_seconds", "time per batch in the engine "
                                            "(collation and output copy included)", buckets=_LATENCY, registry=r)
         self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r)

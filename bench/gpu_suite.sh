@@ -27,12 +27,14 @@ for part in "$@"; do
     train)
       timeout 560 $PY bench/train_throughput.py --preset base --batch-size 256 --seq-len 128 2>&1 | quiet | tee "$OUT/train.log" | tail -12 ;;
     ortsettings)
-      { timeout 200 $PY bench/ort_cuda_settings.py build 2>&1 | quiet | tail -3
-        $PY bench/ort_cuda_settings.py default; $PY bench/ort_cuda_settings.py profile
+      { timeout 240 $PY bench/ort_cuda_settings.py build
+        for g in attention rawmask mha nomask; do $PY bench/ort_cuda_settings.py run $g; done
+        $PY bench/ort_cuda_settings.py profile attention
         for v in ORT_DISABLE_FLASH_ATTENTION ORT_DISABLE_TRT_FLASH_ATTENTION ORT_DISABLE_FUSED_ATTENTION \
-                 ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION; do env $v=1 VAR=$v $PY bench/ort_cuda_settings.py env; done
-        VAR=gemm16f ORT_CUDA_GEMM_OPTIONS=1 $PY bench/ort_cuda_settings.py env
-        $PY bench/ort_cuda_settings.py opts '{"tunable_op_enable": "1", "tunable_op_tuning_enable": "1"}'
+                 ORT_DISABLE_MEMORY_EFFICIENT_ATTENTION ORT_ENABLE_CUDNN_FLASH_ATTENTION; do
+          env $v=1 $PY bench/ort_cuda_settings.py run attention; env $v=1 $PY bench/ort_cuda_settings.py run mha; done
+        ORT_CUDA_GEMM_OPTIONS=1 $PY bench/ort_cuda_settings.py run attention
+        $PY bench/ort_cuda_settings.py run attention '{"tunable_op_enable": "1", "tunable_op_tuning_enable": "1"}'
       } 2>&1 | quiet | tee "$OUT/ort_settings.log" ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -137,10 +137,11 @@ def test_checkpoints_are_atomic_and_only_the_last_k_are_kept(tmp_path):
 def test_resume_continues_exactly(cache_dir, tmp_path, capsys):
     """2N steps straight == N steps, a crash, --resume, N more steps: same losses, same weights.
     With dropout on, gradient accumulation, and an epoch boundary between N and 2N."""
-    corpus = write_corpus(tmp_path / "short.txt", n_docs=60, seed=2)  # 23 micro-batches an epoch
+    corpus = write_corpus(tmp_path / "short.txt", n_docs=100, seed=2)  # an epoch: between N and 2N steps
     n = 8
     flags = ["--max-steps", str(2 * n), "--checkpoint-every", str(n), "--keep-checkpoints", "5",
-             "--log-every", "1", "--grad-accum", "2", "--eval-every", "0"]
+             "--log-every", "1", "--grad-accum", "2", "--eval-every", "0",
+             "--heldout-fraction", "0.2"]  # NSP balancing halves the small held-out split: keep one batch
     assert main(small_args(corpus, cache_dir, tmp_path / "a", tmp_path / "run_a", *flags)) == 0
     straight = read_metrics(tmp_path / "run_a")
     assert [r["step"] for r in straight] == list(range(1, 2 * n + 1))
@@ -182,7 +183,8 @@ def test_torchrun_two_cpu_processes(corpus, cache_dir, tmp_path):
 
     Without dropout, the first step's NSP loss (averaged over the two ranks, each over its own half)
     must equal one process's over the whole batch: it would not if both ranks read the same half."""
-    common = ["--max-steps", "3", "--log-every", "1", "--dropout", "0", "--eval-every", "0"]
+    common = ["--max-steps", "3", "--log-every", "1", "--dropout", "0", "--eval-every", "0",
+              "--heldout-fraction", "0.2"]  # one held-out batch of 16 after NSP balancing
     assert main(small_args(corpus, cache_dir, tmp_path / "single", tmp_path / "run1", *common,
                            "--batch-size", "16")) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
