@@ -22,6 +22,13 @@ from artifact.manifest import TOKENIZER_FILE, read_manifest
 log = logging.getLogger("app")
 
 
+def batch_token_budget(settings: Settings, device: str) -> int:
+    """The configured budget, else the device's default (see Settings.max_batch_tokens)."""
+    if settings.max_batch_tokens is not None:
+        return settings.max_batch_tokens
+    return 16384 if device == "cuda" else 4096
+
+
 def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
     """Wire tokenizer, engine and batcher from one Settings object; raise if the model is unusable."""
     import onnxruntime as ort
@@ -43,7 +50,7 @@ def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, settings.intra_op_threads)
     probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
     engine.health(probe.ids, probe.type_ids)
-    batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=settings.max_batch_tokens,
+    batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
                              max_queued=settings.max_queued_sequences, workers=settings.inference_workers,
                              metrics=metrics)

@@ -27,12 +27,15 @@ class Settings(BaseSettings):
     cuda_device_id: int = Field(0, ge=0)
     intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = one per core")
     inference_workers: int = Field(1, ge=1, le=8, description="batches run at the same time on the one session")
-    max_batch_tokens: int = Field(16384, ge=1, description="token budget of a batch, counted padded: "
-                                  "batch size x its longest sequence. The real limit on a batch: the engine's "
-                                  "time and memory follow padded tokens, and 16384 keeps BERT-base activations "
-                                  "small on any GPU while batches of short texts still fill max_batch_size")
+    max_batch_tokens: int | None = Field(None, ge=1, description="token budget of a batch, counted padded: "
+                                         "batch size x its longest sequence; the real limit on a batch, since the "
+                                         "engine's time and memory follow padded tokens. Default: 16384 on CUDA "
+                                         "(BERT-base activations stay small, batches of short texts still fill "
+                                         "max_batch_size); 4096 on the CPU, where a smaller budget makes batches "
+                                         "of similar lengths and every padded token costs")
+
     max_batch_size: int = Field(256, ge=1, description="most sequences in one batch; a cap for short texts "
-                                "only (256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "
+                                "only (on CUDA, 256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "
                                 "stopped at the cap while more work waited")
     max_wait_ms: float = Field(0.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
                                "before running a batch that is not full (work that queued behind a running "

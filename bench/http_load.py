@@ -127,7 +127,8 @@ def serve(artifact: Path, **settings):
 
 def raw_engine(artifact: Path, texts: list[str], batch_size: int, device: str = "cpu", precision: str = "fp32") -> dict:
     """The floor under the server: its tokenizer and engine (app.engine.OrtEngine, IO binding on CUDA)
-    called directly in fixed batches of the texts in order, no HTTP, no batcher."""
+    called directly in fixed batches, no HTTP, no batcher. Texts are sorted by length first, as
+    sentence-transformers' encode sorts them, so both pay the same (small) padding."""
     from app.engine import Batch, OrtEngine
     from artifact.manifest import read_manifest
     from tokenizers import Tokenizer
@@ -144,6 +145,7 @@ def raw_engine(artifact: Path, texts: list[str], batch_size: int, device: str = 
                                 np.array([e.attention_mask for e in encs], dtype=np.int64),
                                 np.array([e.type_ids for e in encs], dtype=np.int64), ("cls_embedding",)))
 
+    texts = sorted(texts, key=lambda t: len(tok.encode(t).ids))
     run(texts[:batch_size])
     started = time.perf_counter()
     for i in range(0, len(texts), batch_size):
@@ -187,12 +189,13 @@ def formats(url: str, texts: list[str], repeats: int = 20, per_request: int = 8)
 
 
 def compare(args) -> dict:
-    texts = make_texts(args.texts, args.seed)
+    texts = make_texts(args.texts, args.seed, args.min_words, args.max_words)
     results = {"texts": args.texts, "cpu_count": os.cpu_count()}
     print("raw engine ...", file=sys.stderr)
     results["raw_engine"] = raw_engine(args.artifact, texts, args.batch_size, args.device, args.precision)
     with serve(args.artifact, precision=args.precision, device=args.device) as url:
-        for concurrency, per_request in ((args.concurrency, 1), (args.concurrency, 8)):
+        # single texts from many clients, and a corpus job: a few clients sending 32 texts a request
+        for concurrency, per_request in ((args.concurrency, 1), (args.concurrency, 8), (4, 32)):
             print(f"server: {concurrency} clients x {per_request} text(s) per request ...", file=sys.stderr)
             results[f"server_c{concurrency}_x{per_request}"] = asyncio.run(
                 run_load(url, texts, concurrency, per_request, args.duration))
@@ -404,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--model-dir", type=Path, required=True, help="the BERT model folder that was exported")
     cmp_.add_argument("--artifact", type=Path, required=True, help="its artifact folder (python -m export)")
     cmp_.add_argument("--texts", type=int, default=512)
+    cmp_.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words")
+    cmp_.add_argument("--max-words", type=int, default=40)
     cmp_.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' and the raw engine's")
     cmp_.add_argument("--concurrency", type=int, default=16)
     cmp_.add_argument("--duration", type=float, default=120)

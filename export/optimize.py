@@ -94,12 +94,19 @@ def quantize_int8(fp32_optimized: Path, dst: Path, config: BertConfig) -> dict[s
     Quantises the fused graph, so Attention becomes QAttention and the embeddings QEmbedLayerNormalization."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    graph = onnx.load(str(fp32_optimized), load_external_data=False).graph
+    # The first layer's dense matmuls stay fp32: its errors travel through every later layer. Measured on
+    # all-MiniLM-L6-v2 (min pooled-vector cosine to fp32 on random padded batches): per-tensor scales
+    # 0.970, per-channel 0.989, per-channel with layer 0's dense matmuls kept 0.994 (gate: 0.99).
+    first_layer = [n.name for n in graph.node if n.op_type == "MatMul" and "/encoder/layer.0/" in n.name]
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # quantize_dynamic logs a pre-processing advice meant for CNNs
     try:
         quantize_dynamic(
             str(fp32_optimized), str(dst), weight_type=QuantType.QInt8,
+            per_channel=True,  # one scale per output channel
+            nodes_to_exclude=first_layer,
             # ORT's contrib ops (SkipLayerNormalization, ...) defeat ONNX shape inference; they are float
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )

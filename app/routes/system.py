@@ -45,7 +45,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "artifact": {"format_version": m.format_version, "created_at": m.created_at,
                      "weights_sha256": m.weights_sha256, "versions": m.versions},
         "limits": {
-            "max_batch_tokens": s.max_batch_tokens, "max_batch_size": s.max_batch_size,
+            "max_batch_tokens": service.batcher.max_batch_tokens, "max_batch_size": s.max_batch_size,
             "max_wait_ms": s.max_wait_ms, "max_queued_sequences": s.max_queued_sequences,
             "max_concurrent_requests": s.max_concurrent_requests,
             "max_inputs_per_request": s.max_inputs_per_request, "max_input_chars": s.max_input_chars,
