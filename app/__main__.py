@@ -1,14 +1,21 @@
-"""`python -m app --model-dir DIR [--host H] [--port P] [...]`: one uvicorn worker, one session, one batcher.
+"""`python -m app --model-dir DIR [--host H] [--port P] [--workers N] [...]`: serve an artifact folder.
 
-Every Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
+Each of `--workers` processes (default 1) has one ONNX Runtime session and one batcher. Every Settings
+field is a flag here and a BERTSERVE_* environment variable; flags win."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 from pydantic import ValidationError
 
+from app.metrics import MULTIPROC_DIR_VAR
 from app.settings import ENV_PREFIX, Settings
 
 
@@ -23,8 +30,9 @@ def parse_args(argv: list[str] | None = None) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    flags = parse_args(argv)
     try:
-        settings = Settings(**parse_args(argv))
+        settings = Settings(**flags)
     except ValidationError as e:
         lines = [f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()]
         print("bad settings (flags or BERTSERVE_* variables):\n" + "\n".join(lines), file=sys.stderr)
@@ -41,10 +49,35 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as e:
         print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, workers=1,
-                log_level=settings.log_level, access_log=settings.access_log, timeout_graceful_shutdown=10,
-                **_fast_protocols())
+    options = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
+                   access_log=settings.access_log, timeout_graceful_shutdown=10, **_fast_protocols())
+    if settings.workers == 1:
+        uvicorn.run(create_app(settings), workers=1, **options)
+        return 0
+    # uvicorn's process manager: it binds the port once, starts the workers (each builds its app from the
+    # same settings, so the flags travel as BERTSERVE_* variables) and restarts any that dies.
+    os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
+    with shared_metrics_dir():
+        uvicorn.run("app.main:create_app_from_env", factory=True, workers=settings.workers, **options)
     return 0
+
+
+@contextlib.contextmanager
+def shared_metrics_dir():
+    """prometheus_client's multiprocess mode: every worker writes its metrics to files in one folder and
+    /metrics sums them. The folder is PROMETHEUS_MULTIPROC_DIR when set (emptied first: values of an
+    earlier run must not count), else a temporary one removed on exit."""
+    given = os.environ.get(MULTIPROC_DIR_VAR)
+    folder = Path(given) if given else Path(tempfile.mkdtemp(prefix="bertserve-metrics-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):
+        stale.unlink()
+    os.environ[MULTIPROC_DIR_VAR] = str(folder)
+    try:
+        yield folder
+    finally:
+        if not given:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _fast_protocols() -> dict[str, str]:

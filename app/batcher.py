@@ -103,7 +103,7 @@ class DynamicBatcher:
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.max_wait_s, self.max_queued = max_wait_ms / 1000, max_queued
-        self._workers = workers
+        self.workers = workers
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
         self._wakeup = asyncio.Event()
@@ -120,7 +120,7 @@ class DynamicBatcher:
     def start(self) -> None:
         self._closed = False
         self._loop_ref = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="inference")
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="inference")
         self._loop_task = asyncio.create_task(self._loop(), name="batcher")
 
     async def stop(self) -> None:

@@ -54,8 +54,9 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
 
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
-                 intra_op_threads: int = 0, cuda_device_id: int = 0):
+                 intra_op_threads: int | None = None, cuda_device_id: int = 0):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
+        self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

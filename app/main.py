@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -26,7 +28,30 @@ def batch_token_budget(settings: Settings, device: str) -> int:
     """The configured budget, else the device's default (see Settings.max_batch_tokens)."""
     if settings.max_batch_tokens is not None:
         return settings.max_batch_tokens
-    return 16384 if device == "cuda" else 4096
+    return 16384 if device == "cuda" else 512
+
+
+def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]:
+    """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
+    default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
+    (all-MiniLM-L6-v2, 2 cores, see BENCHMARKS.md): no thread hand-offs inside small matrix products."""
+    if device == "cuda":
+        return settings.inference_workers or 1, settings.intra_op_threads
+    cores = usable_cores()
+    workers = settings.inference_workers or cores
+    return workers, settings.intra_op_threads or max(1, cores // workers)
+
+
+def usable_cores() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (`docker run --cpus`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
@@ -38,21 +63,22 @@ def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
                               manifest.special_tokens)
     device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
                                                  ort.get_available_providers())
+    workers, threads = inference_threads(settings, device)
     try:
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, settings.intra_op_threads,
-                           settings.cuda_device_id)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise
         # onnxruntime-gpu lists the CUDA provider even where no GPU or CUDA library is found.
         log.warning("CUDA did not start (%s); serving on the CPU instead", e)
         device, precision = resolve_device_precision("cpu", settings.precision, manifest, [CPU])
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, settings.intra_op_threads)
+        workers, threads = inference_threads(settings, device)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads)
     probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
     engine.health(probe.ids, probe.type_ids)
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-                             max_queued=settings.max_queued_sequences, workers=settings.inference_workers,
+                             max_queued=settings.max_queued_sequences, workers=workers,
                              metrics=metrics)
     service = InferenceService(settings, manifest, tokenizer, engine, batcher, metrics)
     metrics.model.labels(service.model_name, precision, engine.provider).set(1)
@@ -83,6 +109,13 @@ def serving_gc():
         gc.unfreeze()
 
 
+def create_app_from_env() -> FastAPI:
+    """The app of one of several worker processes: settings from BERTSERVE_* variables (see __main__)."""
+    settings = Settings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return create_app(settings)
+
+
 def create_app(settings: Settings) -> FastAPI:
     metrics = Metrics()
 
@@ -97,6 +130,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             app.state.service = None
             await service.batcher.stop()
+            metrics.process_exited()
 
     app = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan,
                   description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "

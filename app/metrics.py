@@ -1,14 +1,20 @@
-"""Prometheus metrics, one registry per app, and the ASGI middleware that counts every request."""
+"""Prometheus metrics, one registry per app, and the ASGI middleware that counts every request.
+
+With several server processes (`workers` > 1) prometheus_client's multiprocess mode is on: each process
+writes its values to files under PROMETHEUS_MULTIPROC_DIR and `exposition()` sums them all."""
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import multiprocess
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+MULTIPROC_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
 
 
 class Metrics:
@@ -20,8 +26,11 @@ class Metrics:
                                 ["endpoint", "status", "type"], registry=r)
         self.request_seconds = Histogram("bertserve_request_duration_seconds", "time to answer a request",
                                          ["endpoint"], buckets=_LATENCY, registry=r)
-        self.inflight = Gauge("bertserve_inflight_requests", "requests being served", registry=r)
-        self.queue_depth = Gauge("bertserve_queue_depth", "sequences waiting for a batch", registry=r)
+        # Gauges summed over the live processes when there are several (ignored with one).
+        self.inflight = Gauge("bertserve_inflight_requests", "requests being served", registry=r,
+                              multiprocess_mode="livesum")
+        self.queue_depth = Gauge("bertserve_queue_depth", "sequences waiting for a batch", registry=r,
+                                 multiprocess_mode="livesum")
         self.sequences = Counter("bertserve_sequences", "sequences (texts or pairs) embedded", registry=r)
         self.dropped_sequences = Counter("bertserve_dropped_sequences", "queued sequences dropped before "
                                          "inference because their client went away", registry=r)
@@ -34,7 +43,23 @@ class Metrics:
                                        "batches (its longest-waiting sequence)", buckets=_LATENCY, registry=r)
         self.inference_seconds = Histogram("bertserve_inference_duration_seconds", "time per batch in the engine "
                                            "(collation and output copy included)", buckets=_LATENCY, registry=r)
-        self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r)
+        self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r,
+                           multiprocess_mode="max")
+        self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_VAR))
+        if self.multiprocess:
+            self._exposed = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._exposed)
+        else:
+            self._exposed = r
+
+    def exposition(self) -> bytes:
+        """Prometheus text format: this process's metrics, or every worker's summed."""
+        return generate_latest(self._exposed)
+
+    def process_exited(self) -> None:
+        """Drop this process's live gauges from the sums (its counters and histograms stay counted)."""
+        if self.multiprocess:
+            multiprocess.mark_process_dead(os.getpid())
 
     def observe_batch(self, size: int, padded_tokens: int, seconds: float) -> None:
         self.batch_size.observe(size)

@@ -25,14 +25,21 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
         "auto", description="auto: fp16 on CUDA, fp32 on CPU; int8 is CPU only")
     cuda_device_id: int = Field(0, ge=0)
-    intra_op_threads: int = Field(0, ge=0, description="ONNX Runtime intra-op threads; 0 = one per core")
-    inference_workers: int = Field(1, ge=1, le=8, description="batches run at the same time on the one session")
+    workers: int = Field(1, ge=1, le=64, description="server processes sharing the port, each with its own "
+                         "ONNX Runtime session and batcher, metrics summed over all. On a GPU, several keep it busy "
+                         "where one Python process cannot (its per-request work is the limit; see BENCHMARKS.md); "
+                         "on the CPU keep 1: inference_workers already use every core")
+    intra_op_threads: int | None = Field(None, ge=1, description="ONNX Runtime threads per batch. Default: one "
+                                         "on the CPU (batches run side by side, one per core: faster than one "
+                                         "batch over all cores), ONNX Runtime's own choice on CUDA")
+    inference_workers: int | None = Field(None, ge=1, le=256, description="batches run at the same time on the one "
+                                          "session. Default: one per usable core on the CPU, 1 on CUDA")
     max_batch_tokens: int | None = Field(None, ge=1, description="token budget of a batch, counted padded: "
                                          "batch size x its longest sequence; the real limit on a batch, since the "
                                          "engine's time and memory follow padded tokens. Default: 16384 on CUDA "
                                          "(BERT-base activations stay small, batches of short texts still fill "
-                                         "max_batch_size); 4096 on the CPU, where a smaller budget makes batches "
-                                         "of similar lengths and every padded token costs")
+                                         "max_batch_size); 512 on the CPU, where every padded token costs and small "
+                                         "batches of similar lengths ran fastest (int8 lost 20% at 1024)")
 
     max_batch_size: int = Field(256, ge=1, description="most sequences in one batch; a cap for short texts "
                                 "only (on CUDA, 256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "

@@ -26,6 +26,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/http_load.py` from a checkout: app/ is importable
@@ -64,35 +66,78 @@ def _pct(values: list[float], p: float) -> float:
     return float(np.percentile(values, p)) if values else float("nan")
 
 
+_CONTENT_LENGTH = re.compile(rb"\r\ncontent-length: *(\d+)", re.IGNORECASE)
+
+
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection with hand-built requests: tens of µs of client CPU per request
+    where httpx spends about 2 ms, so that the load generator measures the server and not itself (on a
+    2-core box it shares the cores with the server under test). Reads the whole body, parses nothing."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None):
+        _loopback(url)
+        u = httpx.URL(url)
+        self.host, self.port = u.host, u.port
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._head = f"Host: {u.host}\r\nContent-Type: application/json\r\n{extra}".encode()
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def __aenter__(self) -> "RawConnection":
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.writer.close()
+
+    async def post(self, path: str, body: dict) -> tuple[int, bytes]:
+        data = orjson.dumps(body)
+        self.writer.write(b"POST %s HTTP/1.1\r\n%sContent-Length: %d\r\n\r\n%s"
+                          % (path.encode(), self._head, len(data), data))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = _CONTENT_LENGTH.search(head)
+        if length is None:
+            raise RuntimeError(f"no content-length in {head[:200]!r}")
+        return int(head[9:12]), await self.reader.readexactly(int(length.group(1)))
+
+
+def _fast_loop() -> None:
+    with contextlib.suppress(ImportError):
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 async def run_load(url: str, texts: list[str], concurrency: int, per_request: int = 1, duration_s: float = 60.0,
                    body: dict | None = None, endpoint: str = "/embed", api_key: str | None = None) -> dict:
-    """Send `texts` in requests of `per_request` from `concurrency` clients; stop early after duration_s."""
-    _loopback(url)
+    """Send `texts` in requests of `per_request` from `concurrency` clients (one keep-alive connection
+    each); stop early after duration_s."""
     chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
     next_chunk = 0
     latencies: list[float] = []
     done_texts = errors = 0
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits, headers=headers) as client:
-        await client.post(endpoint, json={"inputs": texts[:1], **(body or {})})  # connection + warm-up
+    connections = [RawConnection(url, headers) for _ in range(concurrency)]
+    async with contextlib.AsyncExitStack() as stack:
+        for c in connections:
+            await stack.enter_async_context(c)
+        await asyncio.gather(*(c.post(endpoint, {"inputs": texts[:1], **(body or {})}) for c in connections))
         started = time.perf_counter()
         deadline = started + duration_s
 
-        async def worker() -> None:
+        async def worker(c: RawConnection) -> None:
             nonlocal next_chunk, done_texts, errors
             while next_chunk < len(chunks) and time.perf_counter() < deadline:
                 chunk = chunks[next_chunk]
                 next_chunk += 1
                 t0 = time.perf_counter()
-                r = await client.post(endpoint, json={"inputs": chunk, **(body or {})})
+                status, _ = await c.post(endpoint, {"inputs": chunk, **(body or {})})
                 latencies.append(time.perf_counter() - t0)
-                if r.status_code == 200:
+                if status == 200:
                     done_texts += len(chunk)
                 else:
                     errors += 1
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(c) for c in connections))
         wall = time.perf_counter() - started
     return {"texts": done_texts, "errors": errors, "wall_s": round(wall, 3),
             "texts_per_s": round(done_texts / wall, 1), "requests_per_s": round(len(latencies) / wall, 1),
@@ -265,29 +310,32 @@ def engine_reference(artifact: Path, texts: list[str], batch_sizes: list[int], d
 
 def _client_process(url: str, texts: list[str], per_request: int, connections: int, start_at: float,
                     duration_s: float, seed: int) -> dict:
-    """One client process: `connections` closed-loop workers on one asyncio loop and one httpx pool."""
+    """One client process: `connections` closed-loop workers, one keep-alive connection each."""
     rng = random.Random(seed)
+    _fast_loop()
 
     async def go() -> dict:
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         latencies: list[float] = []
         errors = 0
-        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-            await asyncio.gather(*(client.post("/embed", json={"inputs": SHORT_TEXT}) for _ in range(connections)))
+        conns = [RawConnection(url) for _ in range(connections)]
+        async with contextlib.AsyncExitStack() as stack:
+            for c in conns:
+                await stack.enter_async_context(c)
+            await asyncio.gather(*(c.post("/embed", {"inputs": SHORT_TEXT}) for c in conns))
             await asyncio.sleep(max(0.0, start_at - time.time()))
             cpu0, deadline = time.process_time(), time.perf_counter() + duration_s
 
-            async def worker() -> None:
+            async def worker(c: RawConnection) -> None:
                 nonlocal errors
                 while time.perf_counter() < deadline:
                     i = rng.randrange(len(texts) - per_request + 1)
                     body = {"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls"}
                     t0 = time.perf_counter()
-                    r = await client.post("/embed", json=body)
+                    status, _ = await c.post("/embed", body)
                     latencies.append(time.perf_counter() - t0)
-                    errors += r.status_code != 200
+                    errors += status != 200
 
-            await asyncio.gather(*(worker() for _ in range(connections)))
+            await asyncio.gather(*(worker(c) for c in conns))
         return {"latencies": latencies, "errors": errors, "cpu_s": time.process_time() - cpu0}
 
     return asyncio.run(go())
@@ -353,22 +401,37 @@ def serving(args) -> dict:
     print("raw engine ...", file=sys.stderr)
     engine = engine_reference(args.artifact, texts, batch_sizes, args.device, args.precision, args.engine_seconds)
     results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}}
-    settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms}
-    with serve(args.artifact, **settings) as url:
-        for per_request in (1, 16):
-            print(f"HTTP: {args.processes} processes x {args.connections} connections, {per_request} text(s) "
-                  f"per request ...", file=sys.stderr)
-            before = _server_batches(url)
-            run = multiprocess_load(url, texts, per_request, args.processes, args.connections, args.duration)
-            after = _server_batches(url)
-            run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
-            run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
-            results["http"][f"x{per_request}"] = run
-        print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
-        one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
-        one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
-        results["http"]["c1_short"] = one
+    for workers in [int(x) for x in args.workers.split(",")]:
+        settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
+                    "workers": workers}
+        runs = results["http"][f"workers{workers}"] = {}
+        with serve(args.artifact, **settings) as url:
+            _all_workers_up(url, workers)
+            for per_request in (1, 16, 64):
+                print(f"HTTP, {workers} server process(es): {args.processes} client processes x {args.connections} "
+                      f"connections, {per_request} text(s) per request ...", file=sys.stderr)
+                before = _server_batches(url)
+                run = multiprocess_load(url, texts, per_request, args.processes, args.connections, args.duration)
+                after = _server_batches(url)
+                run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
+                run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
+                runs[f"x{per_request}"] = run
+            print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
+            one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
+            one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
+            runs["c1_short"] = one
     return results
+
+
+def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> None:
+    """/ready answers once one worker is up; wait until every worker has written its model gauge."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pids = {httpx.get(f"{url}/info", timeout=5).json()["pid"] for _ in range(4 * workers)}
+        if len(pids) >= workers:
+            return
+        time.sleep(1)
+    print(f"warning: saw fewer than {workers} worker processes answer", file=sys.stderr)
 
 
 def print_serving_table(r: dict) -> None:
@@ -376,17 +439,19 @@ def print_serving_table(r: dict) -> None:
     print(f"engine ({e['provider']}, {e['precision']}, mean {e['mean_tokens']} tokens/text): "
           + ", ".join(f"b{b} {v:,.0f} texts/s" for b, v in e["texts_per_s"].items())
           + f"; batch-1 short text p50 {e['batch1_short_p50_ms']} ms")
-    print(f"{'HTTP /embed (cls)':<26}{'texts/s':>10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
+    print(f"{'HTTP /embed (cls)':<34}{'texts/s':>10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
           f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}")
-    for key in ("x1", "x16"):
-        h = r["http"][key]
-        label = f"{h['texts_per_request']} text(s), {h['clients']} clients"
-        print(f"{label:<26}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
-              f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}{h['client_cpu_share']:>12}")
-    c1 = r["http"]["c1_short"]
-    print(f"one short text, concurrency 1: p50 {c1['p50_ms']} ms (engine batch-1 {e['batch1_short_p50_ms']} ms, "
-          f"+{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms; server's x-inference-ms p50 "
-          f"{c1['server_inference_p50_ms']} ms")
+    for workers, runs in r["http"].items():
+        for key in ("x1", "x16", "x64"):
+            h = runs[key]
+            label = f"{workers}, {h['texts_per_request']} text(s), {h['clients']} cl"
+            print(f"{label:<34}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
+                  f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}"
+                  f"{h['client_cpu_share']:>12}")
+        c1 = runs["c1_short"]
+        print(f"{workers}, one short text, concurrency 1: p50 {c1['p50_ms']} ms (engine batch-1 "
+              f"{e['batch1_short_p50_ms']} ms, +{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms; server's "
+              f"x-inference-ms p50 {c1['server_inference_p50_ms']} ms")
     print("targets: x engine >= 0.85; +ms over engine <= 2; client cpu share well under 1.0 (else add --processes)")
 
 
@@ -420,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     srv.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8"], default="auto")
     srv.add_argument("--texts", type=int, default=4096)
-    srv.add_argument("--engine-batches", default="1,8,32,64", help="batch sizes for the raw engine")
+    srv.add_argument("--engine-batches", default="1,8,32,64,128,256", help="batch sizes for the raw engine")
+    srv.add_argument("--workers", default="1,4", help="server process counts to load, one server each")
     srv.add_argument("--engine-seconds", type=float, default=3.0, help="per batch size")
     srv.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                      help="client processes (default: half the cores; the server needs the rest)")
@@ -431,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in (load, fmt, cmp_, srv):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    _fast_loop()
 
     if args.command == "load":
         texts = make_texts(args.requests * args.texts_per_request, args.seed)

@@ -158,6 +158,40 @@ def test_disconnects_and_overload(tiny_artifact_dir):
         assert httpx.post(f"{base}/embed", json={"inputs": "still fine"}, timeout=30).status_code == 200
 
 
+def test_several_worker_processes_serve_one_port_and_sum_their_metrics(tiny_artifact_dir, tmp_path, monkeypatch):
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    (metrics_dir / "counter_99999.db").write_bytes(b"left by an earlier run")  # must be wiped, not summed
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    with running_server(tiny_artifact_dir, workers=2) as base:
+        # Each worker writes its model gauge once loaded: one file per process id. /ready answered as
+        # soon as one worker was up (a worker accepts connections only once it is ready itself).
+        deadline = time.monotonic() + 60
+        while len(pids := {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("gauge_max_*.db")}) < 2:
+            assert time.monotonic() < deadline, f"workers up: {pids}"
+            time.sleep(0.1)
+        assert len(pids) == 2 and "99999" not in {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("*.db")}
+
+        async def load():
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=32)) as c:
+                rs = await asyncio.gather(*(c.post("/embed", json={"inputs": [f"text {i}", "two"]}) for i in range(40)))
+                info = await c.get("/info")
+            return rs, info.json()
+        rs, info = asyncio.run(load())
+        assert [r.status_code for r in rs] == [200] * 40
+        assert info["limits"]["workers"] == 2 and str(info["pid"]) in pids
+        assert metric(base, 'bertserve_requests_total{endpoint="/embed",status="200"}') == 40
+        assert metric(base, "bertserve_sequences_total") == 80
+
+
+def test_workers_metrics_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with running_server(tiny_artifact_dir, workers=2) as base:
+        assert httpx.post(f"{base}/embed", json={"inputs": "x"}, timeout=30).status_code == 200
+        assert len(list(tmp_path.glob("bertserve-metrics-*"))) == 1
+    assert list(tmp_path.glob("bertserve-metrics-*")) == []
+
+
 def test_openai_client(server):
     import openai  # a dev dependency: the real client against the real server
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")

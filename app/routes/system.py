@@ -1,8 +1,10 @@
 """GET /health, /ready, /info and /metrics."""
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Depends, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from app.responses import json_response
@@ -49,14 +51,16 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
             "max_wait_ms": s.max_wait_ms, "max_queued_sequences": s.max_queued_sequences,
             "max_concurrent_requests": s.max_concurrent_requests,
             "max_inputs_per_request": s.max_inputs_per_request, "max_input_chars": s.max_input_chars,
-            "max_request_bytes": s.max_request_bytes, "inference_workers": s.inference_workers,
+            "max_request_bytes": s.max_request_bytes, "inference_workers": service.batcher.workers,
+            "intra_op_threads": e.intra_op_threads, "workers": s.workers,
         },
         "openai": {"pooling": s.openai_pooling, "normalize": s.openai_normalize},
         "auth": s.api_key is not None,
+        "pid": os.getpid(),  # which of `workers` processes answered
     })
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text format."""
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
