@@ -408,10 +408,12 @@ def serving(args) -> dict:
         with serve(args.artifact, **settings) as url:
             _all_workers_up(url, workers)
             for per_request in (1, 16, 64):
-                print(f"HTTP, {workers} server process(es): {args.processes} client processes x {args.connections} "
-                      f"connections, {per_request} text(s) per request ...", file=sys.stderr)
+                # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
+                connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
                 before = _server_batches(url)
-                run = multiprocess_load(url, texts, per_request, args.processes, args.connections, args.duration)
+                print(f"HTTP, {workers} server process(es): {args.processes} client processes x {connections} "
+                      f"connections, {per_request} text(s) per request ...", file=sys.stderr)
+                run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration)
                 after = _server_batches(url)
                 run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
                 run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
@@ -490,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--engine-seconds", type=float, default=3.0, help="per batch size")
     srv.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                      help="client processes (default: half the cores; the server needs the rest)")
-    srv.add_argument("--connections", type=int, default=16, help="concurrent connections per client process")
+    srv.add_argument("--connections", type=int, default=16, help="concurrent connections per client process "
+                     "(at most; fewer for larger requests, see --max-inflight-texts)")
+    srv.add_argument("--max-inflight-texts", type=int, default=2048, help="texts in flight over all connections")
     srv.add_argument("--duration", type=float, default=15.0, help="seconds per HTTP run")
     srv.add_argument("--latency-requests", type=int, default=2000)
     srv.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's setting")
