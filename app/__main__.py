@@ -1,21 +1,15 @@
 """`python -m app --model-dir DIR [--host H] [--port P] [--workers N] [...]`: serve an artifact folder.
 
-Each of `--workers` processes (default 1) has one ONNX Runtime session and one batcher. Every Settings
-field is a flag here and a BERTSERVE_* environment variable; flags win."""
+One process (`--workers 1`, the default) has one ONNX Runtime session and one batcher; with more, see
+app/workers.py. Every Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 from pydantic import ValidationError
 
-from app.metrics import MULTIPROC_DIR_VAR
 from app.settings import ENV_PREFIX, Settings
 
 
@@ -54,30 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers == 1:
         uvicorn.run(create_app(settings), workers=1, **options)
         return 0
-    # uvicorn's process manager: it binds the port once, starts the workers (each builds its app from the
-    # same settings, so the flags travel as BERTSERVE_* variables) and restarts any that dies.
-    os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
-    with shared_metrics_dir():
-        uvicorn.run("app.main:create_app_from_env", factory=True, workers=settings.workers, **options)
-    return 0
+    from app.workers import serve_with_workers
 
-
-@contextlib.contextmanager
-def shared_metrics_dir():
-    """prometheus_client's multiprocess mode: every worker writes its metrics to files in one folder and
-    /metrics sums them. The folder is PROMETHEUS_MULTIPROC_DIR when set (emptied first: values of an
-    earlier run must not count), else a temporary one removed on exit."""
-    given = os.environ.get(MULTIPROC_DIR_VAR)
-    folder = Path(given) if given else Path(tempfile.mkdtemp(prefix="bertserve-metrics-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    for stale in folder.glob("*.db"):
-        stale.unlink()
-    os.environ[MULTIPROC_DIR_VAR] = str(folder)
-    try:
-        yield folder
-    finally:
-        if not given:
-            shutil.rmtree(folder, ignore_errors=True)
+    return serve_with_workers(settings, flags, options)
 
 
 def _fast_protocols() -> dict[str, str]:

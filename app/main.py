@@ -1,90 +1,40 @@
 """`create_app(settings)` assembles the FastAPI app; its lifespan loads the artifact, runs a real forward
-pass, starts the batcher, and on shutdown drains it. Nothing happens at import time."""
+pass, starts the batcher (or, in a worker of a multi-process server, connects to the engine process),
+and on shutdown drains it. Nothing happens at import time."""
 from __future__ import annotations
 
 import gc
 import logging
-import os
 from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 
-from app.batcher import DynamicBatcher
-from app.engine import CPU, EngineError, OrtEngine, resolve_device_precision
+from app.build import build_engine, load_tokenizer
+from app.engine_link import EngineClient
 from app.errors import register_error_handlers
 from app.metrics import Metrics, MetricsMiddleware
 from app.middleware import RequestBodyMiddleware
 from app.routes import embed, nsp, openai, system
 from app.service import InferenceService
 from app.settings import Settings
-from app.tokenization import TextTokenizer
-from artifact.manifest import TOKENIZER_FILE, read_manifest
 
 log = logging.getLogger("app")
 
 
-def batch_token_budget(settings: Settings, device: str) -> int:
-    """The configured budget, else the device's default (see Settings.max_batch_tokens)."""
-    if settings.max_batch_tokens is not None:
-        return settings.max_batch_tokens
-    return 16384 if device == "cuda" else 512
-
-
-def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]:
-    """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
-    default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
-    (all-MiniLM-L6-v2, 2 cores, see BENCHMARKS.md): no thread hand-offs inside small matrix products."""
-    if device == "cuda":
-        return settings.inference_workers or 1, settings.intra_op_threads
-    cores = usable_cores()
-    workers = settings.inference_workers or cores
-    return workers, settings.intra_op_threads or max(1, cores // workers)
-
-
-def usable_cores() -> int:
-    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (`docker run --cpus`)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, int(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
-    return cores
-
-
 def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
-    """Wire tokenizer, engine and batcher from one Settings object; raise if the model is unusable."""
-    import onnxruntime as ort
+    """This process's own engine and batcher (one server process)."""
+    manifest, tokenizer = load_tokenizer(settings)
+    engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
+    batcher.start()
+    return InferenceService(settings, manifest, tokenizer, engine, batcher, metrics)
 
-    manifest = read_manifest(settings.model_dir)
-    tokenizer = TextTokenizer(settings.model_dir / TOKENIZER_FILE, manifest.max_length, settings.max_input_chars,
-                              manifest.special_tokens)
-    device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
-                                                 ort.get_available_providers())
-    workers, threads = inference_threads(settings, device)
-    try:
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id)
-    except EngineError as e:
-        if settings.device != "auto" or device != "cuda":
-            raise
-        # onnxruntime-gpu lists the CUDA provider even where no GPU or CUDA library is found.
-        log.warning("CUDA did not start (%s); serving on the CPU instead", e)
-        device, precision = resolve_device_precision("cpu", settings.precision, manifest, [CPU])
-        workers, threads = inference_threads(settings, device)
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads)
-    probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
-    engine.health(probe.ids, probe.type_ids)
-    batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
-                             max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-                             max_queued=settings.max_queued_sequences, workers=workers,
-                             metrics=metrics)
-    service = InferenceService(settings, manifest, tokenizer, engine, batcher, metrics)
-    metrics.model.labels(service.model_name, precision, engine.provider).set(1)
-    log.info("serving %s (%s, %s on %s) from %s", service.model_name, precision, engine.provider, device,
-             settings.model_dir)
-    return service
+
+async def connect_service(settings: Settings, metrics: Metrics, on_lost) -> InferenceService:
+    """One of several server processes: the batcher is the engine process's, reached over its socket."""
+    manifest, tokenizer = load_tokenizer(settings)
+    client = EngineClient(str(settings.engine_socket), on_lost)
+    info = await client.connect()
+    return InferenceService(settings, manifest, tokenizer, info, client, metrics)
 
 
 # Young-generation GC threshold while serving (Python's default: 700 allocations). Each request makes a
@@ -121,8 +71,14 @@ def create_app(settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        service = build_service(settings, metrics)
-        service.batcher.start()
+        if settings.engine_socket is None:
+            service = build_service(settings, metrics)
+        else:
+            service = await connect_service(settings, metrics, on_lost=lambda: setattr(app.state, "service", None))
+        e = service.engine
+        metrics.model.labels(service.model_name, e.precision, e.provider).set(1)
+        log.info("serving %s (%s, %s on %s) from %s", service.model_name, e.precision, e.provider, e.device,
+                 settings.model_dir)
         app.state.service = service  # from here on /ready answers 200
         try:
             with serving_gc():

@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from app.batcher import DynamicBatcher, GroupResult
 from app.engine import OrtEngine
+from app.engine_link import EngineClient, EngineInfo
 from app.errors import ClientClosed, InvalidInput, Overloaded, TooManyInputs
 from app.metrics import Metrics
 from app.settings import Settings
@@ -56,8 +57,8 @@ class Inference:
 
 
 class InferenceService:
-    def __init__(self, settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, engine: OrtEngine,
-                 batcher: DynamicBatcher, metrics: Metrics):
+    def __init__(self, settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, engine: OrtEngine | EngineInfo,
+                 batcher: DynamicBatcher | EngineClient, metrics: Metrics):
         self.settings, self.manifest, self.tokenizer = settings, manifest, tokenizer
         self.engine, self.batcher, self.metrics = engine, batcher, metrics
         self.model_name = settings.model_name or manifest.model_name

@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")
     openai_pooling: Literal["cls", "pooled", "mean"] = Field("cls", description="pooling of /v1/embeddings")
     openai_normalize: bool = Field(True, description="L2-normalise /v1/embeddings vectors, as OpenAI's are")
+    engine_socket: Path | None = Field(None, description="internal, set by `workers` > 1 for its worker "
+                                       "processes: the Unix socket of the engine process")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 

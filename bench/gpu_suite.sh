@@ -21,7 +21,7 @@ for part in "$@"; do
       [ -f /tmp/g/art/manifest.json ] || { timeout 120 $PY bench/make_base_model.py /tmp/g \
         && timeout 240 $PY -m export --model /tmp/g/model --out /tmp/g/art --device cuda 2>&1 | quiet | tail -3; }
       timeout 480 $PY bench/http_load.py serving --artifact /tmp/g/art --device cuda --precision fp16 \
-        --workers "${WORKERS:-1,2,4,8}" --processes 6 --connections 16 --duration 10 --latency-requests 1000 \
+        --workers "${WORKERS:-1,4,8,12}" --processes 6 --connections 16 --duration 10 --latency-requests 1000 \
         2>&1 | quiet | tee "$OUT/http_serving.log" | tail -30 ;;
     engine)
       timeout 420 $PY bench/engine_throughput.py --device cuda --preset base 2>&1 | quiet | tee "$OUT/engine.log" | tail -32 ;;

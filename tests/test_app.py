@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from app.batcher import DynamicBatcher
 from app.engine import EngineError, resolve_device_precision
+from app.build import usable_cores
 from app.main import create_app
 from app.settings import Settings
 from artifact.manifest import ManifestError, read_manifest
@@ -410,7 +411,8 @@ def test_concurrent_request_limit(artifact):
 
 def test_cancelled_requests_are_dropped_before_inference(artifact):
     async def go():
-        async with serving(artifact, max_batch_size=1) as (c, app):
+        # One batch at a time (the CPU default runs one per core), so that the next ones must queue.
+        async with serving(artifact, max_batch_size=1, inference_workers=1) as (c, app):
             _slow_engine(app, 0.3)
             first = asyncio.create_task(c.post("/embed", json={"inputs": "runs first"}))
             await asyncio.sleep(0.05)  # first is running; the next ones wait in the queue
@@ -467,7 +469,9 @@ def test_info_and_int8(artifact):
         return info, r, fp32
     info, r, fp32 = run(go())
     assert info["precision"] == "int8" and info["device"] == "cpu" and info["dimensions"] == 128
-    assert info["has_nsp_head"] is True and info["limits"]["max_batch_tokens"] == 4096  # the CPU default
+    # The CPU defaults: small batches, one single-threaded batch per usable core.
+    assert info["has_nsp_head"] is True and info["limits"]["max_batch_tokens"] == 512
+    assert info["limits"]["inference_workers"] == usable_cores() and info["limits"]["intra_op_threads"] == 1
     for a, b in zip(r.json()["data"], fp32.json()["data"]):
         assert float(np.dot(a["embedding"], b["embedding"])) > 0.99
 
@@ -567,7 +571,7 @@ def test_app_never_imports_torch(artifact):
     code = f"""
 import asyncio, sys
 import httpx
-import app.main, app.__main__
+import app.main, app.__main__, app.workers, app.engine_process
 from app.main import create_app
 from app.settings import Settings
 async def go():

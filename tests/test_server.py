@@ -158,38 +158,68 @@ def test_disconnects_and_overload(tiny_artifact_dir):
         assert httpx.post(f"{base}/embed", json={"inputs": "still fine"}, timeout=30).status_code == 200
 
 
-def test_several_worker_processes_serve_one_port_and_sum_their_metrics(tiny_artifact_dir, tmp_path, monkeypatch):
+def test_several_workers_share_one_engine_process_and_sum_their_metrics(server, tiny_artifact_dir, tmp_path,
+                                                                        monkeypatch):
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
     (metrics_dir / "counter_99999.db").write_bytes(b"left by an earlier run")  # must be wiped, not summed
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics_dir))
+    texts = [f"text {i} " + "more words " * (i % 5) for i in range(40)]
     with running_server(tiny_artifact_dir, workers=2) as base:
-        # Each worker writes its model gauge once loaded: one file per process id. /ready answered as
-        # soon as one worker was up (a worker accepts connections only once it is ready itself).
+        # Each worker writes its model gauge once connected to the engine: one file per process id.
+        # /ready answered as soon as one worker was up (a worker accepts connections only when ready).
         deadline = time.monotonic() + 60
         while len(pids := {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("gauge_max_*.db")}) < 2:
             assert time.monotonic() < deadline, f"workers up: {pids}"
             time.sleep(0.1)
-        assert len(pids) == 2 and "99999" not in {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("*.db")}
+        assert "99999" not in {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("*.db")}
 
         async def load():
             async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=32)) as c:
-                rs = await asyncio.gather(*(c.post("/embed", json={"inputs": [f"text {i}", "two"]}) for i in range(40)))
-                info = await c.get("/info")
-            return rs, info.json()
-        rs, info = asyncio.run(load())
+                rs = await asyncio.gather(*(c.post("/embed", json={"inputs": [t, "two"]}) for t in texts))
+                infos = [(await c.get("/info")).json() for _ in range(4)]
+            return rs, infos
+        rs, infos = asyncio.run(load())
         assert [r.status_code for r in rs] == [200] * 40
-        assert info["limits"]["workers"] == 2 and str(info["pid"]) in pids
+        assert all(i["limits"]["workers"] == 2 and str(i["pid"]) in pids for i in infos)
+        assert len({i["engine_pid"] for i in infos}) == 1 and str(infos[0]["engine_pid"]) not in pids
         assert metric(base, 'bertserve_requests_total{endpoint="/embed",status="200"}') == 40
-        assert metric(base, "bertserve_sequences_total") == 80
+        assert metric(base, "bertserve_sequences_total") == 80  # counted by the engine process
+    # The same vectors as one process serving alone.
+    single = httpx.post(f"{server}/embed", json={"inputs": texts[:8]}, timeout=30).json()["data"]
+    for r, one in zip(rs, single):
+        np.testing.assert_allclose(r.json()["data"][0]["embedding"], one["embedding"], atol=1e-5)
 
 
-def test_workers_metrics_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatch):
+def test_workers_run_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     with running_server(tiny_artifact_dir, workers=2) as base:
         assert httpx.post(f"{base}/embed", json={"inputs": "x"}, timeout=30).status_code == 200
-        assert len(list(tmp_path.glob("bertserve-metrics-*"))) == 1
-    assert list(tmp_path.glob("bertserve-metrics-*")) == []
+        assert len(list(tmp_path.glob("bertserve-run-*/metrics/*.db"))) > 0
+    assert list(tmp_path.glob("bertserve-run-*")) == []
+
+
+def test_a_dead_engine_process_stops_the_server(tiny_artifact_dir):
+    """Without its engine nothing can be answered: the server exits non-zero for its supervisor to restart."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), "--port", str(port),
+                             "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=1)
+                if info.status_code == 200:
+                    break
+            time.sleep(0.1)
+        os.kill(info.json()["engine_pid"], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert "the engine process exited" in log, log
 
 
 def test_openai_client(server):

@@ -57,6 +57,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "openai": {"pooling": s.openai_pooling, "normalize": s.openai_normalize},
         "auth": s.api_key is not None,
         "pid": os.getpid(),  # which of `workers` processes answered
+        "engine_pid": getattr(e, "pid", os.getpid()),  # the process that holds the session
     })
 
 

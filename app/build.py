@@ -1,0 +1,80 @@
+"""Settings -> tokenizer, ONNX Runtime engine and batcher, with the defaults that depend on the device."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from app.batcher import DynamicBatcher
+from app.engine import CPU, EngineError, OrtEngine, resolve_device_precision
+from app.metrics import Metrics
+from app.settings import Settings
+from app.tokenization import TextTokenizer
+from artifact.manifest import TOKENIZER_FILE, Manifest, read_manifest
+
+log = logging.getLogger("app")
+
+
+def batch_token_budget(settings: Settings, device: str) -> int:
+    """The configured budget, else the device's default (see Settings.max_batch_tokens)."""
+    if settings.max_batch_tokens is not None:
+        return settings.max_batch_tokens
+    return 16384 if device == "cuda" else 512
+
+
+def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]:
+    """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
+    default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
+    (all-MiniLM-L6-v2, 2 cores, see BENCHMARKS.md): no thread hand-offs inside small matrix products."""
+    if device == "cuda":
+        return settings.inference_workers or 1, settings.intra_op_threads
+    cores = usable_cores()
+    workers = settings.inference_workers or cores
+    return workers, settings.intra_op_threads or max(1, cores // workers)
+
+
+def usable_cores() -> int:
+    """Cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota (`docker run --cpus`)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def load_tokenizer(settings: Settings) -> tuple[Manifest, TextTokenizer]:
+    manifest = read_manifest(settings.model_dir)
+    tokenizer = TextTokenizer(settings.model_dir / TOKENIZER_FILE, manifest.max_length, settings.max_input_chars,
+                              manifest.special_tokens)
+    return manifest, tokenizer
+
+
+def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenizer,
+                 metrics: Metrics) -> tuple[OrtEngine, DynamicBatcher]:
+    """The session (after a real forward pass) and its batcher; raises if the model is unusable."""
+    import onnxruntime as ort
+
+    device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
+                                                 ort.get_available_providers())
+    workers, threads = inference_threads(settings, device)
+    try:
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id)
+    except EngineError as e:
+        if settings.device != "auto" or device != "cuda":
+            raise
+        # onnxruntime-gpu lists the CUDA provider even where no GPU or CUDA library is found.
+        log.warning("CUDA did not start (%s); serving on the CPU instead", e)
+        device, precision = resolve_device_precision("cpu", settings.precision, manifest, [CPU])
+        workers, threads = inference_threads(settings, device)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads)
+    probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
+    engine.health(probe.ids, probe.type_ids)
+    batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
+                             max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
+                             max_queued=settings.max_queued_sequences, workers=workers,
+                             metrics=metrics)
+    log.info("engine: %s graph on %s (%s), %d batch(es) at once", precision, device, engine.provider, workers)
+    return engine, batcher

@@ -1,0 +1,50 @@
+"""The engine process of a multi-process server (`workers` > 1): it owns the one ONNX Runtime session
+and the batcher, so batches are formed from every worker's requests on one CUDA context, and serves the
+worker processes over a Unix socket (app.engine_link). Started and stopped by `python -m app`."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import signal
+
+from app.build import build_engine, load_tokenizer
+from app.engine_link import EngineInfo, serve_workers
+from app.metrics import Metrics
+from app.settings import Settings
+
+log = logging.getLogger("app.engine_process")
+
+
+def run(socket_path: str) -> None:
+    """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers'."""
+    settings = Settings()
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with contextlib.suppress(ImportError):
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    asyncio.run(_serve(settings, socket_path))
+
+
+async def _serve(settings: Settings, socket_path: str) -> None:
+    metrics = Metrics()
+    manifest, tokenizer = load_tokenizer(settings)
+    engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
+    batcher.start()
+    info = EngineInfo(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
+                      batcher.max_batch_tokens, os.getpid())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    # The socket file appears once the model is loaded and checked: `python -m app` waits for it.
+    server = await asyncio.start_unix_server(functools.partial(serve_workers, batcher, info), path=socket_path)
+    log.info("engine process %d ready on %s", os.getpid(), socket_path)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        await batcher.stop()
+        metrics.process_exited()

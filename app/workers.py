@@ -1,0 +1,90 @@
+"""`python -m app --workers N` (N > 1): one engine process and N HTTP worker processes on one port.
+
+The engine process (app.engine_process) owns the ONNX Runtime session and the batcher; uvicorn's process
+manager binds the port once and runs the workers, which tokenise, encode answers and reach the engine
+over a Unix socket. Python's per-request work is what limits one process; the GPU wants large batches
+on one CUDA context. Metrics of every process are summed (prometheus_client's multiprocess mode)."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from app.engine_process import run as run_engine
+from app.metrics import MULTIPROC_DIR_VAR
+from app.settings import ENV_PREFIX, Settings
+
+log = logging.getLogger("app")
+_ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass can take minutes
+
+
+def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_options: dict) -> int:
+    import uvicorn
+
+    # Workers and engine build their settings from the environment, so the flags travel as variables.
+    os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
+    with run_folder() as folder:
+        socket_path = str(folder / "engine.sock")
+        os.environ[ENV_PREFIX + "ENGINE_SOCKET"] = socket_path
+        engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(socket_path,),
+                                                              name="bertserve-engine")
+        engine.start()
+        if not _wait_for_socket(engine, socket_path):
+            log.error("the engine process exited (code %s) before it was ready; see its error above",
+                      engine.exitcode)
+            return 1
+        stopping = threading.Event()
+        threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
+        try:
+            uvicorn.run("app.main:create_app_from_env", factory=True, workers=settings.workers, **uvicorn_options)
+        finally:
+            stopping.set()
+            if engine.is_alive():
+                engine.terminate()  # SIGTERM: it finishes running batches and exits
+                engine.join(30)
+            if engine.is_alive():
+                engine.kill()
+    return 0 if engine.exitcode == 0 else 1
+
+
+@contextlib.contextmanager
+def run_folder():
+    """A temporary folder for the engine socket and, unless PROMETHEUS_MULTIPROC_DIR names one, the
+    metric files; removed on exit. A given metrics folder is emptied first: values of an earlier run
+    must not count."""
+    folder = Path(tempfile.mkdtemp(prefix="bertserve-run-"))
+    given = os.environ.get(MULTIPROC_DIR_VAR)
+    metrics = Path(given) if given else folder / "metrics"
+    metrics.mkdir(parents=True, exist_ok=True)
+    for stale in metrics.glob("*.db"):
+        stale.unlink()
+    os.environ[MULTIPROC_DIR_VAR] = str(metrics)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wait_for_socket(engine: multiprocessing.Process, socket_path: str) -> bool:
+    deadline = time.monotonic() + _ENGINE_START_S
+    while engine.is_alive() and time.monotonic() < deadline:
+        if os.path.exists(socket_path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _stop_if_engine_dies(engine: multiprocessing.Process, stopping: threading.Event) -> None:
+    """Without its engine the server cannot answer: stop the whole server (exit status 1) so that the
+    supervisor (Docker, Kubernetes, systemd) restarts it, rather than answering 503 forever."""
+    engine.join()
+    if not stopping.is_set():
+        log.error("the engine process exited with %s; stopping the server", engine.exitcode)
+        os.kill(os.getpid(), signal.SIGTERM)
