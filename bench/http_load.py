@@ -404,6 +404,8 @@ def serving(args) -> dict:
     for workers in [int(x) for x in args.workers.split(",")]:
         settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
                     "workers": workers}
+        if args.inference_workers:
+            settings["inference_workers"] = args.inference_workers
         runs = results["http"][f"workers{workers}"] = {}
         with serve(args.artifact, **settings) as url:
             _all_workers_up(url, workers)
@@ -498,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--duration", type=float, default=15.0, help="seconds per HTTP run")
     srv.add_argument("--latency-requests", type=int, default=2000)
     srv.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's setting")
+    srv.add_argument("--inference-workers", type=int, default=0, help="the server's setting (0: its default)")
     for p in (load, fmt, cmp_, srv):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
