@@ -7,6 +7,10 @@ padded (batch size x longest) and `max_batch_size`. A group may so be split over
 rows are gathered into one [n, ...] array per output as batches finish (numpy fancy indexing, no
 per-row futures), and its future resolves when the last row is in. Groups whose future was cancelled
 (the client went away) are dropped before they cost inference.
+
+A packed graph (ORT's RemovePadding, the CUDA default) costs by real tokens, not padded ones: there the
+budget counts real tokens and batches are taken first-come first-served, which keeps a request's rows
+together (one gather per request instead of one per request and batch) and needs no sorting.
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from app.errors import NotReady, Overloaded
 from app.metrics import Metrics
 
 log = logging.getLogger("app.batcher")
-_LOOKAHEAD = 8  # candidates considered per batch: this many times max_batch_size
+_LOOKAHEAD = 2  # candidates considered per batch: this many times max_batch_size (sorting costs per candidate)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +102,12 @@ class Entry:
 class DynamicBatcher:
     def __init__(self, run: Callable[[Batch], dict[str, np.ndarray]], *, pad_id: int, max_batch_tokens: int,
                  max_batch_size: int, max_wait_ms: float, max_queued: int, workers: int = 1,
-                 metrics: Metrics | None = None):
+                 packed: bool = False, metrics: Metrics | None = None):
         self._run = run
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.max_wait_s, self.max_queued = max_wait_ms / 1000, max_queued
+        self.packed = packed
         self.workers = workers
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
@@ -115,6 +120,7 @@ class DynamicBatcher:
         self._last_finish = 0.0  # perf_counter() when the last batch finished
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = True
+        self._cancelled = False  # some queued group was cancelled since the queue was last swept
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,6 +160,7 @@ class DynamicBatcher:
                              f"retry later")
         n = len(sequences)
         group = Group(outputs, asyncio.get_running_loop().create_future(), n, time.perf_counter(), pending=n)
+        group.future.add_done_callback(self._note_cancel)
         self._queue.extend([Entry(ids, types, group, i, len(ids)) for i, (ids, types) in enumerate(sequences)])
         self._set_depth()
         self._wakeup.set()
@@ -170,7 +177,16 @@ class DynamicBatcher:
             self._metrics.queue_depth.set(len(self._queue))
 
     # -- batching ----------------------------------------------------------------------------------------
+    def _note_cancel(self, future: asyncio.Future) -> None:
+        """A group that ended early (cancelled, or failed in one of its batches) may still have queued rows."""
+        if future.cancelled() or future.exception() is not None:
+            self._cancelled = True
+
     def _drop_cancelled(self) -> None:
+        """Sweep the queue only after a cancellation: the sweep costs per queued sequence."""
+        if not self._cancelled:
+            return
+        self._cancelled = False
         alive = [e for e in self._queue if not e.group.future.done()]
         dropped = len(self._queue) - len(alive)
         if dropped:
@@ -183,10 +199,27 @@ class DynamicBatcher:
         n = len(self._queue)
         if n >= self.max_batch_size:
             return True
+        if self.packed:
+            return sum(e.length for e in self._queue) >= self.max_batch_tokens
         return n * max(e.length for e in self._queue) >= self.max_batch_tokens
+
+    def _take_in_order(self) -> list[Entry]:
+        """Packed graphs: the oldest entries, within the real-token budget and the size cap (at least one)."""
+        queue, budget, n = self._queue, self.max_batch_tokens, 0
+        limit = min(len(queue), self.max_batch_size)
+        while n < limit:
+            budget -= queue[n].length
+            if budget < 0 and n > 0:
+                break
+            n += 1
+        chosen, self._queue = queue[:n], queue[n:]
+        self._set_depth()
+        return chosen
 
     def _take_batch(self) -> list[Entry]:
         """The oldest entry plus its nearest neighbours in length, within the budget and size cap."""
+        if self.packed:
+            return self._take_in_order()
         queue = self._queue
         if len(queue) <= self.max_batch_size and len(queue) * max(e.length for e in queue) <= self.max_batch_tokens:
             self._queue = []  # everything fits: what the search below would choose, without the search
@@ -218,7 +251,7 @@ class DynamicBatcher:
             longest = new_longest
         chosen = ordered[lo:hi]
         taken = set(map(id, chosen))
-        self._queue = [e for e in self._queue if id(e) not in taken]
+        self._queue = [e for e in window if id(e) not in taken] + queue[len(window):]
         self._set_depth()
         return chosen
 
@@ -230,7 +263,19 @@ class DynamicBatcher:
             except BaseException:
                 self._slots.release()
                 raise
-            self._launch(self._take_batch())
+            batch = self._live(self._take_batch())
+            if batch:
+                self._launch(batch)
+            else:
+                self._slots.release()
+
+    def _live(self, entries: list[Entry]) -> list[Entry]:
+        """Entries whose group is still waiting: a cancellation whose callback has not run yet (so the
+        queue was not swept for it) must not cost inference either."""
+        live = [e for e in entries if not e.group.future.done()]
+        if len(live) < len(entries) and self._metrics:
+            self._metrics.dropped_sequences.inc(len(entries) - len(live))
+        return live
 
     def _arrived_idle(self) -> bool:
         """Whether the oldest entry came to an idle batcher: no batch running then or now. Work that

@@ -75,6 +75,6 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
                              max_queued=settings.max_queued_sequences, workers=workers,
-                             metrics=metrics)
+                             packed=engine.packed, metrics=metrics)
     log.info("engine: %s graph on %s (%s), %d batch(es) at once", precision, device, engine.provider, workers)
     return engine, batcher

@@ -94,6 +94,8 @@ class OrtEngine:
         if not needed <= self.outputs:
             raise EngineError(f"{path} lacks the outputs {sorted(needed - self.outputs)} its manifest promises")
         self.hidden_size = manifest.hidden_size
+        # ORT's packing mode: the graph drops the padding itself, so padded tokens cost nothing.
+        self.packed = graph.fused_operators.get("RemovePadding", 0) > 0
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:

@@ -3,7 +3,8 @@
 With `workers` > 1 one process owns the ONNX Runtime session and the batcher (one CUDA context, batches
 formed from every worker's requests); the workers parse HTTP, tokenise and encode answers, and send
 token ids here over a Unix socket. Frames are a 4-byte length and a pickle (numpy arrays travel as
-buffers). Worker -> engine: ("submit", id, outputs, sequences), ("cancel", id). Engine -> worker:
+buffers). Worker -> engine: ("submit", id, outputs, ids, type ids, lengths) with the sequences
+concatenated (three arrays, not two per sequence: unpickling costs per array), ("cancel", id). Engine -> worker:
 ("hello", EngineInfo) once, then ("result", id, GroupResult) or ("error", id, type name, message).
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from app import errors
 from app.batcher import DynamicBatcher, GroupResult
@@ -70,9 +73,10 @@ async def serve_workers(batcher: DynamicBatcher, info: EngineInfo, reader: async
         while True:
             message = await _read(reader)
             if message[0] == "submit":
-                _, rid, outputs, sequences = message
+                _, rid, outputs, ids, type_ids, lengths = message
+                cuts = np.cumsum(lengths)[:-1]
                 try:
-                    future = batcher.submit_group(sequences, outputs)
+                    future = batcher.submit_group(list(zip(np.split(ids, cuts), np.split(type_ids, cuts))), outputs)
                 except errors.ServiceError as e:
                     writer.write(_frame(("error", rid, type(e).__name__, str(e))))
                     continue
@@ -134,13 +138,15 @@ class EngineClient:
             self._writer.close()
         self._fail_pending("the server is shutting down")
 
-    def submit_group(self, sequences: list, outputs: frozenset[str]) -> asyncio.Future:
+    def submit_group(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> asyncio.Future:
         if self._closed:
             raise errors.NotReady("the engine process is not available")
         rid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = future
-        self._writer.write(_frame(("submit", rid, outputs, sequences)))
+        ids, type_ids = zip(*sequences)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        self._writer.write(_frame(("submit", rid, outputs, np.concatenate(ids), np.concatenate(type_ids), lengths)))
         future.add_done_callback(lambda f: self._done(rid, f))
         return future
 

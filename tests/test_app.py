@@ -512,6 +512,7 @@ def test_batcher_packs_by_length_within_the_budget():
         lengths = [10, 3, 9, 4, 10, 2, 30]
         futures = b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in lengths], frozenset())
         futures[4].cancel()
+        await asyncio.sleep(0)  # its done-callback marks the queue for a sweep
         b._drop_cancelled()
         first = [e.length for e in b._take_batch()]
         second = [e.length for e in b._take_batch()]
@@ -521,6 +522,20 @@ def test_batcher_packs_by_length_within_the_budget():
     assert 10 in first and sorted(first) == [3, 4, 9, 10]  # oldest (10) + nearest lengths, 4 x 10 = 40
     assert second == [2] or sorted(second) == [2]  # 2 + 30 would cost 2 x 30 > 40
     assert third == [30] and left == 0
+
+
+def test_batcher_takes_a_packed_graphs_work_in_order_by_real_tokens():
+    """Padding costs a packed graph nothing: first come first served, budget counted in real tokens."""
+    async def go():
+        b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=20, max_batch_size=4, max_wait_ms=0,
+                           max_queued=100, packed=True)
+        b._closed = False
+        b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in [10, 3, 30, 2, 1, 1, 1, 1]], frozenset())
+        return [[e.length for e in b._take_batch()] for _ in range(3)], b.queued
+    (first, second, third), left = run(go())
+    assert first == [10, 3]  # + 30 would pass the 20 real tokens (padded, 10 + 3 would already cost 2 x 10)
+    assert second == [30]  # alone over the budget: still runs, alone
+    assert third == [2, 1, 1, 1] and left == 1  # the size cap
 
 
 def test_batcher_splits_a_request_over_batches_and_reassembles_its_rows():
