@@ -39,9 +39,9 @@ class EngineInfo:
     pid: int
 
 
-def _frame(message: tuple) -> bytes:
+def _send(writer: asyncio.StreamWriter, message: tuple) -> None:
     body = pickle.dumps(message, protocol=5)
-    return _LENGTH.pack(len(body)) + body
+    writer.writelines((_LENGTH.pack(len(body)), body))  # no copy of a large body to prepend its length
 
 
 async def _read(reader: asyncio.StreamReader) -> tuple:
@@ -64,11 +64,11 @@ async def serve_workers(batcher: DynamicBatcher, info: EngineInfo, reader: async
             return
         error = future.exception()
         if error is None:
-            writer.write(_frame(("result", rid, future.result())))
+            _send(writer, ("result", rid, future.result()))
         else:
-            writer.write(_frame(("error", rid, type(error).__name__, str(error))))
+            _send(writer, ("error", rid, type(error).__name__, str(error)))
 
-    writer.write(_frame(("hello", info)))
+    _send(writer, ("hello", info))
     try:
         while True:
             message = await _read(reader)
@@ -78,7 +78,7 @@ async def serve_workers(batcher: DynamicBatcher, info: EngineInfo, reader: async
                 try:
                     future = batcher.submit_group(list(zip(np.split(ids, cuts), np.split(type_ids, cuts))), outputs)
                 except errors.ServiceError as e:
-                    writer.write(_frame(("error", rid, type(e).__name__, str(e))))
+                    _send(writer, ("error", rid, type(e).__name__, str(e)))
                     continue
                 pending[rid] = future
                 future.add_done_callback(lambda f, rid=rid: reply(rid, f))
@@ -146,13 +146,13 @@ class EngineClient:
         self._pending[rid] = future
         ids, type_ids = zip(*sequences)
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        self._writer.write(_frame(("submit", rid, outputs, np.concatenate(ids), np.concatenate(type_ids), lengths)))
+        _send(self._writer, ("submit", rid, outputs, np.concatenate(ids), np.concatenate(type_ids), lengths))
         future.add_done_callback(lambda f: self._done(rid, f))
         return future
 
     def _done(self, rid: int, future: asyncio.Future) -> None:
         if self._pending.pop(rid, None) is not None and future.cancelled() and not self._closed:
-            self._writer.write(_frame(("cancel", rid)))  # the client went away: drop it there too
+            _send(self._writer, ("cancel", rid))  # the client went away: drop it there too
 
     async def _dispatch(self, reader: asyncio.StreamReader) -> None:
         try:
