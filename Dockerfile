@@ -4,6 +4,8 @@
 #   docker build -t bertserve:cpu --build-arg FLAVOUR=cpu .   # CPU-only image (onnxruntime)
 #   docker run -p 8000:8000 -v ./artifacts:/model bertserve
 # Settings come from BERTSERVE_* variables (`docker run -e BERTSERVE_MAX_BATCH_TOKENS=32768 ...`).
+# On a GPU host add `-e BERTSERVE_WORKERS=8` (about half the cores): HTTP worker processes around one
+# engine process; one Python process alone cannot keep the GPU busy (README, BENCHMARKS.md).
 # The install steps are scripts/install-serve.sh, which tests/test_server_install.py also runs.
 ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE}

@@ -26,8 +26,8 @@ def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]
     """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
     default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
     (all-MiniLM-L6-v2, 2 cores, see BENCHMARKS.md): no thread hand-offs inside small matrix products."""
-    if device == "cuda":
-        return settings.inference_workers or 1, settings.intra_op_threads
+    if device == "cuda":  # two: one batch's copies and collation overlap the other's kernels
+        return settings.inference_workers or 2, settings.intra_op_threads
     cores = usable_cores()
     workers = settings.inference_workers or cores
     return workers, settings.intra_op_threads or max(1, cores // workers)
