@@ -41,7 +41,8 @@ class EngineInfo:
 
 def _send(writer: asyncio.StreamWriter, message: tuple) -> None:
     body = pickle.dumps(message, protocol=5)
-    writer.writelines((_LENGTH.pack(len(body)), body))  # no copy of a large body to prepend its length
+    writer.write(_LENGTH.pack(len(body)))
+    writer.write(body)  # not concatenated: no copy of a large body to prepend its length
 
 
 async def _read(reader: asyncio.StreamReader) -> tuple:
@@ -74,9 +75,11 @@ async def serve_workers(batcher: DynamicBatcher, info: EngineInfo, reader: async
             message = await _read(reader)
             if message[0] == "submit":
                 _, rid, outputs, ids, type_ids, lengths = message
-                cuts = np.cumsum(lengths)[:-1]
+                ends = np.cumsum(lengths).tolist()
+                starts = [0, *ends[:-1]]  # slices, not np.split: that costs ~10 us per piece
+                sequences = [(ids[a:b], type_ids[a:b]) for a, b in zip(starts, ends)]
                 try:
-                    future = batcher.submit_group(list(zip(np.split(ids, cuts), np.split(type_ids, cuts))), outputs)
+                    future = batcher.submit_group(sequences, outputs)
                 except errors.ServiceError as e:
                     _send(writer, ("error", rid, type(e).__name__, str(e)))
                     continue
