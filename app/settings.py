@@ -32,16 +32,16 @@ class Settings(BaseSettings):
     intra_op_threads: int | None = Field(None, ge=1, description="ONNX Runtime threads per batch. Default: one "
                                          "on the CPU (batches run side by side, one per core: faster than one "
                                          "batch over all cores), ONNX Runtime's own choice on CUDA")
-    inference_workers: int | None = Field(None, ge=1, le=256, description="batches run at the same time on the one "
-                                          "session. Default: one per usable core on the CPU, 2 on CUDA (while one batch "
-                                          "is copied and collated the other runs: +25% texts/s over HTTP, see "
-                                          "BENCHMARKS.md)")
+    inference_workers: int | None = Field(None, ge=1, le=256, description="batches run at the same time on the "
+                                          "one session. Default: one per usable core on the CPU, 2 on CUDA (while "
+                                          "one batch is copied and collated the other runs: +25% texts/s over HTTP, "
+                                          "see BENCHMARKS.md)")
     max_batch_tokens: int | None = Field(None, ge=1, description="token budget of a batch, counted padded: "
                                          "batch size x its longest sequence; the real limit on a batch, since the "
                                          "engine's time and memory follow padded tokens. Default: 16384 on CUDA "
                                          "(BERT-base activations stay small, batches of short texts still fill "
                                          "max_batch_size); 512 on the CPU, where every padded token costs and small "
-                                         "batches of similar lengths ran fastest (int8 lost 20% at 1024)")
+                                         "batches of similar lengths run fastest (BENCHMARKS.md)")
 
     max_batch_size: int = Field(256, ge=1, description="most sequences in one batch; a cap for short texts "
                                 "only (on CUDA, 256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "

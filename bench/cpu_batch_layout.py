@@ -76,10 +76,11 @@ def main() -> None:
     for _ in range(args.repeats):
         for layout in layouts:
             runs[layout].append(texts_per_s(*layout))
-    print(f"{args.precision}, {cores} cores, {len(encoded)} texts, mean {statistics.mean(e.length for e in encoded):.0f} tokens")
+    mean_tokens = statistics.mean(e.length for e in encoded)
+    print(f"{args.precision}, {cores} cores, {len(encoded)} texts, mean {mean_tokens:.0f} tokens")
     for (threads, workers, budget), values in runs.items():
-        print(f"  {workers} batch(es) x {threads} thread(s), budget {budget:>5}: median {statistics.median(values):6.1f}"
-              f"  best {max(values):6.1f} texts/s")
+        print(f"  {workers} batch(es) x {threads} thread(s), budget {budget:>5}: "
+              f"median {statistics.median(values):6.1f}  best {max(values):6.1f} texts/s")
 
 
 if __name__ == "__main__":
