@@ -234,35 +234,35 @@ def formats(url: str, texts: list[str], repeats: int = 20, per_request: int = 8)
 
 
 def compare(args) -> dict:
-    """sentence-transformers is timed before and after everything else and the faster run is the
-    reference: on a shared VM a single timing of either side moves by 10-20%."""
+    """`--rounds` rounds, each timing sentence-transformers and then the server in every load pattern
+    (the server stays up); medians per row, and each row's median over sentence-transformers' median.
+    On a shared VM one timing of either side moves by 10-20%, so single rounds decide nothing."""
     texts = make_texts(args.texts, args.seed, args.min_words, args.max_words)
-    results = {"texts": args.texts, "cpu_count": os.cpu_count()}
-    st_runs = []
-
-    def time_st() -> None:
-        if args.skip_st or args.device != "cpu":
-            return
-        print("sentence-transformers ...", file=sys.stderr)
-        try:
-            st_runs.append(sentence_transformers_encode(args.model_dir, texts, args.batch_size))
-        except ImportError as e:
-            results["sentence_transformers"] = {"error": f"not installed ({e}): pip install sentence-transformers"}
-
-    time_st()
+    patterns = ((args.concurrency, 1), (args.concurrency, 8), (4, 32))
+    results: dict = {"texts": args.texts, "cpu_count": os.cpu_count(), "rounds": args.rounds}
+    runs: dict[str, list[dict]] = {}
+    with_st = not args.skip_st and args.device == "cpu"
     print("raw engine ...", file=sys.stderr)
     results["raw_engine"] = raw_engine(args.artifact, texts, args.batch_size, args.device, args.precision)
     with serve(args.artifact, precision=args.precision, device=args.device) as url:
-        # single texts from many clients, and a corpus job: a few clients sending 32 texts a request
-        for concurrency, per_request in ((args.concurrency, 1), (args.concurrency, 8), (4, 32)):
-            print(f"server: {concurrency} clients x {per_request} text(s) per request ...", file=sys.stderr)
-            results[f"server_c{concurrency}_x{per_request}"] = asyncio.run(
-                run_load(url, texts, concurrency, per_request, args.duration))
+        for r in range(args.rounds):
+            if with_st:
+                print(f"round {r + 1}: sentence-transformers ...", file=sys.stderr)
+                try:
+                    runs.setdefault("sentence_transformers", []).append(
+                        sentence_transformers_encode(args.model_dir, texts, args.batch_size))
+                except ImportError as e:
+                    results["sentence_transformers"] = {"error": f"not installed ({e}): pip install sentence-transformers"}
+                    with_st = False
+            for concurrency, per_request in patterns:
+                print(f"round {r + 1}: server, {concurrency} clients x {per_request} text(s) per request ...",
+                      file=sys.stderr)
+                runs.setdefault(f"server_c{concurrency}_x{per_request}", []).append(
+                    asyncio.run(run_load(url, texts, concurrency, per_request, args.duration)))
         results["formats"] = formats(url, texts)
-    time_st()
-    if st_runs:
-        results["sentence_transformers_runs"] = [r["texts_per_s"] for r in st_runs]
-        results["sentence_transformers"] = max(st_runs, key=lambda r: r["texts_per_s"])
+    for key, values in runs.items():
+        rates = [v["texts_per_s"] for v in values]
+        results[key] = {**values[-1], "texts_per_s": round(float(np.median(rates)), 1), "runs": rates}
     st = results.get("sentence_transformers", {}).get("texts_per_s")
     if st:
         for key, value in results.items():
@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--concurrency", type=int, default=16)
     cmp_.add_argument("--duration", type=float, default=120)
     cmp_.add_argument("--skip-st", action="store_true")
+    cmp_.add_argument("--rounds", type=int, default=3, help="sentence-transformers + server rounds (medians)")
     cmp_.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     cmp_.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32")
     srv = sub.add_parser("serving", help="engine vs HTTP with several client processes (the GPU check)")
