@@ -102,12 +102,13 @@ class Entry:
 class DynamicBatcher:
     def __init__(self, run: Callable[[Batch], dict[str, np.ndarray]], *, pad_id: int, max_batch_tokens: int,
                  max_batch_size: int, max_wait_ms: float, max_queued: int, workers: int = 1,
-                 packed: bool = False, metrics: Metrics | None = None):
+                 packed: bool = False, max_padding: float = 1.0, metrics: Metrics | None = None):
         self._run = run
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.max_wait_s, self.max_queued = max_wait_ms / 1000, max_queued
         self.packed = packed
+        self.max_padding = max_padding  # padded graphs: most of a batch's padded tokens that may be padding
         self.workers = workers
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
@@ -221,17 +222,19 @@ class DynamicBatcher:
         if self.packed:
             return self._take_in_order()
         queue = self._queue
-        if len(queue) <= self.max_batch_size and len(queue) * max(e.length for e in queue) <= self.max_batch_tokens:
-            self._queue = []  # everything fits: what the search below would choose, without the search
-            self._set_depth()
-            return queue
+        if len(queue) <= self.max_batch_size:
+            padded = len(queue) * max(e.length for e in queue)
+            if padded <= self.max_batch_tokens and padded - sum(e.length for e in queue) <= self.max_padding * padded:
+                self._queue = []  # everything fits: what the search below would choose, without the search
+                self._set_depth()
+                return queue
         window = queue[: self.max_batch_size * _LOOKAHEAD]
         anchor = window[0]
         ordered = sorted(window, key=lambda e: e.length)
         lengths = [e.length for e in ordered]
         pos = ordered.index(anchor, bisect.bisect_left(lengths, anchor.length))
         lo, hi = pos, pos + 1  # chosen = ordered[lo:hi]
-        longest = anchor.length
+        longest, real = anchor.length, anchor.length
         while hi - lo < self.max_batch_size:
             # Prefer the shorter neighbour when it costs no extra padding, else the closer one.
             down = ordered[lo - 1] if lo > 0 else None
@@ -242,8 +245,10 @@ class DynamicBatcher:
                 candidate, new_longest = down, longest
             else:
                 candidate, new_longest = up, max(longest, up.length)
-            if (hi - lo + 1) * new_longest > self.max_batch_tokens:
+            padded = (hi - lo + 1) * new_longest
+            if padded > self.max_batch_tokens or padded - real - candidate.length > self.max_padding * padded:
                 break
+            real += candidate.length
             if candidate is down:
                 lo -= 1
             else:

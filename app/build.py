@@ -22,6 +22,13 @@ def batch_token_budget(settings: Settings, device: str) -> int:
     return 16384 if device == "cuda" else 512
 
 
+def padding_limit(settings: Settings, device: str) -> float:
+    """The configured limit, else the device's default (see Settings.max_padding)."""
+    if settings.max_padding is not None:
+        return settings.max_padding
+    return 0.1 if device == "cpu" else 1.0
+
+
 def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]:
     """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
     default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
@@ -75,6 +82,6 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
                              max_queued=settings.max_queued_sequences, workers=workers,
-                             packed=engine.packed, metrics=metrics)
+                             packed=engine.packed, max_padding=padding_limit(settings, device), metrics=metrics)
     log.info("engine: %s graph on %s (%s), %d batch(es) at once", precision, device, engine.provider, workers)
     return engine, batcher

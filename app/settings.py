@@ -43,6 +43,10 @@ class Settings(BaseSettings):
                                          "max_batch_size); 512 on the CPU, where every padded token costs and small "
                                          "batches of similar lengths run fastest (BENCHMARKS.md)")
 
+    max_padding: float | None = Field(None, ge=0, le=1, description="padded graphs only (CPU; CUDA with "
+                                      "`export --keep-padding`): a batch stops growing once more than this "
+                                      "fraction of its padded tokens would be padding. Default: 0.1 on the CPU, "
+                                      "where padding costs compute and small batches lose little; no limit on CUDA")
     max_batch_size: int = Field(256, ge=1, description="most sequences in one batch; a cap for short texts "
                                 "only (on CUDA, 256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "
                                 "stopped at the cap while more work waited")

@@ -244,7 +244,8 @@ def compare(args) -> dict:
     with_st = not args.skip_st and args.device == "cpu"
     print("raw engine ...", file=sys.stderr)
     results["raw_engine"] = raw_engine(args.artifact, texts, args.batch_size, args.device, args.precision)
-    with serve(args.artifact, precision=args.precision, device=args.device) as url:
+    extra = dict(item.split("=", 1) for item in args.set)
+    with serve(args.artifact, precision=args.precision, device=args.device, **extra) as url:
         for r in range(args.rounds):
             if with_st:
                 print(f"round {r + 1}: sentence-transformers ...", file=sys.stderr)
@@ -495,6 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--duration", type=float, default=120)
     cmp_.add_argument("--skip-st", action="store_true")
     cmp_.add_argument("--rounds", type=int, default=3, help="sentence-transformers + server rounds (medians)")
+    cmp_.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                      help="a server setting, e.g. --set max_padding=1.0 (repeatable)")
     cmp_.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     cmp_.add_argument("--precision", choices=["fp32", "fp16", "int8"], default="fp32")
     srv = sub.add_parser("serving", help="engine vs HTTP with several client processes (the GPU check)")

@@ -524,6 +524,18 @@ def test_batcher_packs_by_length_within_the_budget():
     assert third == [30] and left == 0
 
 
+def test_batcher_stops_a_padded_batch_at_the_padding_limit():
+    async def go():
+        b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=1000, max_batch_size=8, max_wait_ms=0,
+                           max_queued=100, max_padding=0.1)
+        b._closed = False
+        b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in [100, 95, 60, 98, 20, 91]], frozenset())
+        return [sorted(e.length for e in b._take_batch()) for _ in range(3)], b.queued
+    (first, second, third), left = run(go())
+    assert first == [91, 95, 98, 100]  # 4% padding; adding 60 would make it 11%
+    assert second == [60] and third == [20] and left == 0  # 60 + 20 would be a third padding
+
+
 def test_batcher_takes_a_packed_graphs_work_in_order_by_real_tokens():
     """Padding costs a packed graph nothing: first come first served, budget counted in real tokens."""
     async def go():
