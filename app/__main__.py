@@ -10,7 +10,7 @@ import sys
 
 from pydantic import ValidationError
 
-from app.settings import ENV_PREFIX, Settings
+from app.settings import ENV_PREFIX, Settings, configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, str]:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = [f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()]
         print("bad settings (flags or BERTSERVE_* variables):\n" + "\n".join(lines), file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
 
     import uvicorn
 

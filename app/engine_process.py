@@ -13,7 +13,7 @@ import signal
 from app.build import build_engine, load_tokenizer
 from app.engine_link import EngineInfo, serve_workers
 from app.metrics import Metrics
-from app.settings import Settings
+from app.settings import Settings, configure_logging
 
 log = logging.getLogger("app.engine_process")
 
@@ -21,7 +21,7 @@ log = logging.getLogger("app.engine_process")
 def run(socket_path: str) -> None:
     """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers'."""
     settings = Settings()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
     with contextlib.suppress(ImportError):
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

@@ -16,7 +16,7 @@ from app.metrics import Metrics, MetricsMiddleware
 from app.middleware import RequestBodyMiddleware
 from app.routes import embed, nsp, openai, system
 from app.service import InferenceService
-from app.settings import Settings
+from app.settings import Settings, configure_logging
 
 log = logging.getLogger("app")
 
@@ -62,7 +62,7 @@ def serving_gc():
 def create_app_from_env() -> FastAPI:
     """The app of one of several worker processes: settings from BERTSERVE_* variables (see __main__)."""
     settings = Settings()
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings)
     return create_app(settings)
 
 

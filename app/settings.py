@@ -1,6 +1,7 @@
 """Every server setting, read from `python -m app` flags and BERTSERVE_* environment variables."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Literal
 
@@ -92,3 +93,8 @@ class Settings(BaseSettings):
         if self.device == "cuda" and self.precision == "int8":
             raise ValueError("precision int8 runs on the CPU only: use device cpu (or auto)")
         return self
+
+
+def configure_logging(settings: Settings) -> None:
+    """The log format and level of every server process (the launcher, HTTP workers, the engine)."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -10,7 +10,6 @@ The defaults in app/build.py (one batch per core, one thread each, 512 tokens) c
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
@@ -22,6 +21,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app.batcher import collate  # noqa: E402
+from app.build import usable_cores  # noqa: E402
 from app.engine import OrtEngine  # noqa: E402
 from app.tokenization import TextTokenizer  # noqa: E402
 from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, read_manifest  # noqa: E402
@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--budgets", default="128,256,512,1024,2048")
     args = p.parse_args()
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()  # as the server counts them
     manifest = read_manifest(args.artifact)
     tokenizer = TextTokenizer(args.artifact / TOKENIZER_FILE, manifest.max_length, 2_000_000, manifest.special_tokens)
     texts = make_texts(args.texts, 0, args.min_words, args.max_words)

@@ -25,27 +25,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def running_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT, **settings):
-    """`python -m app` with BERTSERVE_* settings; yields its base URL once /ready answers 200; stops it
-    with SIGTERM and checks that it shut down gracefully."""
+def start_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT,
+                 **settings) -> tuple[subprocess.Popen, str]:
+    """`python -m app` with BERTSERVE_* settings; returns the process and its base URL once /ready answers 200."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
     env.update({f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()}, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([str(python), "-m", "app", "--model-dir", str(artifact), "--port", str(port)],
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
+                return proc, base
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("server not ready after 60 s")
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def running_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT, **settings):
+    """start_server(); yields its base URL; stops it with SIGTERM and checks that it shut down gracefully."""
+    proc, base = start_server(artifact, python, cwd, **settings)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/ready", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise AssertionError("server not ready after 60 s")
-            time.sleep(0.1)
         yield base
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -201,19 +207,9 @@ def test_workers_run_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatc
 
 def test_a_dead_engine_process_stops_the_server(tiny_artifact_dir):
     """Without its engine nothing can be answered: the server exits non-zero for its supervisor to restart."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), "--port", str(port),
-                             "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, base = start_server(tiny_artifact_dir, workers=2)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            with contextlib.suppress(httpx.HTTPError):
-                info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=1)
-                if info.status_code == 200:
-                    break
-            time.sleep(0.1)
-        os.kill(info.json()["engine_pid"], signal.SIGKILL)
+        os.kill(httpx.get(f"{base}/info", timeout=10).json()["engine_pid"], signal.SIGKILL)
         assert proc.wait(timeout=30) == 1
     finally:
         if proc.poll() is None:
