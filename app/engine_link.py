@@ -2,10 +2,10 @@
 
 With `workers` > 1 one process owns the ONNX Runtime session and the batcher (one CUDA context, batches
 formed from every worker's requests); the workers parse HTTP, tokenise and encode answers, and send
-token ids here over a Unix socket. Frames are a 4-byte length and a pickle (numpy arrays travel as
-buffers). Worker -> engine: ("submit", id, outputs, ids, type ids, lengths) with the sequences
-concatenated (three arrays, not two per sequence: unpickling costs per array), ("cancel", id). Engine -> worker:
-("hello", EngineInfo) once, then ("result", id, GroupResult) or ("error", id, type name, message).
+token ids here over a Unix socket. A frame is a 4-byte length and a pickle (protocol 5). Worker ->
+engine: ("submit", id, outputs, ids, type ids, lengths) with the sequences concatenated (three arrays,
+not two per sequence: unpickling costs per array), ("cancel", id). Engine -> worker: ("hello",
+EngineInfo) once, then ("result", id, GroupResult) or ("error", id, type name, message).
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ _FRAME_LIMIT = 1 << 31  # a batch of 512 x 512 token vectors of width 1024 in fl
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What a worker reports about the engine it uses (/info, metrics); OrtEngine has the same fields."""
+    """What a worker reports about the engine it uses (/info, metrics): OrtEngine's device, precision,
+    provider and threads, the batcher's limits, and the engine process id."""
     device: str
     precision: str
     provider: str

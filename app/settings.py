@@ -26,10 +26,10 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
         "auto", description="auto: fp16 on CUDA, fp32 on CPU; int8 is CPU only")
     cuda_device_id: int = Field(0, ge=0)
-    workers: int = Field(1, ge=1, le=64, description="server processes sharing the port, each with its own "
-                         "ONNX Runtime session and batcher, metrics summed over all. On a GPU, several keep it busy "
-                         "where one Python process cannot (its per-request work is the limit; see BENCHMARKS.md); "
-                         "on the CPU keep 1: inference_workers already use every core")
+    workers: int = Field(1, ge=1, le=64, description="HTTP server processes sharing the port. Above 1 they "
+                         "tokenise and answer around one engine process that holds the session and the batcher, "
+                         "metrics summed over all: on a GPU one Python process cannot keep it busy (see "
+                         "BENCHMARKS.md); on the CPU keep 1: inference_workers already use every core")
     intra_op_threads: int | None = Field(None, ge=1, description="ONNX Runtime threads per batch. Default: one "
                                          "on the CPU (batches run side by side, one per core: faster than one "
                                          "batch over all cores), ONNX Runtime's own choice on CUDA")

@@ -37,8 +37,13 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_option
                                                               name="bertserve-engine")
         engine.start()
         if not _wait_for_socket(engine, socket_path):
-            log.error("the engine process exited (code %s) before it was ready; see its error above",
-                      engine.exitcode)
+            if engine.is_alive():  # not ready in time: do not leave it running
+                engine.kill()
+                engine.join()
+                log.error("the engine process was not ready after %d s", _ENGINE_START_S)
+            else:
+                log.error("the engine process exited (code %s) before it was ready; see its error above",
+                          engine.exitcode)
             return 1
         stopping = threading.Event()
         threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
