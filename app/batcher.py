@@ -1,16 +1,20 @@
-"""DynamicBatcher: packs queued sequences into padded batches under a token budget and runs them.
+"""DynamicBatcher: packs queued sequences into batches under a token budget and runs them.
 
-A request's sequences are queued together as one `Group` with ONE future; each sequence is still its
-own queue entry, so a batch is built around the oldest waiting entry (so nothing starves) from the
-waiting entries closest to it in length (so padding stays small), up to `max_batch_tokens` counted
-padded (batch size x longest) and `max_batch_size`. A group may so be split over several batches; its
-rows are gathered into one [n, ...] array per output as batches finish (numpy fancy indexing, no
-per-row futures), and its future resolves when the last row is in. Groups whose future was cancelled
-(the client went away) are dropped before they cost inference.
+A request's sequences arrive end to end (`Sequences`: one ids array, one type-ids array, their lengths)
+and are queued as one `Group` with ONE future, so no per-sequence Python objects are made where none
+are needed.
 
-A packed graph (ORT's RemovePadding, the CUDA default) costs by real tokens, not padded ones: there the
-budget counts real tokens and batches are taken first-come first-served, which keeps a request's rows
-together (one gather per request instead of one per request and batch) and needs no sorting.
+A packed graph (ORT's RemovePadding, the CUDA default) costs by real tokens, not padded ones: there a
+request is ONE queue entry, batches are taken first come first served up to `max_batch_tokens` real
+tokens and `max_batch_size` rows, and an entry that does not fit is split at a row boundary.
+
+A padded graph (the CPU) costs batch size x longest: there each sequence is its own entry, and a batch
+is built around the oldest waiting entry (so nothing starves) from the waiting entries closest to it in
+length (so padding stays small), up to `max_batch_tokens` counted padded and `max_padding`.
+
+Either way a group's rows are copied into one [n, ...] array per output as its batches finish, and its
+future resolves when the last row is in. Groups whose future was cancelled (the client went away) are
+dropped before they cost inference.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -30,6 +34,28 @@ from app.metrics import Metrics
 
 log = logging.getLogger("app.batcher")
 _LOOKAHEAD = 2  # candidates considered per batch: this many times max_batch_size (sorting costs per candidate)
+
+
+@dataclass(frozen=True, slots=True)
+class Sequences:
+    """Token sequences end to end: sequence i is ids[starts[i]: starts[i] + lengths[i]]."""
+    ids: np.ndarray  # [total] integer token ids
+    type_ids: np.ndarray  # [total] integer segment ids
+    lengths: np.ndarray  # [n] int64
+
+    @classmethod
+    def concat(cls, ids: Sequence[np.ndarray], type_ids: Sequence[np.ndarray]) -> "Sequences":
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        return cls(np.concatenate(ids), np.concatenate(type_ids), lengths)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def starts(self) -> np.ndarray:
+        starts = np.zeros(len(self.lengths), dtype=np.int64)
+        np.cumsum(self.lengths[:-1], out=starts[1:])
+        return starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,48 +81,69 @@ class Group:
     inference_s: float = 0.0
     batch_size: int = 0
 
-    def fill(self, outcome: dict[str, np.ndarray], batch_rows: list[int], my_rows: list[int],
-             lengths: list[int], started: float, inference_s: float, batch_size: int) -> None:
-        """Copy this group's rows of one finished batch; resolve the future once all rows are in."""
-        whole = len(batch_rows) == self.size
-        if whole:  # the whole group in this batch: one gather per output, in the group's order
-            order = np.empty(self.size, dtype=np.intp)
-            order[my_rows] = batch_rows
+    def fill(self, outcome: dict[str, np.ndarray], spans: list[tuple[int, "Entry"]], started: float,
+             inference_s: float, batch_size: int) -> None:
+        """Copy this group's rows of one finished batch (its entries, each at its first batch row);
+        resolve the future once all rows are in."""
+        rows = sum(e.count for _, e in spans)
         for name in self.outputs:
             value = outcome[name]
             if value.ndim == 3:  # token vectors: cut each row's padding off
                 dest = self.rows.get(name)
                 if dest is None:
                     dest = self.rows[name] = [None] * self.size
-                for b, m, n in zip(batch_rows, my_rows, lengths):
-                    dest[m] = value[b, :n]
-            elif whole:
-                self.rows[name] = value[order]
+                for b, e in spans:
+                    for k, n in enumerate(e.lengths.tolist()):
+                        dest[e.first + k] = value[b + k, :n]
+            elif rows == self.size and len(spans) == 1:  # the whole group, in order: a view, no copy
+                b = spans[0][0]
+                self.rows[name] = value[b: b + rows]
             else:
                 dest = self.rows.get(name)
                 if dest is None:
                     dest = self.rows[name] = np.empty((self.size, *value.shape[1:]), dtype=value.dtype)
-                dest[my_rows] = value[batch_rows]
+                for b, e in spans:
+                    dest[e.first: e.first + e.count] = value[b: b + e.count]
         self.queue_s = max(self.queue_s, started - self.enqueued)
         self.inference_s = max(self.inference_s, inference_s)
         self.batch_size = max(self.batch_size, batch_size)
-        self.pending -= len(batch_rows)
+        self.pending -= rows
         if self.pending == 0 and not self.future.done():
             self.future.set_result(GroupResult(self.rows, self.queue_s, self.inference_s, self.batch_size))
 
 
 @dataclass(eq=False, slots=True)
 class Entry:
-    """One queued sequence: row `index` of its group."""
-    ids: np.ndarray  # [n] int64
-    type_ids: np.ndarray  # [n] int64
+    """Rows first .. first + count - 1 of a group, queued together: a whole request (packed graphs; split
+    when it does not fit a batch) or one sequence (padded graphs)."""
+    ids: np.ndarray  # these rows' ids end to end
+    type_ids: np.ndarray
+    lengths: np.ndarray  # [count] int64
     group: Group
-    index: int
-    length: int
+    first: int
+    tokens: int  # real tokens: lengths.sum()
+    longest: int
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def length(self) -> int:
+        """The sequence length of a one-row entry (padded graphs sort by it)."""
+        return self.longest
 
     @property
     def enqueued(self) -> float:
         return self.group.enqueued
+
+    def split(self, rows: int) -> tuple["Entry", "Entry"]:
+        """The first `rows` rows and the rest."""
+        cut = int(self.lengths[:rows].sum())
+        head, tail = self.lengths[:rows], self.lengths[rows:]
+        return (Entry(self.ids[:cut], self.type_ids[:cut], head, self.group, self.first, cut, int(head.max())),
+                Entry(self.ids[cut:], self.type_ids[cut:], tail, self.group, self.first + rows, self.tokens - cut,
+                      int(tail.max())))
 
 
 class DynamicBatcher:
@@ -112,6 +159,7 @@ class DynamicBatcher:
         self.workers = workers
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
+        self._queued_rows = 0  # sequences in _queue
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(workers)
         self._executor: ThreadPoolExecutor | None = None
@@ -142,40 +190,50 @@ class DynamicBatcher:
             if not entry.group.future.done():
                 entry.group.future.set_exception(NotReady("the server is shutting down"))
         self._queue.clear()
-        self._set_depth()
+        self._set_depth(0)
         if self._executor:
             self._executor.shutdown(wait=True)
 
     # -- admission ---------------------------------------------------------------------------------------
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Sequences waiting for a batch."""
+        return self._queued_rows
 
-    def submit_group(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> asyncio.Future:
+    def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
         """Queue the sequences of one request, all or none; the future gets one GroupResult. Raises
         Overloaded past the queue limit."""
         if self._closed:
             raise NotReady("the server is shutting down")
-        if len(self._queue) + len(sequences) > self.max_queued:
-            raise Overloaded(f"the queue is full ({len(self._queue)} sequences waiting, limit {self.max_queued}); "
-                             f"retry later")
         n = len(sequences)
+        if self._queued_rows + n > self.max_queued:
+            raise Overloaded(f"the queue is full ({self._queued_rows} sequences waiting, limit {self.max_queued}); "
+                             f"retry later")
         group = Group(outputs, asyncio.get_running_loop().create_future(), n, time.perf_counter(), pending=n)
         group.future.add_done_callback(self._note_cancel)
-        self._queue.extend([Entry(ids, types, group, i, len(ids)) for i, (ids, types) in enumerate(sequences)])
-        self._set_depth()
+        ids, type_ids, lengths = sequences.ids, sequences.type_ids, sequences.lengths
+        if self.packed:
+            self._queue.append(Entry(ids, type_ids, lengths, group, 0, int(lengths.sum()), int(lengths.max())))
+        else:
+            for i, (a, b) in enumerate(zip(sequences.starts.tolist(), np.cumsum(lengths).tolist())):
+                self._queue.append(Entry(ids[a:b], type_ids[a:b], lengths[i:i + 1], group, i, b - a, b - a))
+        self._set_depth(self._queued_rows + n)
         self._wakeup.set()
         return group.future
 
-    def submit(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> list[asyncio.Future]:
+    def submit(self, sequences: Sequences, outputs: frozenset[str]) -> list[asyncio.Future]:
         """Each sequence as its own group of one (all or none): one future per sequence."""
-        if len(self._queue) + len(sequences) > self.max_queued:
+        if self._queued_rows + len(sequences) > self.max_queued:
             self.submit_group(sequences, outputs)  # raises Overloaded
-        return [self.submit_group([seq], outputs) for seq in sequences]
+        starts = sequences.starts.tolist()
+        return [self.submit_group(Sequences(sequences.ids[a: a + n], sequences.type_ids[a: a + n],
+                                            sequences.lengths[i:i + 1]), outputs)
+                for i, (a, n) in enumerate(zip(starts, sequences.lengths.tolist()))]
 
-    def _set_depth(self) -> None:
+    def _set_depth(self, rows: int) -> None:
+        self._queued_rows = rows
         if self._metrics:
-            self._metrics.queue_depth.set(len(self._queue))
+            self._metrics.queue_depth.set(rows)
 
     # -- batching ----------------------------------------------------------------------------------------
     def _note_cancel(self, future: asyncio.Future) -> None:
@@ -189,32 +247,44 @@ class DynamicBatcher:
             return
         self._cancelled = False
         alive = [e for e in self._queue if not e.group.future.done()]
-        dropped = len(self._queue) - len(alive)
-        if dropped:
+        if len(alive) < len(self._queue):
+            rows = sum(e.count for e in alive)
+            dropped = self._queued_rows - rows
             self._queue = alive
-            self._set_depth()
+            self._set_depth(rows)
             if self._metrics:
                 self._metrics.dropped_sequences.inc(dropped)
 
     def _is_full(self) -> bool:
-        n = len(self._queue)
-        if n >= self.max_batch_size:
+        if self._queued_rows >= self.max_batch_size:
             return True
         if self.packed:
-            return sum(e.length for e in self._queue) >= self.max_batch_tokens
-        return n * max(e.length for e in self._queue) >= self.max_batch_tokens
+            return sum(e.tokens for e in self._queue) >= self.max_batch_tokens
+        return self._queued_rows * max(e.length for e in self._queue) >= self.max_batch_tokens
 
     def _take_in_order(self) -> list[Entry]:
-        """Packed graphs: the oldest entries, within the real-token budget and the size cap (at least one)."""
-        queue, budget, n = self._queue, self.max_batch_tokens, 0
-        limit = min(len(queue), self.max_batch_size)
-        while n < limit:
-            budget -= queue[n].length
-            if budget < 0 and n > 0:
-                break
-            n += 1
+        """Packed graphs: the oldest rows, within the real-token budget and the size cap (at least one
+        row); the entry at the edge is split at the last row that fits."""
+        queue, tokens_left, rows_left = self._queue, self.max_batch_tokens, self.max_batch_size
+        n = 0
+        while n < len(queue) and rows_left > 0:
+            entry = queue[n]
+            if entry.count <= rows_left and entry.tokens <= tokens_left:
+                tokens_left -= entry.tokens
+                rows_left -= entry.count
+                n += 1
+                continue
+            # Rows of this entry that fit: within both limits, and at least one for an empty batch.
+            fit = min(rows_left, int(np.searchsorted(np.cumsum(entry.lengths), tokens_left, side="right")))
+            if n == 0:
+                fit = max(fit, 1)
+            if fit > 0:
+                if fit < entry.count:
+                    queue[n: n + 1] = entry.split(fit)
+                n += 1
+            break
         chosen, self._queue = queue[:n], queue[n:]
-        self._set_depth()
+        self._set_depth(self._queued_rows - sum(e.count for e in chosen))
         return chosen
 
     def _take_batch(self) -> list[Entry]:
@@ -226,7 +296,7 @@ class DynamicBatcher:
             padded = len(queue) * max(e.length for e in queue)
             if padded <= self.max_batch_tokens and padded - sum(e.length for e in queue) <= self.max_padding * padded:
                 self._queue = []  # everything fits: what the search below would choose, without the search
-                self._set_depth()
+                self._set_depth(0)
                 return queue
         window = queue[: self.max_batch_size * _LOOKAHEAD]
         anchor = window[0]
@@ -257,7 +327,7 @@ class DynamicBatcher:
         chosen = ordered[lo:hi]
         taken = set(map(id, chosen))
         self._queue = [e for e in window if id(e) not in taken] + queue[len(window):]
-        self._set_depth()
+        self._set_depth(self._queued_rows - len(chosen))
         return chosen
 
     async def _loop(self) -> None:
@@ -279,7 +349,7 @@ class DynamicBatcher:
         queue was not swept for it) must not cost inference either."""
         live = [e for e in entries if not e.group.future.done()]
         if len(live) < len(entries) and self._metrics:
-            self._metrics.dropped_sequences.inc(len(entries) - len(live))
+            self._metrics.dropped_sequences.inc(sum(e.count for e in entries) - sum(e.count for e in live))
         return live
 
     def _arrived_idle(self) -> bool:
@@ -325,7 +395,7 @@ class DynamicBatcher:
     def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
         """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call."""
         try:
-            batch = collate([e.ids for e in entries], [e.type_ids for e in entries], self.pad_id, outputs)
+            batch = collate(entries, self.pad_id, outputs)
             outcome: dict[str, np.ndarray] | Exception = self._run(batch)
             tokens = batch.input_ids.size
         except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
@@ -342,35 +412,41 @@ class DynamicBatcher:
         self._running.discard(done)
         done.set_result(None)
         if isinstance(outcome, Exception):
-            log.error("inference failed on a batch of %d", len(entries), exc_info=outcome)
+            log.error("inference failed on a batch of %d entries", len(entries), exc_info=outcome)
             for entry in entries:
                 if not entry.group.future.done():
                     entry.group.future.set_exception(outcome)
             return
         inference_s = now - started
-        size = len(entries)
+        size = sum(e.count for e in entries)
         if self._metrics:
             self._metrics.observe_batch(size, tokens, inference_s)
-        # Rows per group, in one pass; then one gather per group and output.
-        parts: dict[Group, tuple[list[int], list[int], list[int]]] = {}
-        for row, entry in enumerate(entries):
+        # Each group's entries with their first row in the batch; then one fill per group.
+        parts: dict[Group, list[tuple[int, Entry]]] = {}
+        row = 0
+        for entry in entries:
             part = parts.get(entry.group)
             if part is None:
-                part = parts[entry.group] = ([], [], [])
-            part[0].append(row)
-            part[1].append(entry.index)
-            part[2].append(entry.length)
-        for group, (batch_rows, my_rows, lengths) in parts.items():
+                parts[entry.group] = [(row, entry)]
+            else:
+                part.append((row, entry))
+            row += entry.count
+        for group, spans in parts.items():
             if not group.future.done():  # else cancelled while running
-                group.fill(outcome, batch_rows, my_rows, lengths, started, inference_s, size)
+                group.fill(outcome, spans, started, inference_s, size)
 
 
-def collate(ids: list[np.ndarray], type_ids: list[np.ndarray], pad_id: int, outputs: frozenset[str]) -> Batch:
-    """Pad sequences to the longest with a few whole-array operations (not three per row)."""
-    lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+def collate(entries: Sequence[Entry], pad_id: int, outputs: frozenset[str]) -> Batch:
+    """Pad the entries' rows to the longest with a few whole-array operations (not three per row)."""
+    if len(entries) == 1:
+        ids, type_ids, lengths = entries[0].ids, entries[0].type_ids, entries[0].lengths
+    else:
+        ids = np.concatenate([e.ids for e in entries])
+        type_ids = np.concatenate([e.type_ids for e in entries])
+        lengths = np.concatenate([e.lengths for e in entries])
     real = np.arange(lengths.max()) < lengths[:, None]  # [B, S] True on real tokens; filled row-major
     input_ids = np.full(real.shape, pad_id, dtype=np.int64)
-    input_ids[real] = np.concatenate(ids)
+    input_ids[real] = ids
     token_type_ids = np.zeros(real.shape, dtype=np.int64)
-    token_type_ids[real] = np.concatenate(type_ids)
+    token_type_ids[real] = type_ids
     return Batch(input_ids, real.astype(np.int64), token_type_ids, tuple(sorted(outputs)))

@@ -2,10 +2,20 @@
 
 With `workers` > 1 one process owns the ONNX Runtime session and the batcher (one CUDA context, batches
 formed from every worker's requests); the workers parse HTTP, tokenise and encode answers, and send
-token ids here over a Unix socket. A frame is a 4-byte length and a pickle (protocol 5). Worker ->
-engine: ("submit", id, outputs, ids, type ids, lengths) with the sequences concatenated (three arrays,
-not two per sequence: unpickling costs per array), ("cancel", id). Engine -> worker: ("hello",
-EngineInfo) once, then ("result", id, GroupResult) or ("error", id, type name, message).
+token ids here over a Unix socket. The engine process is what caps a GPU server's throughput, so the
+link costs it as little as it can: no pickle on the hot path, one frame per request whichever its size,
+arrays read straight out of (and written straight from) their bytes, and frames received into their own
+buffer instead of being copied out of a stream.
+
+A frame is a 4-byte little-endian length, then a 1-byte kind:
+  HELLO   engine -> worker, once: padding to 8 bytes, then a pickle of EngineInfo
+  SUBMIT  worker -> engine: <kind, outputs bit mask, n, request id> (16 bytes), lengths int32[n],
+          ids int32[total], type ids uint8[total]
+  CANCEL  worker -> engine: <kind, request id> (16 bytes)
+  RESULT  engine -> worker: <kind, arrays, batch size, request id, queue s, inference s> (32 bytes), one
+          <output, dtype, rows, cols> (12 bytes) per array, then each array's bytes, 8-byte aligned; token
+          vectors go as one [total, H] array, which the worker cuts by the lengths it sent
+  ERROR   engine -> worker: <kind, request id> (16 bytes), then "ErrorType\\nmessage" in UTF-8
 """
 from __future__ import annotations
 
@@ -20,11 +30,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from app import errors
-from app.batcher import DynamicBatcher, GroupResult
+from app.batcher import DynamicBatcher, GroupResult, Sequences
+from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
 _LENGTH = struct.Struct("<I")
-_FRAME_LIMIT = 1 << 31  # a batch of 512 x 512 token vectors of width 1024 in float32 stays under it
+_FRAME_LIMIT = 1 << 31  # 512 inputs x 512 token vectors of width 1024 in float32 is 1 GiB
+HELLO, SUBMIT, CANCEL, RESULT, ERROR = range(5)
+_HELLO = struct.Struct("<B7x")
+_SUBMIT = struct.Struct("<BBxxIQ")
+_REQUEST = struct.Struct("<B7xQ")  # CANCEL and ERROR
+_RESULT = struct.Struct("<BBxxIQdd")
+_ARRAY = struct.Struct("<BBxxII")
+_OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
+_DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
+_SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
 
 
 @dataclass(frozen=True)
@@ -40,67 +60,169 @@ class EngineInfo:
     pid: int
 
 
-def _send(writer: asyncio.StreamWriter, message: tuple) -> None:
-    body = pickle.dumps(message, protocol=5)
-    writer.write(_LENGTH.pack(len(body)))
-    writer.write(body)  # not concatenated: no copy of a large body to prepend its length
+class _Framed(asyncio.BufferedProtocol):
+    """One end of a link connection: `send()` writes a frame from parts (bytes, numpy arrays), and
+    `on_frame(kind, frame)` gets each frame received, as its own writable bytearray. `greeting`: the
+    parts of a frame sent as soon as the connection is made."""
 
+    def __init__(self, on_frame: Callable[[int, bytearray], None], on_lost: Callable[[Exception | None], None],
+                 greeting: tuple = ()):
+        self.on_frame, self.on_lost, self.greeting = on_frame, on_lost, greeting
+        self.transport: asyncio.Transport | None = None
+        self._scratch = bytearray(_SCRATCH)
+        self._have = 0  # bytes in _scratch not yet parsed into frames
+        self._frame: bytearray | None = None  # a large frame being received straight into its buffer
+        self._filled = 0
 
-async def _read(reader: asyncio.StreamReader) -> tuple:
-    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
-    if length > _FRAME_LIMIT:
-        raise ConnectionError(f"frame of {length} bytes: the peer is not a bertserve engine link")
-    return pickle.loads(await reader.readexactly(length))
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        if self.greeting:
+            self.send(*self.greeting)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.on_lost(exc)
+
+    def send(self, *parts) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        self.transport.writelines([_LENGTH.pack(sum(v.nbytes for v in views)), *views])
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._frame is not None:
+            return memoryview(self._frame)[self._filled:]
+        return memoryview(self._scratch)[self._have:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._frame is not None:
+            self._filled += nbytes
+            if self._filled == len(self._frame):
+                frame, self._frame = self._frame, None
+                self._deliver(frame)
+            return
+        self._have += nbytes
+        scratch, pos, have = self._scratch, 0, self._have
+        while have - pos >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(scratch, pos)
+            if length == 0 or length > _FRAME_LIMIT:
+                log.error("a frame of %d bytes: the peer is not a bertserve engine link; closing it", length)
+                self.transport.close()
+                return
+            body = pos + _LENGTH.size
+            if have - body >= length:  # the whole frame is here
+                self._deliver(scratch[body: body + length])
+                pos = body + length
+            elif length > _SCRATCH - _LENGTH.size:  # will not fit the scratch buffer: read it into its own
+                self._frame = bytearray(length)
+                self._filled = have - body
+                self._frame[: self._filled] = scratch[body: have]
+                pos = have
+                break
+            else:
+                break
+        if pos:  # keep the start of an incomplete frame at the front
+            scratch[: have - pos] = scratch[pos: have]
+            self._have = have - pos
+
+    def _deliver(self, frame: bytearray) -> None:
+        try:
+            self.on_frame(frame[0], frame)
+        except Exception:  # noqa: BLE001 - a malformed frame ends this connection, not the process
+            log.exception("could not handle a link frame (kind %d); closing the connection", frame[0])
+            self.transport.close()
 
 
 # -- engine side ------------------------------------------------------------------------------------------
-async def serve_workers(batcher: DynamicBatcher, info: EngineInfo, reader: asyncio.StreamReader,
-                        writer: asyncio.StreamWriter) -> None:
-    """One worker's connection: queue what it submits, answer each group when its future resolves, and
-    drop its queued work when it cancels a request or goes away."""
-    pending: dict[int, asyncio.Future] = {}
+def _result_frame(rid: int, result: GroupResult) -> list:
+    arrays = []
+    for name, value in result.outputs.items():
+        if isinstance(value, list):  # token vectors: [len_i, H] each -> [total, H]
+            value = np.concatenate(value) if len(value) > 1 else value[0]
+        arrays.append((_OUTPUTS.index(name), np.ascontiguousarray(value)))
+    parts = [_RESULT.pack(RESULT, len(arrays), result.batch_size, rid, result.queue_s, result.inference_s)]
+    parts += [_ARRAY.pack(index, _DTYPES.index(a.dtype), *a.shape) for index, a in arrays]
+    offset = _RESULT.size + _ARRAY.size * len(arrays)
+    for _, a in arrays:
+        if offset % 8:
+            parts.append(bytes(8 - offset % 8))
+            offset += 8 - offset % 8
+        parts.append(a)
+        offset += a.nbytes
+    return parts
 
-    def reply(rid: int, future: asyncio.Future) -> None:
-        pending.pop(rid, None)
-        if future.cancelled() or writer.is_closing():
-            return
-        error = future.exception()
-        if error is None:
-            _send(writer, ("result", rid, future.result()))
-        else:
-            _send(writer, ("error", rid, type(error).__name__, str(error)))
 
-    _send(writer, ("hello", info))
-    try:
-        while True:
-            message = await _read(reader)
-            if message[0] == "submit":
-                _, rid, outputs, ids, type_ids, lengths = message
-                ends = np.cumsum(lengths).tolist()
-                starts = [0, *ends[:-1]]  # slices, not np.split: that costs ~10 us per piece
-                sequences = [(ids[a:b], type_ids[a:b]) for a, b in zip(starts, ends)]
+def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asyncio.BaseProtocol]:
+    """The protocol factory for the engine's Unix server: per worker connection, queue what it submits,
+    answer each request when its future resolves, and drop its queued work when it cancels a request or
+    goes away."""
+    hello = pickle.dumps(info, protocol=5)
+
+    def connection() -> _Framed:
+        pending: dict[int, asyncio.Future] = {}
+
+        def reply(rid: int, future: asyncio.Future) -> None:
+            pending.pop(rid, None)
+            if future.cancelled() or link.transport.is_closing():
+                return
+            error = future.exception()
+            if error is None:
+                link.send(*_result_frame(rid, future.result()))
+            else:
+                link.send(_REQUEST.pack(ERROR, rid), f"{type(error).__name__}\n{error}".encode())
+
+        def on_frame(kind: int, frame: bytearray) -> None:
+            if kind == SUBMIT:
+                _, mask, n, rid = _SUBMIT.unpack_from(frame)
+                lengths = np.frombuffer(frame, np.int32, n, _SUBMIT.size).astype(np.int64)
+                total = int(lengths.sum())
+                ids_at = _SUBMIT.size + 4 * n
+                sequences = Sequences(np.frombuffer(frame, np.int32, total, ids_at),
+                                      np.frombuffer(frame, np.uint8, total, ids_at + 4 * total), lengths)
+                outputs = frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1)
                 try:
                     future = batcher.submit_group(sequences, outputs)
                 except errors.ServiceError as e:
-                    _send(writer, ("error", rid, type(e).__name__, str(e)))
-                    continue
+                    link.send(_REQUEST.pack(ERROR, rid), f"{type(e).__name__}\n{e}".encode())
+                    return
                 pending[rid] = future
                 future.add_done_callback(lambda f, rid=rid: reply(rid, f))
-            elif message[0] == "cancel":
-                future = pending.pop(message[1], None)
+            elif kind == CANCEL:
+                future = pending.pop(_REQUEST.unpack_from(frame)[1], None)
                 if future is not None:
                     future.cancel()
-    except (asyncio.IncompleteReadError, ConnectionError):
-        pass  # the worker exited
-    finally:
-        for future in pending.values():
-            future.cancel()
-        writer.close()
+            else:
+                raise ValueError(f"unexpected frame kind {kind} from a worker")
+
+        def on_lost(exc: Exception | None) -> None:  # the worker exited: its queued work is dropped
+            for future in pending.values():
+                future.cancel()
+            pending.clear()
+
+        link = _Framed(on_frame, on_lost, greeting=(_HELLO.pack(HELLO), hello))
+        return link
+
+    return connection
 
 
 # -- worker side -------------------------------------------------------------------------------------------
 _ERRORS = {cls.__name__: cls for cls in (errors.InvalidInput, errors.TooManyInputs, errors.InputTooLong,
                                          errors.Overloaded, errors.NotReady, errors.Unsupported)}
+
+
+def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
+    _, count, batch_size, _, queue_s, inference_s = _RESULT.unpack_from(frame)
+    offset = _RESULT.size + _ARRAY.size * count
+    outputs: dict = {}
+    for k in range(count):
+        index, dtype, rows, cols = _ARRAY.unpack_from(frame, _RESULT.size + _ARRAY.size * k)
+        offset += -offset % 8
+        dtype = _DTYPES[dtype]
+        value = np.frombuffer(frame, dtype, rows * cols, offset).reshape(rows, cols)
+        offset += value.nbytes
+        name = _OUTPUTS[index]
+        if name == TOKEN_EMBEDDINGS:  # back to one [len_i, H] array per sequence
+            ends = np.cumsum(lengths).tolist()
+            value = [value[a:b] for a, b in zip([0, *ends[:-1]], ends)]
+        outputs[name] = value
+    return GroupResult(outputs, queue_s, inference_s, batch_size)
 
 
 class EngineClient:
@@ -110,9 +232,9 @@ class EngineClient:
     def __init__(self, socket_path: str, on_lost: Callable[[], None] | None = None):
         self.socket_path, self.on_lost = socket_path, on_lost
         self.info: EngineInfo | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._reader_task: asyncio.Task | None = None
-        self._pending: dict[int, asyncio.Future] = {}
+        self._link: _Framed | None = None
+        self._hello: asyncio.Future | None = None
+        self._pending: dict[int, tuple[asyncio.Future, np.ndarray]] = {}
         self._ids = itertools.count()
         self._closed = True
 
@@ -125,60 +247,65 @@ class EngineClient:
         return self.info.inference_workers
 
     async def connect(self) -> EngineInfo:
-        reader, self._writer = await asyncio.open_unix_connection(self.socket_path)
-        kind, self.info = await _read(reader)
-        if kind != "hello":
-            raise ConnectionError(f"the engine process greeted with {kind!r}")
+        loop = asyncio.get_running_loop()
+        self._hello = loop.create_future()
+        _, self._link = await loop.create_unix_connection(lambda: _Framed(self._on_frame, self._on_lost),
+                                                          self.socket_path)
+        self.info = await self._hello
         self._closed = False
-        self._reader_task = asyncio.create_task(self._dispatch(reader), name="engine-link")
         return self.info
 
     async def stop(self) -> None:
         self._closed = True
-        if self._reader_task is not None:
-            self._reader_task.cancel()
-            await asyncio.gather(self._reader_task, return_exceptions=True)
-        if self._writer is not None:
-            self._writer.close()
+        if self._link is not None and self._link.transport is not None:
+            self._link.transport.close()
         self._fail_pending("the server is shutting down")
 
-    def submit_group(self, sequences: list[tuple[np.ndarray, np.ndarray]], outputs: frozenset[str]) -> asyncio.Future:
+    def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
         if self._closed:
             raise errors.NotReady("the engine process is not available")
         rid = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = future
-        ids, type_ids = zip(*sequences)
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        _send(self._writer, ("submit", rid, outputs, np.concatenate(ids), np.concatenate(type_ids), lengths))
+        self._pending[rid] = (future, sequences.lengths)
+        mask = sum(1 << i for i, name in enumerate(_OUTPUTS) if name in outputs)
+        self._link.send(_SUBMIT.pack(SUBMIT, mask, len(sequences), rid), sequences.lengths.astype(np.int32),
+                        sequences.ids.astype(np.int32), sequences.type_ids.astype(np.uint8))
         future.add_done_callback(lambda f: self._done(rid, f))
         return future
 
     def _done(self, rid: int, future: asyncio.Future) -> None:
         if self._pending.pop(rid, None) is not None and future.cancelled() and not self._closed:
-            _send(self._writer, ("cancel", rid))  # the client went away: drop it there too
+            self._link.send(_REQUEST.pack(CANCEL, rid))  # the client went away: drop it there too
 
-    async def _dispatch(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                message = await _read(reader)
-                future = self._pending.get(message[1])
-                if future is None or future.done():
-                    continue  # cancelled here meanwhile
-                if message[0] == "result":
-                    future.set_result(message[2])
-                else:
-                    future.set_exception(_ERRORS.get(message[2], errors.InternalError)(message[3]))
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            if not self._closed:
-                log.error("lost the engine process (%s); answering 503 from now on", e or "closed")
-                self._closed = True
-                self._fail_pending("the engine process is gone")
-                if self.on_lost:
-                    self.on_lost()
+    def _on_frame(self, kind: int, frame: bytearray) -> None:
+        if kind == HELLO:
+            if not self._hello.done():
+                self._hello.set_result(pickle.loads(memoryview(frame)[_HELLO.size:]))
+            return
+        rid = _REQUEST.unpack_from(frame)[1] if kind == ERROR else _RESULT.unpack_from(frame)[3]
+        future, lengths = self._pending.get(rid, (None, None))
+        if future is None or future.done():
+            return  # cancelled here meanwhile
+        if kind == RESULT:
+            future.set_result(_read_result(frame, lengths))
+        elif kind == ERROR:
+            name, _, message = bytes(frame[_REQUEST.size:]).decode().partition("\n")
+            future.set_exception(_ERRORS.get(name, errors.InternalError)(message))
+        else:
+            raise ValueError(f"unexpected frame kind {kind} from the engine")
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        if self._hello is not None and not self._hello.done():
+            self._hello.set_exception(ConnectionError("the engine process closed the link before greeting"))
+        if not self._closed:
+            log.error("lost the engine process (%s); answering 503 from now on", exc or "closed")
+            self._closed = True
+            self._fail_pending("the engine process is gone")
+            if self.on_lost:
+                self.on_lost()
 
     def _fail_pending(self, message: str) -> None:
-        for future in self._pending.values():
+        for future, _ in self._pending.values():
             if not future.done():
                 future.set_exception(errors.NotReady(message))
         self._pending.clear()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
@@ -40,7 +39,7 @@ async def _serve(settings: Settings, socket_path: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     # The socket file appears once the model is loaded and checked: `python -m app` waits for it.
-    server = await asyncio.start_unix_server(functools.partial(serve_workers, batcher, info), path=socket_path)
+    server = await loop.create_unix_server(serve_workers(batcher, info), path=socket_path)
     log.info("engine process %d ready on %s", os.getpid(), socket_path)
     try:
         await stop.wait()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from app.batcher import DynamicBatcher, GroupResult
+from app.batcher import DynamicBatcher, GroupResult, Sequences
 from app.engine import OrtEngine
 from app.engine_link import EngineClient, EngineInfo
 from app.errors import ClientClosed, InvalidInput, Overloaded, TooManyInputs
@@ -102,7 +102,8 @@ class InferenceService:
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
                 return Inference(encoded, None, timings)
-            future = self.batcher.submit_group([(e.ids, e.type_ids) for e in encoded], outputs)
+            sequences = Sequences.concat([e.ids for e in encoded], [e.type_ids for e in encoded])
+            future = self.batcher.submit_group(sequences, outputs)
             result = await self._wait(future, request)
             timings.queue_s, timings.inference_s = result.queue_s, result.inference_s
             self.metrics.queue_seconds.observe(result.queue_s)

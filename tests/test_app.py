@@ -18,7 +18,7 @@ import pytest
 from pydantic import ValidationError
 from tokenizers import Tokenizer
 
-from app.batcher import DynamicBatcher
+from app.batcher import DynamicBatcher, Sequences
 from app.engine import EngineError, resolve_device_precision
 from app.build import usable_cores
 from app.main import create_app
@@ -504,13 +504,17 @@ def test_device_and_precision_choice(artifact):
     assert resolve_device_precision("auto", "auto", manifest, both) == ("cuda", "fp32")
 
 
+def _zeros(lengths: list[int]) -> Sequences:
+    return Sequences.concat([np.zeros(n, np.int64) for n in lengths], [np.zeros(n, np.int64) for n in lengths])
+
+
 def test_batcher_packs_by_length_within_the_budget():
     async def go():
         b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=40, max_batch_size=4, max_wait_ms=0,
                            max_queued=100)
         b._closed = False
         lengths = [10, 3, 9, 4, 10, 2, 30]
-        futures = b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in lengths], frozenset())
+        futures = b.submit(_zeros(lengths), frozenset())
         futures[4].cancel()
         await asyncio.sleep(0)  # its done-callback marks the queue for a sweep
         b._drop_cancelled()
@@ -529,29 +533,39 @@ def test_batcher_stops_a_padded_batch_at_the_padding_limit():
         b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=1000, max_batch_size=8, max_wait_ms=0,
                            max_queued=100, max_padding=0.1)
         b._closed = False
-        b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in [100, 95, 60, 98, 20, 91]], frozenset())
+        b.submit(_zeros([100, 95, 60, 98, 20, 91]), frozenset())
         return [sorted(e.length for e in b._take_batch()) for _ in range(3)], b.queued
     (first, second, third), left = run(go())
     assert first == [91, 95, 98, 100]  # 4% padding; adding 60 would make it 11%
     assert second == [60] and third == [20] and left == 0  # 60 + 20 would be a third padding
 
 
-def test_batcher_takes_a_packed_graphs_work_in_order_by_real_tokens():
-    """Padding costs a packed graph nothing: first come first served, budget counted in real tokens."""
+@pytest.mark.parametrize("one_request", [False, True])
+def test_batcher_takes_a_packed_graphs_work_in_order_by_real_tokens(one_request):
+    """Padding costs a packed graph nothing: first come first served, budget counted in real tokens; one
+    request's rows are one queue entry, cut where the budget or the size cap ends a batch."""
     async def go():
         b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=20, max_batch_size=4, max_wait_ms=0,
                            max_queued=100, packed=True)
         b._closed = False
-        b.submit([(np.zeros(n, np.int64), np.zeros(n, np.int64)) for n in [10, 3, 30, 2, 1, 1, 1, 1]], frozenset())
-        return [[e.length for e in b._take_batch()] for _ in range(3)], b.queued
+        sequences = _zeros([10, 3, 30, 2, 1, 1, 1, 1])
+        if one_request:
+            b.submit_group(sequences, frozenset())
+        else:
+            b.submit(sequences, frozenset())
+        batches = [b._take_batch() for _ in range(3)]
+        assert all(len(batch) == 1 for batch in batches) == one_request
+        return [np.concatenate([e.lengths for e in batch]).tolist() for batch in batches], b.queued
     (first, second, third), left = run(go())
     assert first == [10, 3]  # + 30 would pass the 20 real tokens (padded, 10 + 3 would already cost 2 x 10)
     assert second == [30]  # alone over the budget: still runs, alone
     assert third == [2, 1, 1, 1] and left == 1  # the size cap
 
 
-def test_batcher_splits_a_request_over_batches_and_reassembles_its_rows():
-    """One request's sequences, packed by length into several batches, come back in request order."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_batcher_splits_a_request_over_batches_and_reassembles_its_rows(packed):
+    """One request's sequences, spread over several batches (padded: by length; packed: cut at the budget
+    in order), come back in request order."""
     def engine(batch):  # row i's vectors identify its sequence: its first id and its length
         lengths = batch.attention_mask.sum(axis=1).astype(np.float32)
         cls = np.stack([batch.input_ids[:, 0].astype(np.float32), lengths], axis=1)
@@ -560,11 +574,12 @@ def test_batcher_splits_a_request_over_batches_and_reassembles_its_rows():
     lengths = [7, 2, 9, 2, 5, 7, 1]
 
     async def go():
-        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=18, max_batch_size=2, max_wait_ms=0, max_queued=100)
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=18, max_batch_size=2, max_wait_ms=0, max_queued=100,
+                           packed=packed)
         b.start()
         try:
-            seqs = [(np.arange(100 * i, 100 * i + n, dtype=np.int64), np.zeros(n, np.int64))
-                    for i, n in enumerate(lengths)]
+            seqs = Sequences.concat([np.arange(100 * i, 100 * i + n, dtype=np.int64) for i, n in enumerate(lengths)],
+                                    [np.zeros(n, np.int64) for n in lengths])
             future = b.submit_group(seqs, frozenset({"cls_embedding", "token_embeddings"}))
             return await future, b.queued
         finally:

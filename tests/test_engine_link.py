@@ -1,0 +1,108 @@
+"""The engine link (app.engine_link) in one process: the real tokenizer, OrtEngine and DynamicBatcher of
+the tiny artifact behind a real Unix socket, EngineClient on the other end. What crosses must equal what
+the batcher answers directly, for every output, small frames and frames larger than the read buffer."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+
+import numpy as np
+import pytest
+
+from app import errors
+from app.batcher import Sequences
+from app.build import build_engine, load_tokenizer
+from app.engine_link import EngineClient, EngineInfo, serve_workers
+from app.metrics import Metrics
+from app.settings import Settings
+from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+
+ALL = frozenset({TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS})
+
+
+@contextlib.asynccontextmanager
+async def linked(artifact, folder, **overrides):
+    settings = Settings(model_dir=artifact, **overrides)
+    manifest, tokenizer = load_tokenizer(settings)
+    engine, batcher = build_engine(settings, manifest, tokenizer, Metrics())
+    batcher.start()
+    info = EngineInfo(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
+                      batcher.max_batch_tokens, os.getpid())
+    path = str(folder / "engine.sock")
+    server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=path)
+    client = EngineClient(path)
+    try:
+        assert await client.connect() == info
+        yield tokenizer, batcher, client
+    finally:
+        await client.stop()
+        server.close()
+        await batcher.stop()
+
+
+def _sequences(tokenizer, texts) -> Sequences:
+    encoded = tokenizer.encode(texts, truncate=True)
+    return Sequences.concat([e.ids for e in encoded], [e.type_ids for e in encoded])
+
+
+def test_the_link_answers_what_the_batcher_answers(tiny_artifact_dir, tmp_path):
+    small = ["a short text", ("a question?", "an answer.")]
+    large = [f"text number {i} " + "with many more words " * (i % 9) for i in range(120)]
+
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path) as (tokenizer, batcher, client):
+            answers = []
+            for texts in (small, large):
+                for outputs in (ALL, frozenset({NSP_LOGITS})):  # 4 arrays, or 1 (its bytes start unaligned)
+                    sequences = _sequences(tokenizer, texts)
+                    direct, linked_ = await asyncio.gather(batcher.submit_group(sequences, outputs),
+                                                           client.submit_group(sequences, outputs))
+                    answers.append((sequences, outputs, direct, linked_))
+            return answers
+
+    for sequences, outputs, direct, linked_ in asyncio.run(go()):
+        assert linked_.outputs.keys() == direct.outputs.keys() == outputs
+        for name in outputs - {TOKEN_EMBEDDINGS}:
+            assert linked_.outputs[name].shape == (len(sequences), direct.outputs[name].shape[1])
+            np.testing.assert_allclose(linked_.outputs[name], direct.outputs[name], atol=1e-5)
+        if TOKEN_EMBEDDINGS in outputs:
+            tokens = linked_.outputs[TOKEN_EMBEDDINGS]
+            assert [len(t) for t in tokens] == sequences.lengths.tolist()
+            for a, b in zip(tokens, direct.outputs[TOKEN_EMBEDDINGS]):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+        assert linked_.inference_s > 0 and linked_.batch_size >= 1
+    large_frame = sequences.lengths.sum() * 128 * 4  # the token vectors of the large request, in bytes
+    assert large_frame > 4 * (1 << 16)  # several times the link's read buffer: read into a buffer of its own
+
+
+def test_the_link_carries_errors_and_cancellations(tiny_artifact_dir, tmp_path):
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path, max_queued_sequences=3, inference_workers=1) as (
+                tokenizer, batcher, client):
+            with pytest.raises(errors.Overloaded, match="queue is full"):
+                await client.submit_group(_sequences(tokenizer, ["one", "two", "three", "four"]), ALL)
+            # Cancelled in the worker: the engine drops it before inference, and keeps answering.
+            future = client.submit_group(_sequences(tokenizer, ["dropped"]), ALL)
+            future.cancel()
+            await asyncio.sleep(0.2)
+            after = await client.submit_group(_sequences(tokenizer, ["still served"]), frozenset({CLS_EMBEDDING}))
+            return after, batcher.queued
+    after, queued = asyncio.run(go())
+    assert after.outputs[CLS_EMBEDDING].shape == (1, 128) and queued == 0
+
+
+def test_a_lost_engine_fails_waiting_requests_with_not_ready(tiny_artifact_dir, tmp_path):
+    lost = []
+
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path) as (tokenizer, batcher, client):
+            client.on_lost = lambda: lost.append(True)
+            future = client.submit_group(_sequences(tokenizer, ["in flight when the engine goes"]), ALL)
+            client._link.transport.abort()  # the socket closes as it does when the engine process dies
+            with pytest.raises(errors.NotReady):
+                await future
+            with pytest.raises(errors.NotReady):
+                client.submit_group(_sequences(tokenizer, ["after"]), ALL)
+    asyncio.run(go())
+    assert lost == [True]
