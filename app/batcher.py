@@ -121,8 +121,7 @@ class Entry:
     lengths: np.ndarray  # [count] int64
     group: Group
     first: int
-    tokens: int  # real tokens: lengths.sum()
-    longest: int
+    tokens: int  # real tokens: len(ids)
 
     @property
     def count(self) -> int:
@@ -131,19 +130,21 @@ class Entry:
     @property
     def length(self) -> int:
         """The sequence length of a one-row entry (padded graphs sort by it)."""
-        return self.longest
+        return self.tokens
 
     @property
     def enqueued(self) -> float:
         return self.group.enqueued
 
+    def sequences(self) -> Sequences:
+        return Sequences(self.ids, self.type_ids, self.lengths)
+
     def split(self, rows: int) -> tuple["Entry", "Entry"]:
         """The first `rows` rows and the rest."""
         cut = int(self.lengths[:rows].sum())
-        head, tail = self.lengths[:rows], self.lengths[rows:]
-        return (Entry(self.ids[:cut], self.type_ids[:cut], head, self.group, self.first, cut, int(head.max())),
-                Entry(self.ids[cut:], self.type_ids[cut:], tail, self.group, self.first + rows, self.tokens - cut,
-                      int(tail.max())))
+        return (Entry(self.ids[:cut], self.type_ids[:cut], self.lengths[:rows], self.group, self.first, cut),
+                Entry(self.ids[cut:], self.type_ids[cut:], self.lengths[rows:], self.group, self.first + rows,
+                      self.tokens - cut))
 
 
 class DynamicBatcher:
@@ -213,10 +214,10 @@ class DynamicBatcher:
         group.future.add_done_callback(self._note_cancel)
         ids, type_ids, lengths = sequences.ids, sequences.type_ids, sequences.lengths
         if self.packed:
-            self._queue.append(Entry(ids, type_ids, lengths, group, 0, int(lengths.sum()), int(lengths.max())))
+            self._queue.append(Entry(ids, type_ids, lengths, group, 0, len(ids)))
         else:
             for i, (a, b) in enumerate(zip(sequences.starts.tolist(), np.cumsum(lengths).tolist())):
-                self._queue.append(Entry(ids[a:b], type_ids[a:b], lengths[i:i + 1], group, i, b - a, b - a))
+                self._queue.append(Entry(ids[a:b], type_ids[a:b], lengths[i:i + 1], group, i, b - a))
         self._set_depth(self._queued_rows + n)
         self._wakeup.set()
         return group.future
@@ -395,7 +396,7 @@ class DynamicBatcher:
     def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
         """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call."""
         try:
-            batch = collate(entries, self.pad_id, outputs)
+            batch = collate(_joined(entries), self.pad_id, outputs)
             outcome: dict[str, np.ndarray] | Exception = self._run(batch)
             tokens = batch.input_ids.size
         except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
@@ -436,17 +437,19 @@ class DynamicBatcher:
                 group.fill(outcome, spans, started, inference_s, size)
 
 
-def collate(entries: Sequence[Entry], pad_id: int, outputs: frozenset[str]) -> Batch:
-    """Pad the entries' rows to the longest with a few whole-array operations (not three per row)."""
+def _joined(entries: Sequence[Entry]) -> Sequences:
     if len(entries) == 1:
-        ids, type_ids, lengths = entries[0].ids, entries[0].type_ids, entries[0].lengths
-    else:
-        ids = np.concatenate([e.ids for e in entries])
-        type_ids = np.concatenate([e.type_ids for e in entries])
-        lengths = np.concatenate([e.lengths for e in entries])
+        return entries[0].sequences()
+    return Sequences(np.concatenate([e.ids for e in entries]), np.concatenate([e.type_ids for e in entries]),
+                     np.concatenate([e.lengths for e in entries]))
+
+
+def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch:
+    """Pad the sequences to the longest with a few whole-array operations (not three per row)."""
+    lengths = sequences.lengths
     real = np.arange(lengths.max()) < lengths[:, None]  # [B, S] True on real tokens; filled row-major
     input_ids = np.full(real.shape, pad_id, dtype=np.int64)
-    input_ids[real] = ids
+    input_ids[real] = sequences.ids
     token_type_ids = np.zeros(real.shape, dtype=np.int64)
-    token_type_ids[real] = type_ids
+    token_type_ids[real] = sequences.type_ids
     return Batch(input_ids, real.astype(np.int64), token_type_ids, tuple(sorted(outputs)))

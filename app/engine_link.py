@@ -43,6 +43,7 @@ _REQUEST = struct.Struct("<B7xQ")  # CANCEL and ERROR
 _RESULT = struct.Struct("<BBxxIQdd")
 _ARRAY = struct.Struct("<BBxxII")
 _OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
+_OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1) for mask in range(16)]
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
 
@@ -63,7 +64,9 @@ class EngineInfo:
 class _Framed(asyncio.BufferedProtocol):
     """One end of a link connection: `send()` writes a frame from parts (bytes, numpy arrays), and
     `on_frame(kind, frame)` gets each frame received, as its own writable bytearray. `greeting`: the
-    parts of a frame sent as soon as the connection is made."""
+    parts of a frame sent as soon as the connection is made. Frames sent in one turn of the event loop
+    (the answers of one finished batch, say) leave in one write: a system call per frame cost the engine
+    process a tenth of its time with one-text requests."""
 
     def __init__(self, on_frame: Callable[[int, bytearray], None], on_lost: Callable[[Exception | None], None],
                  greeting: tuple = ()):
@@ -73,6 +76,7 @@ class _Framed(asyncio.BufferedProtocol):
         self._have = 0  # bytes in _scratch not yet parsed into frames
         self._frame: bytearray | None = None  # a large frame being received straight into its buffer
         self._filled = 0
+        self._outgoing: list = []  # frames sent in this turn of the loop, written by _flush
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -84,7 +88,15 @@ class _Framed(asyncio.BufferedProtocol):
 
     def send(self, *parts) -> None:
         views = [memoryview(p).cast("B") for p in parts]
-        self.transport.writelines([_LENGTH.pack(sum(v.nbytes for v in views)), *views])
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing.append(_LENGTH.pack(sum(v.nbytes for v in views)))
+        self._outgoing += views
+
+    def _flush(self) -> None:
+        outgoing, self._outgoing = self._outgoing, []
+        if not self.transport.is_closing():
+            self.transport.writelines(outgoing)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._frame is not None:
@@ -171,14 +183,13 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
         def on_frame(kind: int, frame: bytearray) -> None:
             if kind == SUBMIT:
                 _, mask, n, rid = _SUBMIT.unpack_from(frame)
-                lengths = np.frombuffer(frame, np.int32, n, _SUBMIT.size).astype(np.int64)
-                total = int(lengths.sum())
                 ids_at = _SUBMIT.size + 4 * n
+                total = (len(frame) - ids_at) // 5  # int32 ids + uint8 type ids per token
                 sequences = Sequences(np.frombuffer(frame, np.int32, total, ids_at),
-                                      np.frombuffer(frame, np.uint8, total, ids_at + 4 * total), lengths)
-                outputs = frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1)
+                                      np.frombuffer(frame, np.uint8, total, ids_at + 4 * total),
+                                      np.frombuffer(frame, np.int32, n, _SUBMIT.size).astype(np.int64))
                 try:
-                    future = batcher.submit_group(sequences, outputs)
+                    future = batcher.submit_group(sequences, _OUTPUT_SETS[mask])
                 except errors.ServiceError as e:
                     link.send(_REQUEST.pack(ERROR, rid), f"{type(e).__name__}\n{e}".encode())
                     return

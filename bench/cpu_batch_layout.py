@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from app.batcher import collate  # noqa: E402
+from app.batcher import Sequences, collate  # noqa: E402
 from app.build import usable_cores  # noqa: E402
 from app.engine import OrtEngine  # noqa: E402
 from app.tokenization import TextTokenizer  # noqa: E402
@@ -59,7 +59,8 @@ def main() -> None:
 
         def work(k: int) -> None:
             for b in batches[k::workers]:
-                engine.run(collate([e.ids for e in b], [e.type_ids for e in b], engine.pad_id, outputs))
+                engine.run(collate(Sequences.concat([e.ids for e in b], [e.type_ids for e in b]), engine.pad_id,
+                                   outputs))
 
         started = time.perf_counter()
         pool = [threading.Thread(target=work, args=(k,)) for k in range(workers)]

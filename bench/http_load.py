@@ -280,7 +280,7 @@ def engine_reference(artifact: Path, texts: list[str], batch_sizes: list[int], d
                      seconds: float) -> dict:
     """The server's own tokenizer, collation and engine with no HTTP and no batcher: texts/s at each batch
     size (the texts in arrival order, as the batcher sees them), and batch-1 latency of SHORT_TEXT."""
-    from app.batcher import collate
+    from app.batcher import Sequences, collate
     from app.engine import OrtEngine, resolve_device_precision
     from app.tokenization import TextTokenizer
     from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, read_manifest
@@ -294,7 +294,7 @@ def engine_reference(artifact: Path, texts: list[str], batch_sizes: list[int], d
     outputs = frozenset({CLS_EMBEDDING})
 
     def batch_of(encs):
-        return collate([e.ids for e in encs], [e.type_ids for e in encs], engine.pad_id, outputs)
+        return collate(Sequences.concat([e.ids for e in encs], [e.type_ids for e in encs]), engine.pad_id, outputs)
 
     result = {"device": device, "precision": precision, "provider": engine.provider,
               "mean_tokens": round(float(np.mean([e.length for e in encoded])), 1), "texts_per_s": {}}
