@@ -5,6 +5,7 @@
 #   bench/gpu_suite.sh serving   base artifact -> raw engine vs HTTP (bench/http_load.py serving)
 #   bench/gpu_suite.sh engine    fp16 artifact vs PyTorch fp16 SDPA (bench/engine_throughput.py)
 #   bench/gpu_suite.sh train     pre-training step, ours vs transformers compiled (bench/train_throughput.py)
+#   bench/gpu_suite.sh trainprofile  where a compiled step of ours spends GPU time (bench/train_step_profile.py)
 #   bench/gpu_suite.sh ortsettings  ORT CUDA attention kernels / GEMM options on the padded fp16 graph
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,8 @@ for part in "$@"; do
       timeout 420 $PY bench/engine_throughput.py --device cuda --preset base 2>&1 | quiet | tee "$OUT/engine.log" | tail -32 ;;
     train)
       timeout 560 $PY bench/train_throughput.py --preset base --batch-size 256 --seq-len 128 2>&1 | quiet | tee "$OUT/train.log" | tail -12 ;;
+    trainprofile)
+      timeout 400 $PY bench/train_step_profile.py 2>&1 | quiet | tee "$OUT/train_profile.txt" | head -60 ;;
     ortsettings)
       { timeout 240 $PY bench/ort_cuda_settings.py build
         for g in attention rawmask mha nomask; do $PY bench/ort_cuda_settings.py run $g; done
