@@ -144,11 +144,17 @@ class _Framed(asyncio.BufferedProtocol):
 
 # -- engine side ------------------------------------------------------------------------------------------
 def _result_frame(rid: int, result: GroupResult) -> list:
+    """The RESULT frame's parts; TooManyInputs when they would pass the frame limit (token vectors of
+    very many long inputs), which the worker answers with 413 while the link stays up."""
     arrays = []
     for name, value in result.outputs.items():
         if isinstance(value, list):  # token vectors: [len_i, H] each -> [total, H]
             value = np.concatenate(value) if len(value) > 1 else value[0]
         arrays.append((_OUTPUTS.index(name), np.ascontiguousarray(value)))
+    size = sum(a.nbytes for _, a in arrays)
+    if size > _FRAME_LIMIT - 1024:
+        raise errors.TooManyInputs(f"the answer would take {size / 2**30:.1f} GiB; send fewer inputs per request, "
+                                   f"or ask for token vectors of fewer inputs at a time")
     parts = [_RESULT.pack(RESULT, len(arrays), result.batch_size, rid, result.queue_s, result.inference_s)]
     parts += [_ARRAY.pack(index, _DTYPES.index(a.dtype), *a.shape) for index, a in arrays]
     offset = _RESULT.size + _ARRAY.size * len(arrays)
@@ -176,9 +182,12 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
                 return
             error = future.exception()
             if error is None:
-                link.send(*_result_frame(rid, future.result()))
-            else:
-                link.send(_REQUEST.pack(ERROR, rid), f"{type(error).__name__}\n{error}".encode())
+                try:
+                    link.send(*_result_frame(rid, future.result()))
+                    return
+                except errors.ServiceError as e:
+                    error = e
+            link.send(_REQUEST.pack(ERROR, rid), f"{type(error).__name__}\n{error}".encode())
 
         def on_frame(kind: int, frame: bytearray) -> None:
             if kind == SUBMIT:

@@ -13,6 +13,7 @@ import pytest
 from app import errors
 from app.batcher import Sequences
 from app.build import build_engine, load_tokenizer
+from app import engine_link
 from app.engine_link import EngineClient, EngineInfo, serve_workers
 from app.metrics import Metrics
 from app.settings import Settings
@@ -106,3 +107,15 @@ def test_a_lost_engine_fails_waiting_requests_with_not_ready(tiny_artifact_dir, 
                 client.submit_group(_sequences(tokenizer, ["after"]), ALL)
     asyncio.run(go())
     assert lost == [True]
+
+
+def test_an_answer_over_the_frame_limit_is_a_413_and_the_link_stays_up(tiny_artifact_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_link, "_FRAME_LIMIT", 1 << 18)  # 256 KiB stands in for 2 GiB
+    texts = [f"text number {i} " + "with many more words " * 8 for i in range(60)]
+
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path) as (tokenizer, batcher, client):
+            with pytest.raises(errors.TooManyInputs, match="send fewer inputs"):
+                await client.submit_group(_sequences(tokenizer, texts), ALL)
+            return await client.submit_group(_sequences(tokenizer, texts), frozenset({CLS_EMBEDDING}))
+    assert asyncio.run(go()).outputs[CLS_EMBEDDING].shape == (60, 128)
