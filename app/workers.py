@@ -64,7 +64,7 @@ def run_folder():
     """A temporary folder for the engine socket and, unless PROMETHEUS_MULTIPROC_DIR names one, the
     metric files; removed on exit. A given metrics folder is emptied first: values of an earlier run
     must not count."""
-    # mkdtemp makes it 0700: only this user's processes reach the socket, which carries pickles.
+    # mkdtemp makes it 0700: only this user's processes reach the socket (the engine answers whoever connects).
     folder = Path(tempfile.mkdtemp(prefix="bertserve-run-"))
     given = os.environ.get(MULTIPROC_DIR_VAR)
     metrics = Path(given) if given else folder / "metrics"
