@@ -413,12 +413,13 @@ def serving(args) -> dict:
     batch_sizes = [int(x) for x in args.engine_batches.split(",")]
     print("raw engine ...", file=sys.stderr)
     engine = engine_reference(args.artifact, texts, batch_sizes, args.device, args.precision, args.engine_seconds)
-    results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}}
+    results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}, "server_settings": args.set}
     for workers in [int(x) for x in args.workers.split(",")]:
         settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
                     "workers": workers}
         if args.inference_workers:
             settings["inference_workers"] = args.inference_workers
+        settings.update(item.split("=", 1) for item in args.set)
         runs = results["http"][f"workers{workers}"] = {}
         with serve(args.artifact, **settings) as url:
             _all_workers_up(url, workers)
@@ -517,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--latency-requests", type=int, default=2000)
     srv.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's setting")
     srv.add_argument("--inference-workers", type=int, default=0, help="the server's setting (0: its default)")
+    srv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                     help="a server setting, e.g. --set engine_sessions=2 (repeatable)")
     for p in (load, fmt, cmp_, srv):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
