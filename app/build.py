@@ -68,8 +68,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                                                  ort.get_available_providers())
     workers, threads = inference_threads(settings, device)
     try:
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
-                           settings.engine_sessions)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise
@@ -77,7 +76,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
         log.warning("CUDA did not start (%s); serving on the CPU instead", e)
         device, precision = resolve_device_precision("cpu", settings.precision, manifest, [CPU])
         workers, threads = inference_threads(settings, device)
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, sessions=settings.engine_sessions)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads)
     probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
     engine.health(probe.ids, probe.type_ids)
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),

@@ -1,14 +1,10 @@
-"""The ONNX Runtime backend: sessions over the artifact's graph; `health()` and `run(batch)` only.
+"""The ONNX Runtime backend: one session over the artifact's graph; `health()` and `run(batch)` only.
 
 CPU runs the fp32 (or int8) graph with numpy in / out; CUDA runs the fp16 graph with IO binding and
 copies back only the outputs the batch needs. Pooling, normalisation and softmax are not done here.
-Batches may run from several threads at once (ONNX Runtime allows concurrent runs of one session).
-With `sessions` > 1 they take the sessions in turn: on CUDA every session has its own stream, so
-batches in flight overlap on the GPU instead of queueing on one stream.
 """
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,10 +54,9 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
 
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
-                 intra_op_threads: int | None = None, cuda_device_id: int = 0, sessions: int = 1):
+                 intra_op_threads: int | None = None, cuda_device_id: int = 0):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
-        self.sessions = sessions
         graph = manifest.graph(precision)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -83,11 +78,8 @@ class OrtEngine:
         path = folder / graph.file
         try:
             self.session = ort.InferenceSession(str(path), opts, providers=providers)
-            extra = [ort.InferenceSession(str(path), opts, providers=providers) for _ in range(sessions - 1)]
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise EngineError(f"onnxruntime could not load {path} on {device}: {e}") from e
-        self._sessions = [self.session, *extra]
-        self._turns = itertools.cycle(self._sessions)  # next() on it is atomic under the GIL
         self.provider = self.session.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
             raise EngineError(f"onnxruntime fell back to {self.provider}: the CUDA provider did not start "
@@ -110,17 +102,16 @@ class OrtEngine:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                  "token_type_ids": batch.token_type_ids}
         names = list(batch.outputs)
-        session = next(self._turns)
         if self.device == "cuda":
-            binding = session.io_binding()
+            binding = self.session.io_binding()
             for name, value in feeds.items():
                 binding.bind_cpu_input(name, value)
             for name in names:
                 binding.bind_output(name, "cuda", self.cuda_device_id)
-            session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding)
             values = binding.copy_outputs_to_cpu()
         else:
-            values = session.run(names, feeds)
+            values = self.session.run(names, feeds)
         return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values)}
 
     def health(self, ids: Sequence[int], type_ids: Sequence[int]) -> None:
@@ -131,11 +122,7 @@ class OrtEngine:
         types = np.zeros((2, n), dtype=np.int64)
         input_ids[0], mask[0], types[0] = ids, 1, type_ids
         input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
-        batch = Batch(input_ids, mask, types, tuple(sorted(self.outputs)))
-        for out in [self.run(batch) for _ in range(self.sessions)]:  # each session in turn
-            self._check(out)
-
-    def _check(self, out: dict[str, np.ndarray]) -> None:
+        out = self.run(Batch(input_ids, mask, types, tuple(sorted(self.outputs))))
         for name, value in out.items():
             if value.shape[0] != 2 or not np.isfinite(value).all():
                 raise EngineError(f"the warm-up forward pass gave a bad {name} (shape {value.shape}, "

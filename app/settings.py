@@ -37,9 +37,6 @@ class Settings(BaseSettings):
                                           "one session. Default: one per usable core on the CPU, 2 on CUDA (while "
                                           "one batch is copied and collated the other runs: +25% texts/s over HTTP, "
                                           "see BENCHMARKS.md)")
-    engine_sessions: int = Field(1, ge=1, le=16, description="ONNX Runtime sessions over the graph, taken by "
-                                 "batches in turn: on CUDA each has its own stream, so batches in flight overlap "
-                                 "on the GPU (each session holds its own copy of the weights)")
     max_batch_tokens: int | None = Field(None, ge=1, description="token budget of a batch, counted padded: "
                                          "batch size x its longest sequence; the real limit on a batch, since the "
                                          "engine's time and memory follow padded tokens. Default: 16384 on CUDA "

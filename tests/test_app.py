@@ -476,23 +476,6 @@ def test_info_and_int8(artifact):
         assert float(np.dot(a["embedding"], b["embedding"])) > 0.99
 
 
-def test_several_sessions_answer_as_one(artifact):
-    """engine_sessions: batches take the sessions in turn (each checked at start), same vectors as one."""
-    async def go():
-        answers = []
-        for sessions in (1, 3):
-            async with serving(artifact, engine_sessions=sessions, max_batch_size=2) as (c, app):
-                info = (await c.get("/info")).json()
-                rs = await asyncio.gather(*(c.post("/embed", json={"inputs": [t]}) for t in TEXTS * 2))
-                answers.append((info, [r.json()["data"][0]["embedding"] for r in rs],
-                                len(set(map(id, app.state.service.engine._sessions)))))
-        return answers
-    (info1, one, n1), (info3, three, n3) = run(go())
-    assert info1["limits"]["engine_sessions"] == 1 and info3["limits"]["engine_sessions"] == 3
-    assert (n1, n3) == (1, 3)
-    np.testing.assert_allclose(three, one, atol=1e-5)
-
-
 def test_settings_fail_on_bad_values(artifact, tmp_path, monkeypatch):
     for bad in ({"port": 0}, {"max_batch_tokens": 0}, {"device": "tpu"}, {"precision": "bf16"},
                 {"device": "cpu", "precision": "fp16"}, {"device": "cuda", "precision": "int8"},

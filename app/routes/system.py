@@ -52,7 +52,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
             "max_concurrent_requests": s.max_concurrent_requests,
             "max_inputs_per_request": s.max_inputs_per_request, "max_input_chars": s.max_input_chars,
             "max_request_bytes": s.max_request_bytes, "inference_workers": service.batcher.workers,
-            "intra_op_threads": e.intra_op_threads, "engine_sessions": s.engine_sessions, "workers": s.workers,
+            "intra_op_threads": e.intra_op_threads, "workers": s.workers,
         },
         "openai": {"pooling": s.openai_pooling, "normalize": s.openai_normalize},
         "auth": s.api_key is not None,
