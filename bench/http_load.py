@@ -519,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's setting")
     srv.add_argument("--inference-workers", type=int, default=0, help="the server's setting (0: its default)")
     srv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                     help="a server setting, e.g. --set engine_sessions=2 (repeatable)")
+                     help="a server setting, e.g. --set max_batch_size=128 (repeatable)")
     for p in (load, fmt, cmp_, srv):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
