@@ -1,7 +1,8 @@
 """CPU cost of the engine process of a multi-process server, per sequence, without a GPU.
 
-On a GPU the engine process (app.engine_process: the link, the batcher, collation, answers) is what caps
-HTTP throughput, and the GPU itself is not needed to measure it: this runs the real `serve_workers` and
+On a GPU the engine process (app.engine_process: the link, the batcher, collation, answers) must keep up
+with the GPU (in session 2 it capped HTTP throughput), and the GPU is not needed to measure what it
+costs: this runs the real `serve_workers` and
 DynamicBatcher over a stand-in engine that returns zero vectors after sleeping as long as the GPU would
 (--gpu-us-per-token, GIL released as ORT releases it), pinned to one core, and loads it from client
 processes that use the real EngineClient on pre-tokenised sequences (pinned to the other cores).
