@@ -2,10 +2,10 @@
 
 On a GPU the engine process (app.engine_process: the link, the batcher, collation, answers) must keep up
 with the GPU (in session 2 it capped HTTP throughput), and the GPU is not needed to measure what it
-costs: this runs the real `serve_workers` and
-DynamicBatcher over a stand-in engine that returns zero vectors after sleeping as long as the GPU would
-(--gpu-us-per-token, GIL released as ORT releases it), pinned to one core, and loads it from client
-processes that use the real EngineClient on pre-tokenised sequences (pinned to the other cores).
+costs. This runs the real `serve_workers` and DynamicBatcher over a stand-in engine that returns zero
+vectors after sleeping as long as the GPU would (--gpu-us-per-token; the GIL is released, as ORT
+releases it), pinned to one core, and loads it from client processes that use the real EngineClient on
+pre-tokenised sequences (pinned to the other cores).
 Prints sequences/s and the engine process's CPU µs per sequence (its ceiling is 1e6 / that).
 
   python bench/engine_link_load.py --texts-per-request 1,16,64 --duration 5
