@@ -46,6 +46,7 @@ _OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
 _OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1) for mask in range(16)]
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
+_HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before it stops reading its work
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,13 @@ class _Framed(asyncio.BufferedProtocol):
     `on_frame(kind, frame)` gets each frame received, as its own writable bytearray. `greeting`: the
     parts of a frame sent as soon as the connection is made. Frames sent in one turn of the event loop
     (the answers of one finished batch, say) leave in one write: a system call per frame cost the engine
-    process a tenth of its time with one-text requests."""
+    process a tenth of its time with one-text requests. `hold_reading`: stop reading while the peer does
+    not take what is written (the engine's side: a worker that does not read its answers gets no more
+    work done, instead of the engine buffering its answers without bound)."""
 
     def __init__(self, on_frame: Callable[[int, bytearray], None], on_lost: Callable[[Exception | None], None],
-                 greeting: tuple = ()):
-        self.on_frame, self.on_lost, self.greeting = on_frame, on_lost, greeting
+                 greeting: tuple = (), hold_reading: bool = False):
+        self.on_frame, self.on_lost, self.greeting, self.hold_reading = on_frame, on_lost, greeting, hold_reading
         self.transport: asyncio.Transport | None = None
         self._scratch = bytearray(_SCRATCH)
         self._have = 0  # bytes in _scratch not yet parsed into frames
@@ -80,11 +83,21 @@ class _Framed(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        if self.hold_reading:  # far above one answer: a worker that reads normally never meets it
+            transport.set_write_buffer_limits(high=_HOLD_AT)
         if self.greeting:
             self.send(*self.greeting)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.on_lost(exc)
+
+    def pause_writing(self) -> None:  # the transport's buffer passed its high-water mark
+        if self.hold_reading:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.hold_reading and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def send(self, *parts) -> None:
         views = [memoryview(p).cast("B") for p in parts]
@@ -216,7 +229,7 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
                 future.cancel()
             pending.clear()
 
-        link = _Framed(on_frame, on_lost, greeting=(_HELLO.pack(HELLO), hello))
+        link = _Framed(on_frame, on_lost, greeting=(_HELLO.pack(HELLO), hello), hold_reading=True)
         return link
 
     return connection
