@@ -322,7 +322,7 @@ def engine_reference(artifact: Path, texts: list[str], batch_sizes: list[int], d
 
 
 def _client_process(url: str, texts: list[str], per_request: int, connections: int, start_at: float,
-                    duration_s: float, seed: int) -> dict:
+                    duration_s: float, seed: int, encoding_format: str = "float") -> dict:
     """One client process: `connections` closed-loop workers, one keep-alive connection each."""
     rng = random.Random(seed)
     _fast_loop()
@@ -342,7 +342,8 @@ def _client_process(url: str, texts: list[str], per_request: int, connections: i
                 nonlocal errors
                 while time.perf_counter() < deadline:
                     i = rng.randrange(len(texts) - per_request + 1)
-                    body = {"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls"}
+                    body = {"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls",
+                            "encoding_format": encoding_format}
                     t0 = time.perf_counter()
                     status, _ = await c.post("/embed", body)
                     latencies.append(time.perf_counter() - t0)
@@ -355,15 +356,15 @@ def _client_process(url: str, texts: list[str], per_request: int, connections: i
 
 
 def multiprocess_load(url: str, texts: list[str], per_request: int, processes: int, connections: int,
-                      duration_s: float) -> dict:
+                      duration_s: float, encoding_format: str = "float") -> dict:
     """processes x connections concurrent clients; also how busy the clients were (they must not be
     the bottleneck: client_cpu_share near 1.0 means add processes)."""
     _loopback(url)
     start_at = time.time() + 3.0  # every process connected and warmed up first
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(processes) as pool:
-        parts = pool.starmap(_client_process, [(url, texts, per_request, connections, start_at, duration_s, seed)
-                                               for seed in range(processes)])
+        parts = pool.starmap(_client_process, [(url, texts, per_request, connections, start_at, duration_s, seed,
+                                                encoding_format) for seed in range(processes)])
     latencies = [x for p in parts for x in p["latencies"]]
     requests = len(latencies)
     cpu = sum(p["cpu_s"] for p in parts)
@@ -413,7 +414,8 @@ def serving(args) -> dict:
     batch_sizes = [int(x) for x in args.engine_batches.split(",")]
     print("raw engine ...", file=sys.stderr)
     engine = engine_reference(args.artifact, texts, batch_sizes, args.device, args.precision, args.engine_seconds)
-    results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}, "server_settings": args.set}
+    results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}, "server_settings": args.set,
+               "encoding_format": args.encoding_format}
     for workers in [int(x) for x in args.workers.split(",")]:
         settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
                     "workers": workers}
@@ -429,7 +431,8 @@ def serving(args) -> dict:
                 before = _server_batches(url)
                 print(f"HTTP, {workers} server process(es): {args.processes} client processes x {connections} "
                       f"connections, {per_request} text(s) per request ...", file=sys.stderr)
-                run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration)
+                run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
+                                        args.encoding_format)
                 after = _server_batches(url)
                 run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
                 run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
@@ -518,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--latency-requests", type=int, default=2000)
     srv.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's setting")
     srv.add_argument("--inference-workers", type=int, default=0, help="the server's setting (0: its default)")
+    srv.add_argument("--encoding-format", choices=["float", "base64"], default="float",
+                     help="how /embed answers the vectors (the openai client asks for base64)")
     srv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="a server setting, e.g. --set max_batch_size=128 (repeatable)")
     for p in (load, fmt, cmp_, srv):
