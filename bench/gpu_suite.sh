@@ -2,7 +2,8 @@
 # Every GPU check and benchmark of the project, for one lent H100/H200 (see ../shared/GPU.md for
 # bringing onnxruntime-gpu there). Results and logs go under $OUT.
 #   bench/gpu_suite.sh tests     GPU tests (fp16 export + parity gate, server on CUDA)
-#   bench/gpu_suite.sh serving   base artifact -> raw engine vs HTTP (bench/http_load.py serving)
+#   bench/gpu_suite.sh serving   base artifact -> raw engine vs HTTP (bench/http_load.py serving;
+#                                WORKERS=8 FORMAT=base64 to choose)
 #   bench/gpu_suite.sh engine    fp16 artifact vs PyTorch fp16 SDPA (bench/engine_throughput.py)
 #   bench/gpu_suite.sh train     pre-training step, ours vs transformers compiled (bench/train_throughput.py)
 #   bench/gpu_suite.sh trainprofile  where a compiled step of ours spends GPU time (bench/train_step_profile.py)
@@ -23,6 +24,7 @@ for part in "$@"; do
         && timeout 240 $PY -m export --model /tmp/g/model --out /tmp/g/art --device cuda 2>&1 | quiet | tail -3; }
       timeout 480 $PY bench/http_load.py serving --artifact /tmp/g/art --device cuda --precision fp16 \
         --workers "${WORKERS:-1,4,8,12}" --processes 6 --connections 16 --duration 10 --latency-requests 1000 \
+        --encoding-format "${FORMAT:-float}" \
         2>&1 | quiet | tee "$OUT/http_serving.log" | tail -30 ;;
     engine)
       timeout 420 $PY bench/engine_throughput.py --device cuda --preset base 2>&1 | quiet | tee "$OUT/engine.log" | tail -32 ;;
