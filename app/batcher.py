@@ -216,8 +216,9 @@ class DynamicBatcher:
         if self.packed:
             self._queue.append(Entry(ids, type_ids, lengths, group, 0, len(ids)))
         else:
-            for i, (a, b) in enumerate(zip(sequences.starts.tolist(), np.cumsum(lengths).tolist())):
-                self._queue.append(Entry(ids[a:b], type_ids[a:b], lengths[i:i + 1], group, i, b - a))
+            for i, (start, length) in enumerate(zip(sequences.starts.tolist(), lengths.tolist())):
+                end = start + length
+                self._queue.append(Entry(ids[start:end], type_ids[start:end], lengths[i:i + 1], group, i, length))
         self._set_depth(self._queued_rows + n)
         self._wakeup.set()
         return group.future
