@@ -30,16 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.http_load import _fast_loop  # noqa: E402
+
 HIDDEN = 768
 OUTPUTS = frozenset({"cls_embedding"})
-
-
-def _use_uvloop() -> None:
-    try:
-        import uvloop
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:
-        pass
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -49,7 +43,7 @@ def _cpu_seconds(pid: int) -> float:
 
 def _engine(socket_path: str, core: int, gpu_us_per_token: float, batches_at_once: int) -> None:
     os.sched_setaffinity(0, {core})
-    _use_uvloop()
+    _fast_loop()
     from app.batcher import DynamicBatcher
     from app.engine_link import EngineInfo, serve_workers
 
@@ -75,7 +69,7 @@ def _engine(socket_path: str, core: int, gpu_us_per_token: float, batches_at_onc
 def _client(socket_path: str, cores: set[int], texts: int, in_flight: int, duration: float, seed: int, queue,
             go) -> None:
     os.sched_setaffinity(0, cores)
-    _use_uvloop()
+    _fast_loop()
     from app.batcher import Sequences
     from app.engine_link import EngineClient
 
