@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import pickle
 import struct
 from collections.abc import Callable
@@ -31,6 +32,7 @@ import numpy as np
 
 from app import errors
 from app.batcher import DynamicBatcher, GroupResult, Sequences
+from app.engine import OrtEngine
 from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
@@ -60,6 +62,12 @@ class EngineInfo:
     inference_workers: int
     max_batch_tokens: int
     pid: int
+
+    @classmethod
+    def of(cls, engine: OrtEngine, batcher: DynamicBatcher) -> "EngineInfo":
+        """This process's engine and batcher."""
+        return cls(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
+                   batcher.max_batch_tokens, os.getpid())
 
 
 class _Framed(asyncio.BufferedProtocol):

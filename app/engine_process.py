@@ -32,8 +32,7 @@ async def _serve(settings: Settings, socket_path: str) -> None:
     manifest, tokenizer = load_tokenizer(settings)
     engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
     batcher.start()
-    info = EngineInfo(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
-                      batcher.max_batch_tokens, os.getpid())
+    info = EngineInfo.of(engine, batcher)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

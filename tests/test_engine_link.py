@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
 import numpy as np
 import pytest
@@ -23,13 +22,12 @@ ALL = frozenset({TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS})
 
 
 @contextlib.asynccontextmanager
-async def linked(artifact, folder, **overrides):
+async def linked(artifact, folder, metrics: Metrics | None = None, **overrides):
     settings = Settings(model_dir=artifact, **overrides)
     manifest, tokenizer = load_tokenizer(settings)
-    engine, batcher = build_engine(settings, manifest, tokenizer, Metrics())
+    engine, batcher = build_engine(settings, manifest, tokenizer, metrics or Metrics())
     batcher.start()
-    info = EngineInfo(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
-                      batcher.max_batch_tokens, os.getpid())
+    info = EngineInfo.of(engine, batcher)
     path = str(folder / "engine.sock")
     server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=path)
     client = EngineClient(path)
@@ -126,43 +124,35 @@ def test_a_worker_that_stops_reading_stops_getting_work_done(tiny_artifact_dir, 
     (so the engine's memory stays bounded); when the worker reads again, every request is answered."""
     monkeypatch.setattr(engine_link, "_HOLD_AT", 1 << 20)  # 1 MiB stands in for 64
     requests = 200
+    metrics = Metrics()
 
     async def go():
-        settings = Settings(model_dir=tiny_artifact_dir)
-        manifest, tokenizer = load_tokenizer(settings)
-        metrics = Metrics()
-        engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
-        batcher.start()
-        info = EngineInfo(engine.device, engine.precision, engine.provider, engine.intra_op_threads,
-                          batcher.workers, batcher.max_batch_tokens, os.getpid())
-        path = str(tmp_path / "engine.sock")
-        server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=path)
-        reader, writer = await asyncio.open_unix_connection(path)  # a worker that does not read, for now
-        s = _sequences(tokenizer, ["many more words " * 30] * 8)  # each answer: ~8 x 100 token vectors, 400 KB
-        parts = [s.lengths.astype(np.int32).tobytes(), s.ids.astype(np.int32).tobytes(),
-                 s.type_ids.astype(np.uint8).tobytes()]
-        mask = 1 << engine_link._OUTPUTS.index(TOKEN_EMBEDDINGS)
-        for rid in range(requests):  # spread out, as a worker's requests come
-            body = engine_link._SUBMIT.pack(engine_link.SUBMIT, mask, len(s), rid) + b"".join(parts)
-            writer.write(engine_link._LENGTH.pack(len(body)) + body)
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(1.0)
-        done_while_unread = metrics.sequences._value.get()
-        answers = 0
-        try:
-            (length,) = engine_link._LENGTH.unpack(await reader.readexactly(4))
-            frame = await reader.readexactly(length)
-            assert frame[0] == engine_link.HELLO
-            while answers < requests:
-                (length,) = engine_link._LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 30))
+        async with linked(tiny_artifact_dir, tmp_path, metrics) as (tokenizer, batcher, client):
+            # A second worker connection, one that does not read for now.
+            reader, writer = await asyncio.open_unix_connection(client.socket_path)
+            s = _sequences(tokenizer, ["many more words " * 30] * 8)  # each answer: ~8 x 100 token vectors
+            parts = [s.lengths.astype(np.int32).tobytes(), s.ids.astype(np.int32).tobytes(),
+                     s.type_ids.astype(np.uint8).tobytes()]
+            mask = 1 << engine_link._OUTPUTS.index(TOKEN_EMBEDDINGS)
+            for rid in range(requests):  # spread out, as a worker's requests come
+                body = engine_link._SUBMIT.pack(engine_link.SUBMIT, mask, len(s), rid) + b"".join(parts)
+                writer.write(engine_link._LENGTH.pack(len(body)) + body)
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)
+            done_while_unread = metrics.sequences._value.get()
+            answers = 0
+            try:
+                (length,) = engine_link._LENGTH.unpack(await reader.readexactly(4))
                 frame = await reader.readexactly(length)
-                assert frame[0] == engine_link.RESULT
-                answers += 1
-        finally:
-            writer.close()
-            server.close()
-            await batcher.stop()
-        return done_while_unread, answers, len(s)
+                assert frame[0] == engine_link.HELLO
+                while answers < requests:
+                    (length,) = engine_link._LENGTH.unpack(await asyncio.wait_for(reader.readexactly(4), 30))
+                    frame = await reader.readexactly(length)
+                    assert frame[0] == engine_link.RESULT
+                    answers += 1
+            finally:
+                writer.close()
+            return done_while_unread, answers, len(s)
     done_while_unread, answers, per_request = asyncio.run(go())
     # About 1 MiB of answers stops it: a handful of requests (those read before, 7-10 here), never all.
     assert done_while_unread < requests * per_request / 2
