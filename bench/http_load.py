@@ -101,6 +101,17 @@ class RawConnection:
         return int(head[9:12]), await self.reader.readexactly(int(length.group(1)))
 
 
+@contextlib.asynccontextmanager
+async def open_connections(url: str, count: int, path: str, warm_up: dict, headers: dict[str, str] | None = None):
+    """`count` keep-alive connections, each warmed up with one request of `warm_up` to `path`."""
+    connections = [RawConnection(url, headers) for _ in range(count)]
+    async with contextlib.AsyncExitStack() as stack:
+        for c in connections:
+            await stack.enter_async_context(c)
+        await asyncio.gather(*(c.post(path, warm_up) for c in connections))
+        yield connections
+
+
 def _fast_loop() -> None:
     with contextlib.suppress(ImportError):
         import uvloop
@@ -116,11 +127,8 @@ async def run_load(url: str, texts: list[str], concurrency: int, per_request: in
     latencies: list[float] = []
     done_texts = errors = 0
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    connections = [RawConnection(url, headers) for _ in range(concurrency)]
-    async with contextlib.AsyncExitStack() as stack:
-        for c in connections:
-            await stack.enter_async_context(c)
-        await asyncio.gather(*(c.post(endpoint, {"inputs": texts[:1], **(body or {})}) for c in connections))
+    async with open_connections(url, concurrency, endpoint, {"inputs": texts[:1], **(body or {})},
+                                headers) as connections:
         started = time.perf_counter()
         deadline = started + duration_s
 
@@ -330,11 +338,7 @@ def _client_process(url: str, texts: list[str], per_request: int, connections: i
     async def go() -> dict:
         latencies: list[float] = []
         errors = 0
-        conns = [RawConnection(url) for _ in range(connections)]
-        async with contextlib.AsyncExitStack() as stack:
-            for c in conns:
-                await stack.enter_async_context(c)
-            await asyncio.gather(*(c.post("/embed", {"inputs": SHORT_TEXT}) for c in conns))
+        async with open_connections(url, connections, "/embed", {"inputs": SHORT_TEXT}) as conns:
             await asyncio.sleep(max(0.0, start_at - time.time()))
             cpu0, deadline = time.process_time(), time.perf_counter() + duration_s
 
