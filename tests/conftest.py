@@ -27,12 +27,12 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    if _has_cuda():
-        return
-    skip = pytest.mark.skip(reason="no CUDA device (with onnxruntime-gpu) on this machine")
+    skips = {"gpu": None if _has_cuda() else "no CUDA device (with onnxruntime-gpu) on this machine",
+             "torch_cuda": None if torch.cuda.is_available() else "no CUDA device for torch on this machine"}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if reason and marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

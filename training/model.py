@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from training.packed import PackedSequences, varlen_attention
+
 # Additive mask value for padded keys, as in the original BERT. Finite so that it survives fp16 and
 # bf16 (finfo.min overflows to -inf there and turns fully-masked rows into NaN).
 MASK_NEGATIVE = -10000.0
@@ -119,14 +121,16 @@ class BertEmbeddings(nn.Module):
             "position_ids", torch.arange(config.max_position_embeddings).unsqueeze(0), persistent=False
         )
 
-    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
-        seq_len = input_ids.shape[1]
-        position_ids = self.position_ids[:, :seq_len]  # [1, S]
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S] ids -> [B, S, H]; or packed [T] ids with their `position_ids` -> [T, H]."""
+        if position_ids is None:
+            position_ids = self.position_ids[:, : input_ids.shape[1]]  # [1, S]
         x = (
             self.word_embeddings(input_ids)
             + self.token_type_embeddings(token_type_ids)
             + self.position_embeddings(position_ids)
-        )  # [B, S, H]
+        )
         return self.dropout(self.LayerNorm(x))
 
 
@@ -147,28 +151,34 @@ class BertSelfAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, self.num_heads, self.head_size).transpose(1, 2)  # [B, nh, S, hd]
 
+    def _fused_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Training: one [H -> 3H] matmul instead of three, on the same parameters concatenated per
+        step (a copy of 3·H² weights, small beside the activations). [..., H] -> [..., 3, nh, hd]."""
+        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # [3H, H]
+        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
+        return F.linear(hidden, weight, bias).unflatten(-1, (3, self.num_heads, self.head_size))
+
     def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.training and self.use_sdpa:
-            # Training: one [H -> 3H] matmul instead of three, on the same parameters concatenated per
-            # step (a copy of 3·H² weights, small beside the activations). Inference keeps three.
-            b, s, _ = hidden.shape
-            weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # [3H, H]
-            bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-            qkv = F.linear(hidden, weight, bias).view(b, s, 3, self.num_heads, self.head_size)
-            return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, nh, S, hd]
+            return self._fused_qkv(hidden).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, nh, S, hd]
         return self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
+        """[B, S, H] with an additive [B, 1, 1, S] mask, or packed [T, H] with its PackedSequences."""
+        dropout_p = self.dropout_p if self.training else 0.0
+        if isinstance(attn_bias, PackedSequences):
+            q, k, v = self._fused_qkv(hidden).unbind(1)  # 3 x [T, nh, hd], strided views: no copies
+            return varlen_attention(q, k, v, attn_bias, dropout_p).flatten(1)  # [T, H]
         b, s, h = hidden.shape
         q, k, v = self._qkv(hidden)
         if self.use_sdpa:
             ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=self.dropout_p if self.training else 0.0
+                q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=dropout_p
             )  # [B, nh, S, hd]
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)  # [B, nh, S, S]
             probs = torch.softmax(scores + attn_bias, dim=-1)
-            probs = F.dropout(probs, self.dropout_p, self.training)
+            probs = F.dropout(probs, dropout_p)
             ctx = torch.matmul(probs, v)  # [B, nh, S, hd]
         return ctx.transpose(1, 2).reshape(b, s, h)  # [B, S, H]
 
@@ -192,7 +202,7 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertResidualOutput(config, config.hidden_size)
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
         return self.output(self.self(hidden, attn_bias), hidden)
 
 
@@ -212,7 +222,7 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertResidualOutput(config, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
         attended = self.attention(hidden, attn_bias)
         return self.output(self.intermediate(attended), attended)
 
@@ -222,7 +232,7 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
         for layer in self.layer:
             hidden = layer(hidden, attn_bias)
         return hidden
@@ -233,12 +243,13 @@ class BertPooler(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, sequence_output: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(sequence_output[:, 0]))  # [B, H]
+    def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first_tokens))  # [B, H] from the [CLS] vectors
 
 
 class BertModel(nn.Module):
-    """Bare encoder: ids -> (token vectors [B, S, H], pooled [CLS] vector [B, H])."""
+    """Bare encoder: ids -> (token vectors [B, S, H], pooled [CLS] vector [B, H]). Packed (training):
+    ids [T] -> (token vectors [T, H], pooled [B, H])."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -252,12 +263,17 @@ class BertModel(nn.Module):
             layer.attention.self.use_sdpa = use_sdpa
 
     def forward(
-        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+        packed: PackedSequences | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if packed is not None:
+            hidden = self.embeddings(input_ids, token_type_ids, packed.position_ids)  # [T, H]
+            sequence_output = self.encoder(hidden, packed)
+            return sequence_output, self.pooler(sequence_output[packed.first_tokens])
         hidden = self.embeddings(input_ids, token_type_ids)  # [B, S, H]
         attn_bias = additive_attention_mask(attention_mask, hidden.dtype)  # [B, 1, 1, S]
         sequence_output = self.encoder(hidden, attn_bias)
-        return sequence_output, self.pooler(sequence_output)
+        return sequence_output, self.pooler(sequence_output[:, 0])
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -326,19 +342,26 @@ class BertForPreTraining(nn.Module):
         self,
         input_ids: torch.Tensor,
         token_type_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         mlm_labels: torch.Tensor | None = None,
         nsp_labels: torch.Tensor | None = None,
         masked_positions: torch.Tensor | None = None,
+        packed: PackedSequences | None = None,
     ) -> PreTrainingOutput:
         """`mlm_labels` is [B, S] with -100 where nothing is predicted; or, with `masked_positions`
-        ([B, P] indices into the sequence), [B, P] labels of those positions (-100 in unused slots)."""
-        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        ([B, P] indices into the sequence), [B, P] labels of those positions (-100 in unused slots).
+
+        With `packed`, the batch comes without padding (training.packed): ids and token types are [T],
+        `attention_mask` is unused, and `masked_positions` index the [T] packed tokens."""
+        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask, packed)
         nsp_logits = self.cls.seq_relationship(pooled)  # [B, 2]
         if mlm_labels is None:
             return PreTrainingOutput(None, None, None, self.cls.predictions(sequence_output), nsp_logits)
         # The vocabulary projection is the costliest matmul: run it on the ~15% masked positions only.
-        if masked_positions is not None:
+        if packed is not None:
+            picked = sequence_output.index_select(0, masked_positions.flatten())  # [B*P, H]
+            labels = mlm_labels.flatten()
+        elif masked_positions is not None:
             # A fixed-shape gather, so torch.compile traces one graph (a boolean index has a data-dependent size).
             index = masked_positions.unsqueeze(-1).expand(-1, -1, sequence_output.shape[-1])  # [B, P, H]
             picked = sequence_output.gather(1, index).flatten(0, 1)  # [B*P, H]

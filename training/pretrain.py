@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", default=t.precision, choices=("auto", "fp32", "bf16"),
                    help="auto: bf16 autocast on GPU, fp32 on CPU")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU: faster after warm-up)")
+    g.add_argument("--no-unpad", dest="unpad", action="store_false",
+                   help="run the encoder on padded batches (default: on real tokens only, padding removed)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     return p
 
@@ -132,7 +134,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         warmup_steps=args.warmup_steps, warmup_fraction=args.warmup_fraction, weight_decay=args.weight_decay,
         clip_norm=args.clip_norm, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
-        keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile,
+        keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile, unpad=args.unpad,
     )
 
 

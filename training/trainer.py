@@ -25,6 +25,7 @@ from tqdm import tqdm
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.model import BertForPreTraining
 from training.optim import WarmupLinearDecay, make_optimizer
+from training.packed import PackedSequences, pack
 
 
 class BatchSource(Protocol):
@@ -53,6 +54,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     precision: str = "auto"  # auto | fp32 | bf16
     compile: bool = False
+    unpad: bool = True  # run the encoder on real tokens only (training.packed)
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "log_every", "eval_batches"):
@@ -147,16 +149,23 @@ def gather_masked(mlm_labels: torch.Tensor, max_predictions: int) -> tuple[torch
 
 
 def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: torch.device,
-                 pad_to: int | None = None) -> dict[str, torch.Tensor]:
+                 pad_to: int | None = None, unpad: bool = False) -> dict[str, Any]:
     """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`.
 
-    The pipeline pads each batch to its longest row; `pad_to` pads further to a fixed length so that
-    a compiled model sees one shape (eager mode is better off without the extra padding)."""
+    The pipeline pads each batch to its longest row; `pad_to` pads further to a fixed length so that a
+    compiled model sees one shape (eager mode is better off without the extra padding). `unpad` then
+    removes all padding: the model runs on the real tokens only (training.packed)."""
     if pad_to is not None and batch["input_ids"].shape[1] < pad_to:
         extra = pad_to - batch["input_ids"].shape[1]
         batch = {**batch, **{k: F.pad(batch[k], (0, extra), value=0) for k in
                              ("input_ids", "token_type_ids", "attention_mask")},
                  "mlm_labels": F.pad(batch["mlm_labels"], (0, extra), value=-100)}
+    if unpad:
+        inputs = _on_device(_packed_inputs(batch, max_predictions), device)
+        # The token count changes every batch: compile for any count at once instead of for the first.
+        for tokens in (inputs["input_ids"], inputs["token_type_ids"], inputs["packed"].position_ids):
+            torch._dynamo.maybe_mark_dynamic(tokens, 0)
+        return inputs
     positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
     inputs = {
         "input_ids": batch["input_ids"],
@@ -166,9 +175,38 @@ def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: t
         "nsp_labels": batch["nsp_labels"],
         "masked_positions": positions,
     }
-    if device.type == "cuda":
-        return {k: v.pin_memory().to(device, non_blocking=True) for k, v in inputs.items()}
-    return {k: v.to(device) for k, v in inputs.items()}
+    return _on_device(inputs, device)
+
+
+def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int) -> dict[str, Any]:
+    if bool(((batch["mlm_labels"] != -100) & (batch["attention_mask"] == 0)).any()):
+        raise ValueError("an MLM label sits on a padding position")
+    positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
+    token_index, packed = pack(batch["attention_mask"])
+    # Masked positions move to the packed rows; unused slots (label -100) point at their row's [CLS].
+    positions = positions + packed.cu_seqlens[:-1, None].long()
+    return {
+        "input_ids": batch["input_ids"].flatten()[token_index],  # [T]
+        "token_type_ids": batch["token_type_ids"].flatten()[token_index],
+        "attention_mask": None,
+        "mlm_labels": labels,
+        "nsp_labels": batch["nsp_labels"],
+        "masked_positions": positions,
+        "packed": packed,
+    }
+
+
+def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+
+    def move(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device)
+        if isinstance(v, PackedSequences):
+            return PackedSequences(move(v.cu_seqlens), v.max_len, move(v.position_ids))
+        return v
+
+    return {k: move(v) for k, v in inputs.items()}
 
 
 def autocast_context(precision: str, device: torch.device):
@@ -217,7 +255,7 @@ def evaluate(model: BertForPreTraining, data: BatchSource, phase: Phase, cfg: Tr
     for i, batch in enumerate(batches):
         if i >= cfg.eval_batches:
             break
-        inputs = model_inputs(batch, phase.max_predictions, dist.device)
+        inputs = model_inputs(batch, phase.max_predictions, dist.device, unpad=cfg.unpad)
         with autocast_context(cfg.precision, dist.device):
             out = model(**inputs)
         labels = inputs["mlm_labels"].flatten()
@@ -386,7 +424,7 @@ def train(
             for micro in range(cfg.grad_accum):
                 batch = stream.next()
                 window_tokens += int(batch["attention_mask"].sum())
-                inputs = model_inputs(batch, phase.max_predictions, device, pad_to=fixed_len)
+                inputs = model_inputs(batch, phase.max_predictions, device, pad_to=fixed_len, unpad=cfg.unpad)
                 sync = (ddp_model.no_sync() if dist.distributed and micro < cfg.grad_accum - 1
                         else contextlib.nullcontext())
                 with sync:

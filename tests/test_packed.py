@@ -1,0 +1,164 @@
+"""Training without padding (training.packed): the packed layout, and a packed forward and backward that
+give what the padded model gives. On CPU the packed attention pads again internally; on a CUDA device
+(tests marked torch_cuda) it is FlashAttention's variable-length kernel, checked against padded SDPA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_model import padded_batch
+from training.model import BertForPreTraining, preset_config
+from training.packed import PackedSequences, pack, varlen_attention
+from training.trainer import model_inputs
+
+
+def without_dropout(model: BertForPreTraining) -> BertForPreTraining:
+    """Training mode (the fused QKV path) with every dropout at 0, so padded and packed runs are comparable."""
+    model.train()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for layer in model.bert.encoder.layer:
+        layer.attention.self.dropout_p = 0.0
+    return model
+
+
+def test_pack_lays_rows_end_to_end():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    token_index, packed = pack(mask)
+    assert token_index.tolist() == [0, 1, 2, 5, 10, 11, 12, 13]
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 8] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    assert packed.max_len == 5  # the padded width: a bound that stays the same from batch to batch
+    assert packed.first_tokens.tolist() == [0, 3, 4]
+
+
+@pytest.mark.parametrize("mask, problem", [
+    ([[0, 1, 1], [1, 1, 0]], "right-padded"),
+    ([[1, 0, 1], [1, 1, 0]], "right-padded"),
+    ([[1, 1, 0], [0, 0, 0]], "at least one token"),
+])
+def test_pack_refuses_layouts_it_cannot_express(mask, problem):
+    with pytest.raises(ValueError, match=problem):
+        pack(torch.tensor(mask))
+
+
+def test_packed_inputs_point_at_the_same_tokens():
+    b = padded_batch(300, lengths=[9, 3, 12], seed=5)
+    padded = model_inputs(b, max_predictions=4, device=torch.device("cpu"))
+    packed = model_inputs(b, max_predictions=4, device=torch.device("cpu"), unpad=True)
+    assert packed["input_ids"].shape == (24,) and packed["attention_mask"] is None
+    rows = torch.arange(3)[:, None]
+    # every masked slot names the same token id in both layouts
+    assert torch.equal(b["input_ids"][rows, padded["masked_positions"]],
+                       packed["input_ids"][packed["masked_positions"]])
+    assert torch.equal(padded["mlm_labels"], packed["mlm_labels"])
+
+
+def test_a_label_on_padding_is_refused():
+    b = padded_batch(300, lengths=[9, 3], seed=5)
+    b["mlm_labels"][1, 5] = 7
+    with pytest.raises(ValueError, match="padding"):
+        model_inputs(b, max_predictions=6, device=torch.device("cpu"), unpad=True)
+
+
+@pytest.mark.parametrize("lengths", [[37, 12, 64, 5, 50], [16, 16], [2, 30]])
+def test_packed_model_matches_padded_model(lengths):
+    torch.manual_seed(0)
+    model = without_dropout(BertForPreTraining(preset_config("mini", vocab_size=300)))
+    b = padded_batch(300, lengths, seed=2)
+    runs = []
+    for unpad in (False, True):
+        model.zero_grad()
+        out = model(**model_inputs(b, max_predictions=20, device=torch.device("cpu"), unpad=unpad))
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (padded, padded_grads), (packed, packed_grads) = runs
+    assert torch.allclose(packed.mlm_logits, padded.mlm_logits, atol=1e-5)
+    assert torch.allclose(packed.nsp_logits, padded.nsp_logits, atol=1e-5)
+    assert packed.loss.item() == pytest.approx(padded.loss.item(), abs=1e-6)
+    for name, grad in padded_grads.items():
+        assert torch.allclose(packed_grads[name], grad, atol=1e-6), name
+
+
+def test_training_loss_falls_packed_as_padded():
+    """A few optimiser steps on one batch from the same start: the two layouts follow the same path."""
+    b = padded_batch(300, [40, 7, 25, 33], seed=4)
+    losses = []
+    for unpad in (False, True):
+        torch.manual_seed(0)
+        model = without_dropout(BertForPreTraining(preset_config("tiny", vocab_size=300)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        inputs = model_inputs(b, max_predictions=10, device=torch.device("cpu"), unpad=unpad)
+        run = []
+        for _ in range(5):
+            loss = model(**inputs).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0][-1] < losses[0][0] - 0.1
+    assert losses[1] == pytest.approx(losses[0], abs=1e-4)
+
+
+# ---- CUDA: FlashAttention's variable-length kernel ----
+
+def _cuda_qkv(lengths: list[int], heads: int = 4, size: int = 64, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
+    _, packed = pack(mask)
+    packed = PackedSequences(packed.cu_seqlens.cuda(), packed.max_len, packed.position_ids.cuda())
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, heads, size, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for _ in range(3))
+    return q, k, v, packed
+
+
+@pytest.mark.torch_cuda
+def test_flash_varlen_matches_padded_attention_with_gradients():
+    q, k, v, packed = _cuda_qkv([128, 3, 77, 128, 1, 64])
+    g = torch.randn_like(q)
+    results = []
+    for attention in (varlen_attention, _padded_reference):
+        out = attention(q, k, v, packed, 0.0)
+        dq, dk, dv = torch.autograd.grad((out * g).sum(), (q, k, v))
+        results.append([x.float() for x in (out, dq, dk, dv)])
+    for flash, reference in zip(*results):
+        assert torch.allclose(flash, reference, atol=2e-2, rtol=2e-2)
+        assert torch.nn.functional.cosine_similarity(flash.flatten(), reference.flatten(), dim=0) > 0.9999
+
+
+def _padded_reference(q, k, v, packed, dropout_p):
+    from training.packed import _padded_attention
+    return _padded_attention(q, k, v, packed, dropout_p)
+
+
+@pytest.mark.torch_cuda
+def test_flash_varlen_backward_drops_what_forward_dropped():
+    """out = D·V for a fixed dropped-out probability matrix D, so <out, g> = <D^T g, V> = <dV, V> holds
+    exactly when backward replays forward's dropout mask, and fails by far when it draws another."""
+    q, k, v, packed = _cuda_qkv([128, 50, 128, 9], seed=1)
+    g = torch.randn_like(q).float()
+    out = varlen_attention(q, k, v, packed, 0.5)
+    dv, = torch.autograd.grad((out.float() * g).sum(), (v,))
+    forward_side = (out.float() * g).sum().item()
+    backward_side = (dv.float() * v.float()).sum().item()
+    assert backward_side == pytest.approx(forward_side, rel=2e-2, abs=2.0)
+    no_dropout = varlen_attention(q, k, v, packed, 0.0)
+    assert not torch.allclose(out, no_dropout)  # dropout really dropped something
+
+
+@pytest.mark.torch_cuda
+def test_compiled_packed_training_step_on_cuda_matches_padded():
+    torch.manual_seed(0)
+    model = without_dropout(BertForPreTraining(preset_config("mini", vocab_size=300))).cuda()
+    b = padded_batch(300, [128, 40, 77, 128, 3, 100], seed=6)
+    losses = []
+    for unpad in (False, True):
+        step = torch.compile(model)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = step(**model_inputs(b, 40, torch.device("cuda"), unpad=unpad))
+        losses.append(out.loss.item())
+        out.loss.backward()
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
