@@ -78,7 +78,9 @@ class InferenceService:
             self._inflight -= 1
             self.metrics.inflight.dec()
 
-    async def tokenize(self, items: Sequence[Item], truncate: bool, field: str) -> tuple[list[Encoded], float]:
+    async def tokenize(self, items: Sequence[Item], truncate: bool, field: str,
+                       offsets: bool = True) -> tuple[list[Encoded], float]:
+        """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens."""
         if not items:
             raise InvalidInput(f"{field} is empty: send at least one text")
         limit = self.settings.max_inputs_per_request
@@ -88,17 +90,18 @@ class InferenceService:
         one = items[0]
         chars = len(one) if isinstance(one, str) else len(one[0]) + len(one[1])
         if len(items) == 1 and chars <= _INLINE_TOKENIZE_CHARS:
-            encoded = self.tokenizer.encode(items, truncate, field)
+            encoded = self.tokenizer.encode(items, truncate, field, offsets)
         else:  # the event loop keeps serving meanwhile
-            encoded = await asyncio.to_thread(self.tokenizer.encode, items, truncate, field)
+            encoded = await asyncio.to_thread(self.tokenizer.encode, items, truncate, field, offsets)
         seconds = time.perf_counter() - started
         self.metrics.tokenize_seconds.observe(seconds)
         return encoded, seconds
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool,
-                    outputs: frozenset[str], field: str) -> Inference:
+                    outputs: frozenset[str], field: str, offsets: bool = False) -> Inference:
+        """offsets: whether the answer describes tokens (describe_tokens reads their offsets)."""
         with self.admitted():
-            encoded, tokenize_s = await self.tokenize(items, truncate, field)
+            encoded, tokenize_s = await self.tokenize(items, truncate, field, offsets)
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
                 return Inference(encoded, None, timings)

@@ -156,6 +156,35 @@ def test_offsets_slice_the_original_text(artifact):
     assert "東" in [texts[0][t["start"]:t["end"]] for t in body["data"][0]["tokens"]]
 
 
+ASCII_EDGES = ["CAPITALS, punctuation!? (and) digits 12345.", "[CLS] special [MASK] tokens [cls] in text [SEP]",
+               "tab\tnew\nline\rreturn  spaces", "bell\x07and\x00nul and\x7fdel are dropped", "x\x0bvertical\x0cfeed",
+               "Dynamic batching packs queued requests up to a token budget " * 20]
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_plain_ascii_texts_tokenize_as_the_artifacts_tokenizer(artifact, truncate):
+    """The ASCII shortcut (BertNormalizer swapped for lower-casing) gives exactly what tokenizer.json gives:
+    ids, segments, tokens, offsets; texts with control characters take the full path."""
+    from app.tokenization import TextTokenizer
+
+    manifest = read_manifest(artifact)
+    ours = TextTokenizer(artifact / "tokenizer.json", manifest.max_length, 10**6, manifest.special_tokens)
+    theirs = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    if truncate:
+        theirs.enable_truncation(manifest.max_length)
+    items = [*ASCII_EDGES[:-1], *zip(ASCII_EDGES[:-1], reversed(ASCII_EDGES[:-1]))]
+    if truncate:
+        items.append(ASCII_EDGES[-1])
+    alone = [ours.encode([item], truncate)[0] for item in items]  # one control character sends a batch the full way
+    for mine, item in zip(alone, items):
+        enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
+        got = mine.encoding
+        assert (mine.ids.tolist(), mine.type_ids.tolist(), got.tokens, got.offsets, got.special_tokens_mask) == \
+               (enc.ids, enc.type_ids, enc.tokens, enc.offsets, enc.special_tokens_mask), item
+    for batch in (ours.encode(items, truncate), ours.encode(items, truncate, offsets=False)):
+        assert [e.ids.tolist() for e in batch] == [e.ids.tolist() for e in alone]
+
+
 def test_normalize_base64_and_pooling_none(artifact):
     async def go():
         async with serving(artifact) as (c, _):

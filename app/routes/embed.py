@@ -24,7 +24,8 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
     outputs = {POOLING_OUTPUT[body.pooling]} if body.pooling != "none" else set()
     if body.return_tokens:
         outputs.add(TOKEN_EMBEDDINGS)
-    result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs")
+    result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs",
+                                 offsets=body.return_tokens)
     fmt = body.encoding_format
     embeddings: list = [None] * len(result.encoded)
     if body.pooling != "none":  # the whole request's vectors at once

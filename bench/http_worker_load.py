@@ -1,0 +1,244 @@
+"""CPU cost of ONE HTTP worker process of a multi-process server, per request and per text, without a GPU.
+
+With `--workers N` on a GPU the engine process keeps up (bench/engine_link_load.py); what limits HTTP
+throughput is the CPU each worker spends per request. This runs the real worker (uvicorn, the FastAPI
+app, the tokenizer, EngineClient, prometheus multiprocess metrics) pinned to one core, against a stand-in
+engine process (the real `serve_workers` and DynamicBatcher over a function that answers at once with
+random vectors), loaded over keep-alive connections from this process on the other core. The worker's
+CPU time comes from /proc/PID/stat over a fixed window, divided by the requests answered in it.
+
+The worker reads only manifest.json and tokenizer.json, and never checks the vectors' width: by default
+it serves a worker-only artifact made here (a WordPiece vocabulary trained on the load texts, ~26 tokens
+a text, as bench/make_base_model.py's; a manifest of --hidden width; an empty graph file).
+
+--app-roots A,B runs one worker per source tree (e.g. a copy of app/ before a change, and this checkout),
+each round measuring every tree in turn: an A/B on the same noisy cores. Medians over --rounds.
+
+  python bench/http_worker_load.py --texts-per-request 1,16,64 --formats float,base64 --rounds 5
+  python bench/http_worker_load.py --app-roots /tmp/before,. --rounds 7
+  python bench/http_worker_load.py --texts-per-request 64 --profile /tmp/worker   # py-spy: /tmp/worker.64.float.txt
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.engine_link_load import _cpu_seconds  # noqa: E402
+from bench.http_load import _fast_loop, make_texts, open_connections  # noqa: E402
+
+# The worker as `python -m app --workers N` runs each of its processes (uvicorn, app.main's factory).
+_WORKER = ("import sys, uvicorn; from app.__main__ import _fast_protocols; "
+           "uvicorn.run('app.main:create_app_from_env', factory=True, host='127.0.0.1', port=int(sys.argv[1]), "
+           "log_level='warning', access_log=False, timeout_graceful_shutdown=10, **_fast_protocols())")
+
+
+def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
+    """What a worker reads of an artifact: tokenizer.json and manifest.json (the graph file is empty)."""
+    from artifact.manifest import GraphInfo, Manifest
+    from training.wordpiece import SPECIAL_TOKENS, save_tokenizer, train_wordpiece
+
+    tokenizer = train_wordpiece(texts, vocab_size=2000, min_frequency=1)
+    save_tokenizer(tokenizer, out)
+    (out / "model.onnx").write_bytes(b"")
+    graph = GraphInfo("model.onnx", "fp16", "cuda", ["cls_embedding", "pooled_embedding", "token_embeddings"])
+    manifest = Manifest(model_name="stand-in", hidden_size=hidden, num_layers=12, num_heads=12,
+                        vocab_size=tokenizer.get_vocab_size(), max_length=512, has_pooler=True, has_nsp_head=False,
+                        lowercase=True, special_tokens={t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS},
+                        graphs={"fp16": graph}, weights_sha256="", tokenizer_sha256="", versions={}, created_at="")
+    (out / "manifest.json").write_text(manifest.to_json())
+    return out
+
+
+def _engine(socket_path: str, core: int, hidden: int) -> None:
+    """A stand-in engine process: the real link and batcher, answers at once with random vectors
+    (orjson writes random floats slower than zeros)."""
+    os.sched_setaffinity(0, {core})
+    _fast_loop()
+    from app.batcher import DynamicBatcher
+    from app.engine_link import EngineInfo, serve_workers
+
+    rows = np.random.default_rng(0).standard_normal((256, hidden), dtype=np.float32)
+
+    def run(batch):
+        return {name: rows[:len(batch.input_ids)] for name in batch.outputs}
+
+    async def serve():
+        batcher = DynamicBatcher(run, pad_id=0, max_batch_tokens=16384, max_batch_size=256, max_wait_ms=0,
+                                 max_queued=1 << 20, workers=1, packed=True)
+        batcher.start()
+        info = EngineInfo("cuda", "fp16", "stand-in", None, 1, 16384, os.getpid())
+        server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=socket_path)
+        async with server:
+            await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path, core: int) -> tuple:
+    """One HTTP worker process of the tree at `root`, pinned to `core`; returns (process, url)."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    env.update(BERTSERVE_MODEL_DIR=str(artifact), BERTSERVE_ENGINE_SOCKET=socket_path, BERTSERVE_LOG_LEVEL="warning",
+               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), PYTHONPATH=str(root))
+    proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(port)], cwd=root, env=env,
+                            preexec_fn=lambda: os.sched_setaffinity(0, {core}))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the worker of {root} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"the worker of {root} was not ready in a minute")
+
+
+async def load_window(url: str, pid: int, bodies: list[dict], connections: int, warm_up_s: float,
+                      duration_s: float) -> dict:
+    """Keep `connections` requests in flight; count those answered within the window and the worker's
+    CPU seconds over the same window."""
+    async with open_connections(url, connections, "/embed", bodies[0]) as conns:
+        done = errors = 0
+        stop_at = time.perf_counter() + warm_up_s + duration_s
+
+        async def client(k: int, c) -> None:
+            nonlocal done, errors
+            i = k
+            while time.perf_counter() < stop_at:
+                status, _ = await c.post("/embed", bodies[i % len(bodies)])
+                done += 1
+                errors += status != 200
+                i += connections
+
+        tasks = [asyncio.ensure_future(client(k, c)) for k, c in enumerate(conns)]
+        await asyncio.sleep(warm_up_s)
+        cpu0, done0, t0 = _cpu_seconds(pid), done, time.perf_counter()
+        await asyncio.sleep(duration_s)
+        cpu1, done1, t1 = _cpu_seconds(pid), done, time.perf_counter()
+        await asyncio.gather(*tasks)
+    requests = done1 - done0
+    return {"requests": requests, "errors": errors, "requests_per_s": requests / (t1 - t0),
+            "cpu_us_per_request": (cpu1 - cpu0) / max(requests, 1) * 1e6, "worker_busy": (cpu1 - cpu0) / (t1 - t0)}
+
+
+def request_bodies(texts: list[str], per_request: int, encoding_format: str) -> list[dict]:
+    return [{"inputs": texts[i:i + per_request], "pooling": "cls", "encoding_format": encoding_format}
+            for i in range(0, len(texts) - per_request + 1, per_request)]
+
+
+def profile_worker(pid: int, seconds: float, out: Path) -> subprocess.Popen:
+    """py-spy (pip install py-spy) sampling the worker's stacks, collapsed, idle frames left out."""
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
+                             "--rate", "250", "--format", "raw", "--output", str(out), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarise(runs: dict) -> list[dict]:
+    rows = []
+    for (root, texts, fmt), values in runs.items():
+        us = [v["cpu_us_per_request"] for v in values]
+        rows.append({"app_root": root, "texts_per_request": texts, "encoding_format": fmt,
+                     "cpu_us_per_request": round(statistics.median(us), 1),
+                     "cpu_us_per_text": round(statistics.median(us) / texts, 2),
+                     "runs_us_per_request": [round(x, 1) for x in us],
+                     "requests_per_s": round(statistics.median(v["requests_per_s"] for v in values), 1),
+                     "worker_busy": round(statistics.median(v["worker_busy"] for v in values), 2),
+                     "errors": sum(v["errors"] for v in values)})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--texts-per-request", default="1,16,64")
+    parser.add_argument("--formats", default="float,base64", help="encoding_format values to load")
+    parser.add_argument("--app-roots", default=str(ROOT), help="source trees (each with app/ and artifact/), "
+                        "one worker each, measured in turn every round")
+    parser.add_argument("--artifact", type=Path, help="an artifact folder; default: a worker-only one made here")
+    parser.add_argument("--hidden", type=int, default=768, help="width of the stand-in engine's vectors")
+    parser.add_argument("--connections", type=int, default=16, help="requests kept in flight")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warm-up", type=float, default=1.0, help="seconds before each window")
+    parser.add_argument("--duration", type=float, default=4.0, help="seconds of each measured window")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--profile", type=Path, help="py-spy stacks of the (first) worker in the last round, one "
+                        "file per load: PROFILE.<texts>.<format>.txt (collapsed stacks)")
+    args = parser.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    worker_core, load_core = cores[0], cores[-1]
+    roots = [Path(r).resolve() for r in args.app_roots.split(",")]
+    sizes = [int(x) for x in args.texts_per_request.split(",")]
+    formats = args.formats.split(",")
+    texts = make_texts(4096, seed=0)
+    with tempfile.TemporaryDirectory(prefix="worker-load-") as folder:
+        folder = Path(folder)
+        artifact = args.artifact or make_worker_artifact(folder / "artifact", args.hidden, make_texts(5000, seed=1))
+        socket_path = str(folder / "engine.sock")
+        engine = multiprocessing.get_context("spawn").Process(target=_engine, daemon=True,
+                                                              args=(socket_path, load_core, args.hidden))
+        engine.start()
+        while not os.path.exists(socket_path):
+            time.sleep(0.05)
+        os.sched_setaffinity(0, {load_core})  # the load generator shares its core with the stand-in engine
+        _fast_loop()
+        workers = []
+        try:
+            for k, root in enumerate(roots):
+                (folder / f"metrics{k}").mkdir()
+                workers.append(start_worker(root, artifact, socket_path, folder / f"metrics{k}", worker_core))
+            runs: dict = {}
+            for r in range(args.rounds):
+                for root, (proc, url) in zip(roots, workers):
+                    for texts_per_request in sizes:
+                        for fmt in formats:
+                            spy = None
+                            if args.profile and r == args.rounds - 1 and root == roots[0]:
+                                out = args.profile.with_suffix(f".{texts_per_request}.{fmt}.txt")
+                                spy = profile_worker(proc.pid, args.warm_up + args.duration, out)
+                            row = asyncio.run(load_window(url, proc.pid, request_bodies(texts, texts_per_request, fmt),
+                                                          args.connections, args.warm_up, args.duration))
+                            if spy:
+                                spy.wait()
+                            runs.setdefault((str(root), texts_per_request, fmt), []).append(row)
+                            print(f"round {r + 1} {root.name or root}: {texts_per_request} text(s), {fmt}: "
+                                  f"{row['cpu_us_per_request']:.0f} us/request ({row['worker_busy']:.2f} busy)",
+                                  file=sys.stderr, flush=True)
+        finally:
+            for proc, _ in workers:
+                proc.terminate()
+                proc.wait(30)
+            engine.kill()
+            engine.join()
+    rows = summarise(runs)
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
