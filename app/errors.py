@@ -84,7 +84,7 @@ _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_la
 
 def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None,
                    request: Request | None = None) -> Response:
-    if request is not None:  # read by the metrics middleware, which labels failures by type
+    if request is not None:  # read by ServingMiddleware, which labels failures by type
         request.scope.setdefault("bertserve", {})["error_type"] = type_
     return json_response({"error": {"type": type_, "message": message}}, status, headers)
 
@@ -101,6 +101,16 @@ def _describe_validation_error(exc: RequestValidationError) -> str:
         parts.append(f"{where}: {err.get('msg', 'invalid')}")
     more = len(exc.errors()) - 5
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
+
+
+async def handle_error(request: Request, exc: Exception) -> Response:
+    """The response the app's exception handler for `exc` gives (as Starlette picks it: the nearest class);
+    `exc` itself again when the app has none."""
+    handlers = request.app.exception_handlers
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return await handlers[cls](request, exc)
+    raise exc
 
 
 def register_error_handlers(app: FastAPI) -> None:

@@ -12,9 +12,9 @@ from fastapi import FastAPI
 from app.build import build_engine, load_tokenizer
 from app.engine_link import EngineClient
 from app.errors import register_error_handlers
-from app.metrics import Metrics, MetricsMiddleware
-from app.middleware import RequestBodyMiddleware
-from app.routes import embed, nsp, openai, system
+from app.metrics import Metrics
+from app.middleware import ServingMiddleware
+from app.routes import ServiceRoute, embed, nsp, openai, system
 from app.service import InferenceService
 from app.settings import Settings, configure_logging
 
@@ -59,6 +59,23 @@ def serving_gc():
         gc.unfreeze()
 
 
+class ServingApp(FastAPI):
+    """FastAPI with `serving` (ServingMiddleware) in front of all of it, where add_middleware would put it
+    inside FastAPI's own outer layers: their per-request checks (native OpenTelemetry's "is a provider
+    configured?", error and body-limit middleware) cost a twentieth of a one-text /embed's CPU time. So
+    the routes ServingMiddleware answers itself get no FastAPI telemetry; the others still do. Middleware
+    added with add_middleware sits inside, and sees only the requests ServingMiddleware hands on."""
+
+    serving: ServingMiddleware | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.serving is not None:
+            scope["app"] = self  # as Starlette sets it: request.app
+            await self.serving(scope, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
+
+
 def create_app_from_env() -> FastAPI:
     """The app of one of several worker processes: settings from BERTSERVE_* variables (see __main__)."""
     settings = Settings()
@@ -88,9 +105,9 @@ def create_app(settings: Settings) -> FastAPI:
             await service.batcher.stop()
             metrics.process_exited()
 
-    app = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan,
-                  description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
-                              "Errors are always {\"error\": {\"type\", \"message\"}}.")
+    app = ServingApp(title="bertserve", version="0.1.0", lifespan=lifespan,
+                     description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
+                                 "Errors are always {\"error\": {\"type\", \"message\"}}.")
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = None
@@ -99,6 +116,10 @@ def create_app(settings: Settings) -> FastAPI:
         app.include_router(router)
     register_error_handlers(app)
     endpoints = frozenset(r.path for router in routers for r in router.routes) | {"/docs", "/openapi.json"}
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, endpoints=endpoints)  # outermost: sees every answer
+    # The routers are included as they are (no prefix, no added dependencies): their routes are the app's,
+    # and those with a direct handler are answered by ServingMiddleware (HEAD goes on to FastAPI).
+    direct = {(method, r.path): r.serve for router in routers for r in router.routes
+              if isinstance(r, ServiceRoute) and r.serve is not None for method in r.methods if method != "HEAD"}
+    app.serving = ServingMiddleware(super(ServingApp, app).__call__, metrics=metrics, endpoints=endpoints,
+                                    routes=direct, max_bytes=settings.max_request_bytes)
     return app

@@ -1,15 +1,13 @@
-"""Prometheus metrics, one registry per app, and the ASGI middleware that counts every request.
+"""Prometheus metrics, one registry per app.
 
 With several server processes (`workers` > 1) prometheus_client's multiprocess mode is on: each process
 writes its values to files under PROMETHEUS_MULTIPROC_DIR and `exposition()` sums them all."""
 from __future__ import annotations
 
 import os
-import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -45,6 +43,7 @@ class Metrics:
                                            "(collation and output copy included)", buckets=_LATENCY, registry=r)
         self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r,
                            multiprocess_mode="max")
+        self._children: dict[tuple[str, int], tuple] = {}
         self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_VAR))
         if self.multiprocess:
             self._exposed = CollectorRegistry()
@@ -67,46 +66,21 @@ class Metrics:
         self.inference_seconds.observe(seconds)
         self.sequences.inc(size)
 
+    def request_answered(self, endpoint: str, status: int, seconds: float, notes: dict) -> None:
+        """One HTTP request answered; failures also by error type (`notes["error_type"]`, set by the
+        error handlers)."""
+        requests, duration = self._request_children(endpoint, status)
+        requests.inc()
+        duration.observe(seconds)
+        if status >= 400:
+            self.failures.labels(endpoint, str(status), notes.get("error_type", "internal_error")).inc()
 
-class MetricsMiddleware:
-    """Counts requests by endpoint and status, failures also by error type (set by the error handlers)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: frozenset[str]):
-        self.app, self.metrics, self.endpoints = app, metrics, endpoints
-        self._cache: dict[tuple[str, int], tuple] = {}
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        endpoint = path if path in self.endpoints else "other"  # bounded label values
-        notes = scope.setdefault("bertserve", {})
-        status = 500
-        started = time.perf_counter()
-
-        async def send_and_note(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_and_note)
-        finally:
-            seconds = time.perf_counter() - started
-            requests, duration = self._children(endpoint, status)
-            requests.inc()
-            duration.observe(seconds)
-            if status >= 400:
-                self.metrics.failures.labels(endpoint, str(status), notes.get("error_type", "internal_error")).inc()
-
-    def _children(self, endpoint: str, status: int) -> tuple:
+    def _request_children(self, endpoint: str, status: int) -> tuple:
         """The labelled counter and histogram of (endpoint, status), looked up once: `labels()` costs a
         lock and a dict lookup on every request otherwise. Both label sets are bounded."""
         key = (endpoint, status)
-        children = self._cache.get(key)
+        children = self._children.get(key)
         if children is None:
-            m = self.metrics
-            children = self._cache[key] = (m.requests.labels(endpoint, str(status)), m.request_seconds.labels(endpoint))
+            children = self._children[key] = (self.requests.labels(endpoint, str(status)),
+                                              self.request_seconds.labels(endpoint))
         return children

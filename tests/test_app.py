@@ -638,6 +638,39 @@ def test_a_request_split_over_batches_equals_its_texts_alone(artifact):
         assert t["tokens"] == a["tokens"]
 
 
+@pytest.mark.parametrize("api_key", [None, "s3cret"])
+def test_routes_answered_past_fastapi_answer_as_fastapi_does(artifact, api_key):
+    """ServingMiddleware answers the service routes itself; FastAPI's own routing (what it hands every
+    other request to) must answer the same requests the same way: status, body, header names."""
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    requests = [("POST", "/embed", {"inputs": ["a b", ["c", "d"]], "return_tokens": True}, auth),
+                ("POST", "/embed", {"inputs": "x", "encoding_format": "base64", "normalize": True}, auth),
+                ("POST", "/embed", {"inputs": ""}, auth), ("POST", "/embed", {"text": "x"}, auth),
+                ("POST", "/embed", b'{"inputs": ["a",', auth), ("POST", "/embed", None, auth),
+                ("POST", "/embed", {"inputs": "x"}, {}),
+                ("POST", "/embed", {"inputs": "x"}, {"Authorization": "Bearer no"}),
+                ("POST", "/nsp", {"pairs": [["a", "b"]]}, auth), ("POST", "/tokenize", {"inputs": "a b"}, auth),
+                ("POST", "/v1/embeddings", {"input": ["a", "b"]}, auth),
+                ("POST", "/v1/embeddings", {"input": [1]}, auth),
+                ("GET", "/info", None, auth), ("GET", "/ready", None, {}), ("GET", "/health", None, {})]
+
+    async def go():
+        async with serving(artifact, api_key=api_key) as (c, app):
+            assert app.serving is not None
+            fastapi_only = httpx.AsyncClient(transport=httpx.ASGITransport(app=app.serving.app),
+                                             base_url="http://test")
+            out = []
+            for method, path, body, headers in requests:
+                kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+                out.append((await c.request(method, path, headers=headers, **kwargs),
+                            await fastapi_only.request(method, path, headers=headers, **kwargs)))
+            return out
+    for (method, path, *_), (ours, theirs) in zip(requests, run(go())):
+        assert ours.status_code == theirs.status_code, (method, path, ours.text, theirs.text)
+        assert ours.json() == theirs.json(), (method, path)
+        assert list(ours.headers) == list(theirs.headers), (method, path)
+
+
 def test_app_never_imports_torch(artifact):
     code = f"""
 import asyncio, sys

@@ -35,21 +35,38 @@ class ServiceRoute(APIRoute):
 
     Endpoints whose parameters are only a JSON body model, the request, and dependencies that take
     only the request (ours all are) are called directly: FastAPI's general dependency solving cost
-    more per request than the rest of the Python path together. The signature still makes the docs."""
+    more per request than the rest of the Python path together. The signature still makes the docs.
+    `serve(request, body)` is that direct call; ServingMiddleware sends the route's requests to it, past
+    FastAPI's routing layers (None: the endpoint needs FastAPI's own handling)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.serve = _direct_handler(self.dependant, self.body_field)
 
     def get_route_handler(self) -> Callable:
-        handler = _direct_handler(self.dependant, self.body_field) or super().get_route_handler()
+        handler = _direct_handler(self.dependant, self.body_field)
+        if handler is None:
+            handler = _guarded(super().get_route_handler())
 
         async def route_handler(request: Request) -> Response:
-            try:
-                return await handler(_OrjsonRequest(request.scope, request.receive))
-            except (ServiceError, HTTPException, RequestValidationError):
-                raise
-            except Exception as e:  # noqa: BLE001 - anything else is our bug: log it, answer 500
-                log.exception("unexpected error on %s", request.url.path)
-                raise InternalError(f"internal error ({type(e).__name__}); see the server log") from e
+            return await handler(_OrjsonRequest(request.scope, request.receive))
 
         return route_handler
+
+
+def _guarded(handler: Callable) -> Callable:
+    """`handler`, with any exception but ours and FastAPI's turned into a logged InternalError (500)."""
+
+    async def guarded(request: Request, *body: bytes) -> Response:
+        try:
+            return await handler(request, *body)
+        except (ServiceError, HTTPException, RequestValidationError):
+            raise
+        except Exception as e:  # noqa: BLE001 - anything else is our bug: log it, answer 500
+            log.exception("unexpected error on %s", request.url.path)
+            raise InternalError(f"internal error ({type(e).__name__}); see the server log") from e
+
+    return guarded
 
 
 def _takes_only_request(dep: Dependant) -> bool:
@@ -60,7 +77,8 @@ def _takes_only_request(dep: Dependant) -> bool:
 
 def _direct_handler(dependant: Dependant, body_field) -> Callable | None:
     """A handler doing what FastAPI's does for this endpoint, in its order (JSON parse errors, then the
-    dependencies, then body validation errors), or None when the endpoint needs more than that."""
+    dependencies, then body validation errors), or None when the endpoint needs more than that. It is
+    called as `handler(request)`, or `handler(request, body)` once the body was read."""
     if (not inspect.iscoroutinefunction(dependant.call) or len(dependant.body_params) > 1
             or dependant.path_params or dependant.query_params or dependant.header_params or dependant.cookie_params
             or not all(_takes_only_request(d) for d in dependant.dependencies)):
@@ -73,8 +91,8 @@ def _direct_handler(dependant: Dependant, body_field) -> Callable | None:
     dependencies = [(d.name, d.call) for d in dependant.dependencies]
     endpoint, request_name = dependant.call, dependant.request_param_name
 
-    async def handler(request: Request) -> Response:
-        data = await _json_body(request) if adapter is not None else None
+    async def handler(request: Request, body: bytes | None = None) -> Response:
+        data = _json_body(await request.body() if body is None else body) if adapter is not None else None
         kwargs = {}
         for name, call in dependencies:
             value = await call(request)
@@ -86,12 +104,11 @@ def _direct_handler(dependant: Dependant, body_field) -> Callable | None:
             kwargs[request_name] = request
         return await endpoint(**kwargs)
 
-    return handler
+    return _guarded(handler)
 
 
-async def _json_body(request: Request):
+def _json_body(raw: bytes):
     """The parsed body; None when empty. A decode error reads as FastAPI's own json_invalid error."""
-    raw = await request.body()
     if not raw:
         return None
     try:
