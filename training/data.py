@@ -138,13 +138,14 @@ class PretrainingDataset:
         return {"input_ids": masked, "token_type_ids": segment, "mlm_labels": labels, "nsp_label": label}
 
     def batches(self, epoch: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                skip_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+                skip_batches: int = 0, stride: int = 1) -> Iterator[dict[str, torch.Tensor]]:
         """Deterministic given (seed, epoch). Global batch b is examples [b·W·B, (b+1)·W·B) of the
-        shuffled epoch; rank r takes the r-th slice of B of it. Padded to the batch's longest sequence."""
+        shuffled epoch; rank r takes the r-th slice of B of it. Padded to the batch's longest sequence.
+        Batches skip_batches, skip_batches + stride, ... (a data-loading worker's share)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         order = self.order(epoch, seed)
-        for b in range(skip_batches, self.num_batches(epoch, batch_size, world_size)):
+        for b in range(skip_batches, self.num_batches(epoch, batch_size, world_size), stride):
             first = (b * world_size + rank) * batch_size
             yield self._collate([self.example(epoch, seed, int(i)) for i in order[first: first + batch_size]])
 

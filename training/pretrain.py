@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-unpad", dest="unpad", action="store_false",
                    help="run the encoder on padded batches (default: on real tokens only, padding removed)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--data-workers", type=int, default=t.data_workers,
+                   help="processes per training process that build the next batches while it trains; "
+                        "0: build each batch in the training process, between steps (default: 4 on a GPU, 2 on a CPU)")
     return p
 
 
@@ -135,6 +138,7 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
         clip_norm=args.clip_norm, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile, unpad=args.unpad,
+        data_workers=args.data_workers,
     )
 
 

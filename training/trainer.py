@@ -5,15 +5,15 @@ complete, exactly-resumable checkpoints. Data preparation and the command line l
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,19 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from training.batch_stream import BatchSource, BatchStream
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.model import BertForPreTraining
 from training.optim import WarmupLinearDecay, make_optimizer
 from training.packed import PackedSequences, pack
-
-
-class BatchSource(Protocol):
-    """What the trainer needs from `training.data.PretrainingDataset`."""
-
-    def batches(self, epoch: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                skip_batches: int = 0) -> Iterator[dict[str, torch.Tensor]]: ...
-
-    def most_frequent_token_id(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -55,13 +47,16 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16
     compile: bool = False
     unpad: bool = True  # run the encoder on real tokens only (training.packed)
+    # Processes that build the next training batches during the step (0: in the step). None: 4 on a GPU,
+    # where a base step takes ~36 ms and one batch of 256 ~60-100 ms of CPU; 2 on a CPU.
+    data_workers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "log_every", "eval_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        for name in ("eval_every", "checkpoint_every", "keep_checkpoints"):
-            if getattr(self, name) < 0:
+        for name in ("eval_every", "checkpoint_every", "keep_checkpoints", "data_workers"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must not be negative, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"--lr must be positive, got {self.lr}")
@@ -150,7 +145,13 @@ def gather_masked(mlm_labels: torch.Tensor, max_predictions: int) -> tuple[torch
 
 def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: torch.device,
                  pad_to: int | None = None, unpad: bool = False) -> dict[str, Any]:
-    """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`.
+    """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`."""
+    return inputs_to_device(cpu_inputs(batch, max_predictions, pad_to, unpad), device)
+
+
+def cpu_inputs(batch: dict[str, torch.Tensor], max_predictions: int, pad_to: int | None = None,
+               unpad: bool = False) -> dict[str, Any]:
+    """The CPU half of model_inputs (a data worker runs it).
 
     The pipeline pads each batch to its longest row; `pad_to` pads further to a fixed length so that a
     compiled model sees one shape (eager mode is better off without the extra padding). `unpad` then
@@ -161,13 +162,9 @@ def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: t
                              ("input_ids", "token_type_ids", "attention_mask")},
                  "mlm_labels": F.pad(batch["mlm_labels"], (0, extra), value=-100)}
     if unpad:
-        inputs = _on_device(_packed_inputs(batch, max_predictions), device)
-        # The token count changes every batch: compile for any count at once instead of for the first.
-        for tokens in (inputs["input_ids"], inputs["token_type_ids"], inputs["packed"].position_ids):
-            torch._dynamo.maybe_mark_dynamic(tokens, 0)
-        return inputs
+        return _packed_inputs(batch, max_predictions)
     positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
-    inputs = {
+    return {
         "input_ids": batch["input_ids"],
         "token_type_ids": batch["token_type_ids"],
         "attention_mask": batch["attention_mask"],
@@ -175,7 +172,16 @@ def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: t
         "nsp_labels": batch["nsp_labels"],
         "masked_positions": positions,
     }
-    return _on_device(inputs, device)
+
+
+def inputs_to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """The device half of model_inputs (the training process runs it)."""
+    inputs = _on_device(inputs, device)
+    if inputs.get("packed") is not None:
+        # The token count changes every batch: compile for any count at once instead of for the first.
+        for tokens in (inputs["input_ids"], inputs["token_type_ids"], inputs["packed"].position_ids):
+            torch._dynamo.maybe_mark_dynamic(tokens, 0)
+    return inputs
 
 
 def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int) -> dict[str, Any]:
@@ -216,30 +222,6 @@ def autocast_context(precision: str, device: torch.device):
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-class BatchStream:
-    """Endless micro-batches of one dataset, epoch after epoch, remembering where it is so that a
-    checkpoint can restart it at the very next batch."""
-
-    def __init__(self, data: BatchSource, batch_size: int, seed: int, dist: DistInfo, epoch: int = 0,
-                 batch_in_epoch: int = 0):
-        self.data, self.batch_size, self.seed, self.dist = data, batch_size, seed, dist
-        self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
-        self._it: Iterator[dict[str, torch.Tensor]] | None = None
-
-    def next(self) -> dict[str, torch.Tensor]:
-        for _ in range(2):  # the current epoch, else one fresh epoch
-            if self._it is None:
-                self._it = self.data.batches(self.epoch, self.batch_size, self.seed, rank=self.dist.rank,
-                                             world_size=self.dist.world_size, skip_batches=self.batch_in_epoch)
-            batch = next(self._it, None)
-            if batch is not None:
-                self.batch_in_epoch += 1
-                return batch
-            self._it, self.epoch, self.batch_in_epoch = None, self.epoch + 1, 0
-        raise ValueError(f"the training data yields no batch of {self.batch_size} sequences per process; "
-                         f"use a larger corpus or a smaller --batch-size")
 
 
 @torch.no_grad()
@@ -415,63 +397,71 @@ def train(
             continue
         if i != phase_idx:  # entering a later phase than the checkpoint's: its data starts afresh
             epoch, batch_in_epoch = 0, 0
-        stream = BatchStream(phase.train, phase.batch_size, cfg.seed, dist, epoch, batch_in_epoch)
         fixed_len = phase.max_seq_len if cfg.compile else None
-        # Running sums over the log window stay on the device: no host sync until a log line.
-        window = torch.zeros(3, device=device)  # loss, mlm loss, nsp loss (summed over micro-batches)
-        window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
-        while step < phase_end:
-            for micro in range(cfg.grad_accum):
-                batch = stream.next()
-                window_tokens += int(batch["attention_mask"].sum())
-                inputs = model_inputs(batch, phase.max_predictions, device, pad_to=fixed_len, unpad=cfg.unpad)
-                sync = (ddp_model.no_sync() if dist.distributed and micro < cfg.grad_accum - 1
-                        else contextlib.nullcontext())
-                with sync:
-                    with autocast_context(cfg.precision, device):
-                        out = step_model(**inputs)
-                    (out.loss / cfg.grad_accum).backward()
-                window += torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach()])
-            grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm) if cfg.clip_norm > 0
-                         else torch.zeros((), device=device))
-            lr = schedule.lr
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            step += 1
-            window_steps += 1
-            progress.update(1)
+        data_workers = cfg.data_workers if cfg.data_workers is not None else 4 if device.type == "cuda" else 2
+        prepare = functools.partial(cpu_inputs, max_predictions=phase.max_predictions, pad_to=fixed_len,
+                                    unpad=cfg.unpad)
+        stream = BatchStream(phase.train, phase.batch_size, cfg.seed, dist.rank, dist.world_size, epoch,
+                             batch_in_epoch, prepare=prepare, workers=data_workers)
+        with stream:  # stops its workers on every way out
+            # Running sums over the log window stay on the device: no host sync until a log line.
+            window = torch.zeros(3, device=device)  # loss, mlm loss, nsp loss (summed over micro-batches)
+            window_tokens, window_start, window_steps, window_wait = 0, time.perf_counter(), 0, 0.0
+            while step < phase_end:
+                for micro in range(cfg.grad_accum):
+                    waiting = time.perf_counter()
+                    batch = stream.next()
+                    window_wait += time.perf_counter() - waiting
+                    window_tokens += batch.tokens
+                    inputs = inputs_to_device(batch.inputs, device)
+                    sync = (ddp_model.no_sync() if dist.distributed and micro < cfg.grad_accum - 1
+                            else contextlib.nullcontext())
+                    with sync:
+                        with autocast_context(cfg.precision, device):
+                            out = step_model(**inputs)
+                        (out.loss / cfg.grad_accum).backward()
+                    window += torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach()])
+                grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm) if cfg.clip_norm > 0
+                             else torch.zeros((), device=device))
+                lr = schedule.lr
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                schedule.step()
+                step += 1
+                window_steps += 1
+                progress.update(1)
 
-            if step % cfg.log_every == 0 or step == phase_end:
-                tokens = torch.tensor([window_tokens], dtype=torch.int64, device=device)
-                if dist.distributed:
-                    torch_dist.all_reduce(window)
-                    torch_dist.all_reduce(tokens)
-                    window /= dist.world_size
-                elapsed = time.perf_counter() - window_start
-                tokens_seen += int(tokens)
-                loss, mlm_loss, nsp_loss = (window / (window_steps * cfg.grad_accum)).tolist()
-                tokens_per_s = int(tokens) / max(elapsed, 1e-9)
-                if dist.is_main:
-                    metrics.write("train", step=step, phase=phase.name, loss=loss, mlm_loss=mlm_loss,
-                                  nsp_loss=nsp_loss, lr=lr, grad_norm=float(grad_norm), tokens_per_s=tokens_per_s,
-                                  tokens_seen=tokens_seen, epoch=stream.epoch,
-                                  elapsed_s=wall_before + time.perf_counter() - start_time)
-                    progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
-                                         refresh=False)
-                    if plain_lines:
-                        print(f"step {step}/{total_steps}: loss {loss:.3f} (MLM {mlm_loss:.3f}, NSP {nsp_loss:.3f}), "
-                              f"lr {lr:.2e}, {tokens_per_s:,.0f} tokens/s", flush=True)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
-                window.zero_()
-                window_tokens, window_start, window_steps = 0, time.perf_counter(), 0
+                if step % cfg.log_every == 0 or step == phase_end:
+                    tokens = torch.tensor([window_tokens], dtype=torch.int64, device=device)
+                    if dist.distributed:
+                        torch_dist.all_reduce(window)
+                        torch_dist.all_reduce(tokens)
+                        window /= dist.world_size
+                    elapsed = time.perf_counter() - window_start
+                    tokens_seen += int(tokens)
+                    loss, mlm_loss, nsp_loss = (window / (window_steps * cfg.grad_accum)).tolist()
+                    tokens_per_s = int(tokens) / max(elapsed, 1e-9)
+                    if dist.is_main:
+                        metrics.write("train", step=step, phase=phase.name, loss=loss, mlm_loss=mlm_loss,
+                                      nsp_loss=nsp_loss, lr=lr, grad_norm=float(grad_norm),
+                                      tokens_per_s=tokens_per_s, tokens_seen=tokens_seen, epoch=stream.epoch,
+                                      data_wait_s=window_wait,  # this process's, getting the window's batches
+                                      elapsed_s=wall_before + time.perf_counter() - start_time)
+                        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
+                                             refresh=False)
+                        if plain_lines:
+                            print(f"step {step}/{total_steps}: loss {loss:.3f} (MLM {mlm_loss:.3f}, "
+                                  f"NSP {nsp_loss:.3f}), lr {lr:.2e}, {tokens_per_s:,.0f} tokens/s", flush=True)
+                    if not math.isfinite(loss):
+                        raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
+                    window.zero_()
+                    window_tokens, window_start, window_steps, window_wait = 0, time.perf_counter(), 0, 0.0
 
-            at_end = step == total_steps
-            if cfg.eval_every and step % cfg.eval_every == 0 and not at_end:
-                last_eval = run_eval(phase)
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == phase_end:
-                checkpoint(i, stream)
+                at_end = step == total_steps
+                if cfg.eval_every and step % cfg.eval_every == 0 and not at_end:
+                    last_eval = run_eval(phase)
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == phase_end:
+                    checkpoint(i, stream)
         phase_start = phase_end
     progress.close()
     last_phase = phases[-1]
