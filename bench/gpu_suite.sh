@@ -8,6 +8,7 @@
 #   bench/gpu_suite.sh train     pre-training step, ours vs transformers compiled (bench/train_throughput.py)
 #   bench/gpu_suite.sh trainprofile  where a compiled step of ours spends GPU time (bench/train_step_profile.py)
 #   bench/gpu_suite.sh ortsettings  ORT CUDA attention kernels / GEMM options on the padded fp16 graph
+#   bench/gpu_suite.sh kernels   GPU kernel time by kind at batch 256, PyTorch vs ORT (bench/engine_kernel_profile.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -42,6 +43,8 @@ for part in "$@"; do
         ORT_CUDA_GEMM_OPTIONS=1 $PY bench/ort_cuda_settings.py run attention
         $PY bench/ort_cuda_settings.py run attention '{"tunable_op_enable": "1", "tunable_op_tuning_enable": "1"}'
       } 2>&1 | quiet | tee "$OUT/ort_settings.log" ;;
+    kernels)
+      timeout 400 $PY bench/engine_kernel_profile.py 256 2>&1 | quiet | tee "$OUT/kernel_profile.txt" | tail -60 ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac
 done

@@ -1,0 +1,81 @@
+"""GPU kernel time by kind (matrix products, GELU, attention, LayerNorm, ...) for one batch of b x 128 on
+PyTorch fp16 SDPA, the ORT fp16 padded graph and the ORT fp16 packed graph (BERT-base shape, random
+weights, built as bench/engine_throughput.py builds them). torch.profiler's CUPTI trace sees every
+kernel of the process, ORT's included; ORT's own node profile times launches on the host, not the GPU.
+
+  python bench/engine_kernel_profile.py 256        # GPU machine, with onnxruntime-gpu
+"""
+from __future__ import annotations
+
+import collections
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.engine_throughput import OrtEngine, TorchEngine, build, fixed_batch, stdlib_docstrings  # noqa: E402
+
+# First match wins: attention and LayerNorm kernels before the generic product names.
+KINDS = [("attention", r"fmha|flash|attention|Attention|softmax"),
+         ("layernorm", r"[Ll]ayer[Nn]orm|LayerNormalization"),
+         ("gelu", r"[Gg]elu"),
+         ("gemm", r"gemm|Gemm|xmma|cutlass|sm90|sm80|ampere|hopper|cublas|nvjet|Kernel2"),
+         ("cast/copy", r"[Cc]ast|copy|Copy|transpose|Transpose|elementwise|Memcpy")]
+RUNS = 10
+
+
+def kind(kernel: str) -> str:
+    return next((k for k, pattern in KINDS if re.search(pattern, kernel)), "other")
+
+
+def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter]:
+    """Microseconds of GPU time over RUNS runs, by kind and by kernel name."""
+    prepared = engine.prepare(feed)
+    for _ in range(5):
+        engine.run(prepared)
+    engine.sync()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(RUNS):
+            engine.run(prepared)
+        engine.sync()
+        torch.cuda.synchronize()
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            us = getattr(event, "device_time_total", None) or event.cuda_time_total
+            by_kind[kind(event.name)] += us
+            by_name[event.name[:90]] += us
+    return by_kind, by_name
+
+
+def main() -> None:
+    import onnxruntime as ort
+    ort.preload_dlls()
+    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    work = Path(tempfile.mkdtemp())
+    _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000))
+    engines = {"torch sdpa": TorchEngine(model, "cuda", torch.float16),
+               "ort padded": OrtEngine(work / "padded" / artifacts["padded"].graph("fp16").file, "cuda"),
+               "ort packed": OrtEngine(work / "packed" / artifacts["packed"].graph("fp16").file, "cuda")}
+    feed = fixed_batch(batch, 128, np.random.default_rng(0))
+    product_flops = 2 * 12 * (12 * 768 * 768) * batch * 128  # the encoder's Q/K/V, output and FFN products
+    for name, engine in engines.items():
+        by_kind, by_name = kernel_times(engine, feed)
+        total_ms = sum(by_kind.values()) / RUNS / 1000
+        print(f"== {name} b={batch}: GPU kernel time {total_ms:.2f} ms/batch "
+              f"({batch / total_ms * 1000:,.0f} seq/s if back to back)")
+        for k, us in by_kind.most_common():
+            print(f"   {k:<10} {us / RUNS / 1000:7.3f} ms  {us / RUNS / 1000 / total_ms:5.1%}")
+        print(f"   gemm rate on encoder GEMM FLOPs: {product_flops / (by_kind['gemm'] / RUNS / 1e6) / 1e12:.0f} TFLOP/s")
+        for kernel, us in by_name.most_common(12):
+            print(f"     {us / RUNS / 1000:7.3f} ms  {kernel}")
+
+
+if __name__ == "__main__":
+    main()
