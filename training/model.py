@@ -178,7 +178,7 @@ class BertSelfAttention(nn.Module):
         else:
             scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)  # [B, nh, S, S]
             probs = torch.softmax(scores + attn_bias, dim=-1)
-            probs = F.dropout(probs, dropout_p)
+            probs = F.dropout(probs, dropout_p, self.training)
             ctx = torch.matmul(probs, v)  # [B, nh, S, hd]
         return ctx.transpose(1, 2).reshape(b, s, h)  # [B, S, H]
 
