@@ -71,7 +71,7 @@ class BatchStream:
             self.close()
             raise item.error from _WorkerTraceback(item.traceback)
         if self._workers:
-            item.inputs = _map_arrays(torch.from_numpy, np.ndarray, item.inputs)
+            item.inputs = map_leaves(torch.from_numpy, np.ndarray, item.inputs)
         self.epoch, self.batch_in_epoch = item.epoch, item.index + 1
         return item
 
@@ -149,20 +149,20 @@ class _WorkerShares(torch.utils.data.IterableDataset):
                 # As arrays, a batch travels inside the pickle. As tensors, each storage would become a
                 # shared-memory file whose descriptor the training process fetches over a connection of
                 # its own: milliseconds per batch, whatever its size.
-                item.inputs = _map_arrays(torch.Tensor.numpy, torch.Tensor, item.inputs)
+                item.inputs = map_leaves(torch.Tensor.numpy, torch.Tensor, item.inputs)
                 yield item
         except Exception as e:  # in the place of the batch it concerns; the main process raises it there
             yield _Failure(e, traceback.format_exc())
 
 
-def _map_arrays(fn: Callable[[Any], Any], kind: type, x: Any) -> Any:
-    """`fn` applied to each `kind` in x, through dicts and named tuples (PackedSequences)."""
+def map_leaves(fn: Callable[[Any], Any], kind: type, x: Any) -> Any:
+    """`fn` applied to each `kind` in x, through dicts and named tuples (PackedSequences); the rest kept."""
     if isinstance(x, kind):
         return fn(x)
     if isinstance(x, dict):
-        return {k: _map_arrays(fn, kind, v) for k, v in x.items()}
+        return {k: map_leaves(fn, kind, v) for k, v in x.items()}
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_map_arrays(fn, kind, v) for v in x))
+        return type(x)(*(map_leaves(fn, kind, v) for v in x))
     return x
 
 

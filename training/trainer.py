@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from training.batch_stream import BatchSource, BatchStream
+from training.batch_stream import BatchSource, BatchStream, map_leaves
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from training.model import BertForPreTraining
 from training.optim import WarmupLinearDecay, make_optimizer
-from training.packed import PackedSequences, pack
+from training.packed import pack
 
 
 @dataclass(frozen=True)
@@ -203,16 +203,9 @@ def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int) -> dict
 
 
 def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    cuda = device.type == "cuda"
-
-    def move(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device)
-        if isinstance(v, PackedSequences):
-            return PackedSequences(move(v.cu_seqlens), v.max_len, move(v.position_ids))
-        return v
-
-    return {k: move(v) for k, v in inputs.items()}
+    if device.type == "cuda":
+        return map_leaves(lambda t: t.pin_memory().to(device, non_blocking=True), torch.Tensor, inputs)
+    return map_leaves(lambda t: t.to(device), torch.Tensor, inputs)
 
 
 def autocast_context(precision: str, device: torch.device):
