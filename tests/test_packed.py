@@ -8,7 +8,7 @@ import torch
 
 from tests.test_model import padded_batch
 from training.model import BertForPreTraining, preset_config
-from training.packed import PackedSequences, pack, varlen_attention
+from training.packed import PackedSequences, QueryRows, pack, varlen_attention
 from training.trainer import model_inputs
 
 
@@ -31,6 +31,31 @@ def test_pack_lays_rows_end_to_end():
     assert packed.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
     assert packed.max_len == 5  # the padded width: a bound that stays the same from batch to batch
     assert packed.first_tokens.tolist() == [0, 3, 4]
+
+
+def test_query_rows_for_heads_are_cls_then_masked_rows_sequence_by_sequence():
+    _, packed = pack(torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]))
+    masked = torch.tensor([[1, 2], [3, 3], [5, 7]])  # packed rows; sequence 1 has nothing masked: its [CLS]
+    rows = QueryRows.for_heads(packed, masked)
+    assert rows.index.tolist() == [0, 1, 2, 3, 3, 3, 4, 5, 7] and rows.per_sequence == 3
+    assert rows.cu_seqlens.tolist() == [0, 3, 6, 9] and rows.cu_seqlens.dtype == torch.int32
+
+
+def test_encoder_output_rows_are_those_rows_of_the_full_output():
+    """The last layer on some rows only (repeated ones included) gives exactly those rows of the full run."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(preset_config("mini", vocab_size=300)).eval()
+    lengths = [37, 5, 64, 20]
+    _, packed = pack((torch.arange(64)[None, :] < torch.tensor(lengths)[:, None]).long())
+    hidden = torch.randn(sum(lengths), 256)
+    starts = packed.first_tokens
+    masked = torch.stack([starts + 3, starts + 1, starts + 4, starts])  # sequence 1 (5 tokens) in bounds
+    rows = QueryRows.for_heads(packed, masked.T)
+    encoder = model.bert.encoder
+    full = encoder(hidden, packed)
+    subset = encoder(hidden, packed, rows)
+    assert subset.shape == (4 * 5, 256)
+    assert torch.allclose(subset, full[rows.index], atol=1e-5)
 
 
 @pytest.mark.parametrize("mask, problem", [
@@ -116,12 +141,20 @@ def _cuda_qkv(lengths: list[int], heads: int = 4, size: int = 64, seed: int = 0)
 
 
 @pytest.mark.torch_cuda
-def test_flash_varlen_matches_padded_attention_with_gradients():
+@pytest.mark.parametrize("query_subset", [False, True])
+def test_flash_varlen_matches_padded_attention_with_gradients(query_subset):
     q, k, v, packed = _cuda_qkv([128, 3, 77, 128, 1, 64])
+    queries = None
+    if query_subset:  # 4 query rows per sequence, repeats included, as QueryRows.for_heads makes them
+        starts = packed.first_tokens
+        lengths = packed.cu_seqlens.diff().long()
+        offsets = torch.stack([torch.zeros_like(lengths), lengths - 1, (lengths - 1) // 2, lengths // 3], 1)
+        queries = QueryRows((starts[:, None] + offsets).flatten(), 4)
+        q = q.detach()[queries.index].requires_grad_()
     g = torch.randn_like(q)
     results = []
     for attention in (varlen_attention, _padded_reference):
-        out = attention(q, k, v, packed, 0.0)
+        out = attention(q, k, v, packed, 0.0, queries)
         dq, dk, dv = torch.autograd.grad((out * g).sum(), (q, k, v))
         results.append([x.float() for x in (out, dq, dk, dv)])
     for flash, reference in zip(*results):
@@ -129,9 +162,9 @@ def test_flash_varlen_matches_padded_attention_with_gradients():
         assert torch.nn.functional.cosine_similarity(flash.flatten(), reference.flatten(), dim=0) > 0.9999
 
 
-def _padded_reference(q, k, v, packed, dropout_p):
+def _padded_reference(q, k, v, packed, dropout_p, queries):
     from training.packed import _padded_attention
-    return _padded_attention(q, k, v, packed, dropout_p)
+    return _padded_attention(q, k, v, packed, dropout_p, queries)
 
 
 @pytest.mark.torch_cuda

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.packed import PackedSequences, varlen_attention
+from training.packed import PackedSequences, QueryRows, varlen_attention
 
 # Additive mask value for padded keys, as in the original BERT. Finite so that it survives fp16 and
 # bf16 (finfo.min overflows to -inf there and turns fully-masked rows into NaN).
@@ -151,24 +151,33 @@ class BertSelfAttention(nn.Module):
         b, s, _ = x.shape
         return x.view(b, s, self.num_heads, self.head_size).transpose(1, 2)  # [B, nh, S, hd]
 
-    def _fused_qkv(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Training: one [H -> 3H] matmul instead of three, on the same parameters concatenated per
-        step (a copy of 3·H² weights, small beside the activations). [..., H] -> [..., 3, nh, hd]."""
-        weight = torch.cat([self.query.weight, self.key.weight, self.value.weight])  # [3H, H]
-        bias = torch.cat([self.query.bias, self.key.bias, self.value.bias])
-        return F.linear(hidden, weight, bias).unflatten(-1, (3, self.num_heads, self.head_size))
+    def _fused_qkv(self, hidden: torch.Tensor, *projections: nn.Linear) -> torch.Tensor:
+        """Training: one [H -> n·H] matmul instead of n (query, key, value by default), on the same
+        parameters concatenated per step (a copy of n·H² weights, small beside the activations).
+        [..., H] -> [..., n, nh, hd]."""
+        projections = projections or (self.query, self.key, self.value)
+        weight = torch.cat([p.weight for p in projections])  # [n·H, H]
+        bias = torch.cat([p.bias for p in projections])
+        return F.linear(hidden, weight, bias).unflatten(-1, (len(projections), self.num_heads, self.head_size))
 
     def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.training and self.use_sdpa:
             return self._fused_qkv(hidden).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, nh, S, hd]
         return self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
-        """[B, S, H] with an additive [B, 1, 1, S] mask, or packed [T, H] with its PackedSequences."""
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
+                queries: QueryRows | None = None) -> torch.Tensor:
+        """[B, S, H] with an additive [B, 1, 1, S] mask, or packed [T, H] with its PackedSequences
+        (-> [T, H], or the rows of `queries` only)."""
         dropout_p = self.dropout_p if self.training else 0.0
         if isinstance(attn_bias, PackedSequences):
-            q, k, v = self._fused_qkv(hidden).unbind(1)  # 3 x [T, nh, hd], strided views: no copies
-            return varlen_attention(q, k, v, attn_bias, dropout_p).flatten(1)  # [T, H]
+            if queries is None:
+                q, k, v = self._fused_qkv(hidden).unbind(1)  # 3 x [T, nh, hd], strided views: no copies
+            else:
+                q = self._fused_qkv(hidden.index_select(0, queries.index), self.query).squeeze(1)
+                k, v = self._fused_qkv(hidden, self.key, self.value).unbind(1)
+            return varlen_attention(q, k, v, attn_bias, dropout_p, queries).flatten(1)  # [T or rows, H]
+        assert queries is None, "query rows are a packed-batch feature"
         b, s, h = hidden.shape
         q, k, v = self._qkv(hidden)
         if self.use_sdpa:
@@ -202,8 +211,10 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertResidualOutput(config, config.hidden_size)
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
-        return self.output(self.self(hidden, attn_bias), hidden)
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
+                queries: QueryRows | None = None) -> torch.Tensor:
+        residual = hidden if queries is None else hidden.index_select(0, queries.index)
+        return self.output(self.self(hidden, attn_bias, queries), residual)
 
 
 class BertIntermediate(nn.Module):
@@ -222,8 +233,10 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertResidualOutput(config, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
-        attended = self.attention(hidden, attn_bias)
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
+                queries: QueryRows | None = None) -> torch.Tensor:
+        """Every row out, or with `queries` (packed) only theirs: from there on a layer is row-wise."""
+        attended = self.attention(hidden, attn_bias, queries)
         return self.output(self.intermediate(attended), attended)
 
 
@@ -232,10 +245,14 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences) -> torch.Tensor:
-        for layer in self.layer:
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
+                output_rows: QueryRows | None = None) -> torch.Tensor:
+        """Token vectors of every row, or (packed) of `output_rows` only: the last layer then computes
+        nothing else, since no later layer reads the other rows."""
+        *inner, last = self.layer
+        for layer in inner:
             hidden = layer(hidden, attn_bias)
-        return hidden
+        return last(hidden, attn_bias, output_rows)
 
 
 class BertPooler(nn.Module):
@@ -249,7 +266,8 @@ class BertPooler(nn.Module):
 
 class BertModel(nn.Module):
     """Bare encoder: ids -> (token vectors [B, S, H], pooled [CLS] vector [B, H]). Packed (training):
-    ids [T] -> (token vectors [T, H], pooled [B, H])."""
+    ids [T] -> (token vectors [T, H], pooled [B, H]); with `output_rows` (QueryRows whose first row of
+    each sequence is its [CLS]), the token vectors of those rows only."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -264,12 +282,14 @@ class BertModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-        packed: PackedSequences | None = None,
+        packed: PackedSequences | None = None, output_rows: QueryRows | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if packed is not None:
             hidden = self.embeddings(input_ids, token_type_ids, packed.position_ids)  # [T, H]
-            sequence_output = self.encoder(hidden, packed)
-            return sequence_output, self.pooler(sequence_output[packed.first_tokens])
+            sequence_output = self.encoder(hidden, packed, output_rows)
+            if output_rows is None:
+                return sequence_output, self.pooler(sequence_output[packed.first_tokens])
+            return sequence_output, self.pooler(sequence_output[::output_rows.per_sequence])
         hidden = self.embeddings(input_ids, token_type_ids)  # [B, S, H]
         attn_bias = additive_attention_mask(attention_mask, hidden.dtype)  # [B, 1, 1, S]
         sequence_output = self.encoder(hidden, attn_bias)
@@ -353,13 +373,18 @@ class BertForPreTraining(nn.Module):
 
         With `packed`, the batch comes without padding (training.packed): ids and token types are [T],
         `attention_mask` is unused, and `masked_positions` index the [T] packed tokens."""
-        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask, packed)
+        # Packed with labels, the last layer computes [CLS] and the masked rows only (QueryRows.for_heads).
+        output_rows = None
+        if packed is not None and mlm_labels is not None:
+            output_rows = QueryRows.for_heads(packed, masked_positions)
+        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask, packed, output_rows)
         nsp_logits = self.cls.seq_relationship(pooled)  # [B, 2]
         if mlm_labels is None:
             return PreTrainingOutput(None, None, None, self.cls.predictions(sequence_output), nsp_logits)
         # The vocabulary projection is the costliest matmul: run it on the ~15% masked positions only.
-        if packed is not None:
-            picked = sequence_output.index_select(0, masked_positions.flatten())  # [B*P, H]
+        if output_rows is not None:
+            per_sequence = sequence_output.unflatten(0, (-1, output_rows.per_sequence))  # [B, 1 + P, H]
+            picked = per_sequence[:, 1:].flatten(0, 1)  # [B*P, H], in masked_positions' order
             labels = mlm_labels.flatten()
         elif masked_positions is not None:
             # A fixed-shape gather, so torch.compile traces one graph (a boolean index has a data-dependent size).

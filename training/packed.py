@@ -27,6 +27,27 @@ class PackedSequences(NamedTuple):
         return self.cu_seqlens[:-1].long()
 
 
+class QueryRows(NamedTuple):
+    """The packed rows a layer computes outputs for, the same number from every sequence, sequence by
+    sequence. Pre-training reads the last layer at [CLS] and the masked positions only (about a sixth
+    of the tokens), so that layer needs keys and values of every token but queries of these rows alone."""
+
+    index: torch.Tensor  # [B * per_sequence] rows of the packed [T, ...] tensors
+    per_sequence: int
+
+    @classmethod
+    def for_heads(cls, packed: PackedSequences, masked_positions: torch.Tensor) -> "QueryRows":
+        """[CLS] of each sequence, then its P masked rows: [B, 1 + P] as one flat index. Unused mask
+        slots point at [CLS] again; their outputs are computed and ignored (labels -100)."""
+        index = torch.cat([packed.first_tokens[:, None], masked_positions], dim=1)  # [B, 1 + P]
+        return cls(index.flatten(), index.shape[1])
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        count = self.index.shape[0] // self.per_sequence
+        return torch.arange(count + 1, device=self.index.device, dtype=torch.int32) * self.per_sequence
+
+
 def pack(attention_mask: torch.Tensor) -> tuple[torch.Tensor, PackedSequences]:
     """[B, S] 1/0 mask of right-padded rows -> (flat indices of the real tokens [T], their layout)."""
     real = attention_mask.bool()
@@ -42,22 +63,24 @@ def pack(attention_mask: torch.Tensor) -> tuple[torch.Tensor, PackedSequences]:
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSequences,
-                     dropout_p: float) -> torch.Tensor:
-    """Softmax attention within each packed sequence. q, k, v: [T, heads, head_size] -> [T, heads, head_size].
+                     dropout_p: float, queries: QueryRows | None = None) -> torch.Tensor:
+    """Softmax attention within each packed sequence. k, v: [T, heads, head_size]; q: the same rows, or
+    those of `queries` -> [rows of q, heads, head_size].
 
     On a CUDA device in fp16/bf16 this is FlashAttention's variable-length kernel (autograd and
     torch.compile know it: nested-tensor SDPA runs on it). Elsewhere the sequences are scattered back
     into a padded batch for scaled_dot_product_attention: same result, none of the saving."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        cu = packed.cu_seqlens
+        cu_q, max_q = (packed.cu_seqlens, packed.max_len) if queries is None else (queries.cu_seqlens,
+                                                                                   queries.per_sequence)
         return torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, packed.max_len, packed.max_len, dropout_p, False, False)[0]
-    return _padded_attention(q, k, v, packed, dropout_p)
+            q, k, v, cu_q, packed.cu_seqlens, max_q, packed.max_len, dropout_p, False, False)[0]
+    return _padded_attention(q, k, v, packed, dropout_p, queries)
 
 
 def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSequences,
-                      dropout_p: float) -> torch.Tensor:
-    t, heads, size = q.shape
+                      dropout_p: float, queries: QueryRows | None) -> torch.Tensor:
+    t, heads, size = k.shape
     lengths = packed.cu_seqlens.diff().long()
     b, width = lengths.numel(), packed.max_len
     sequence = torch.repeat_interleave(torch.arange(b, device=q.device), lengths, output_size=t)  # [T]
@@ -67,6 +90,9 @@ def _padded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed:
         return x.new_zeros(b * width, heads, size).index_copy(0, slot, x).view(b, width, heads, size).transpose(1, 2)
 
     keep = torch.arange(width, device=q.device) < lengths[:, None]  # [B, width]
-    ctx = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=keep[:, None, None, :],
-                                         dropout_p=dropout_p)  # [B, nh, width, hd]
-    return ctx.transpose(1, 2).reshape(b * width, heads, size).index_select(0, slot)
+    # Query rows of a QueryRows are already a regular [B, per_sequence] grid.
+    q_grid = padded(q) if queries is None else q.view(b, queries.per_sequence, heads, size).transpose(1, 2)
+    ctx = F.scaled_dot_product_attention(q_grid, padded(k), padded(v), attn_mask=keep[:, None, None, :],
+                                         dropout_p=dropout_p)  # [B, nh, width or per_sequence, hd]
+    ctx = ctx.transpose(1, 2).flatten(0, 1)  # [B * (width or per_sequence), nh, hd]
+    return ctx.index_select(0, slot) if queries is None else ctx
