@@ -68,7 +68,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                                                  ort.get_available_providers())
     workers, threads = inference_threads(settings, device)
     try:
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
+                           settings.custom_kernels)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise
@@ -83,5 +84,5 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
                              max_queued=settings.max_queued_sequences, workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device), metrics=metrics)
-    log.info("engine: %s graph on %s (%s), %d batch(es) at once", precision, device, engine.provider, workers)
+    log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher

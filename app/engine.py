@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+import custom_kernels
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
-                               Manifest)
+                               GraphInfo, Manifest)
 
 log = logging.getLogger("app.engine")
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -52,20 +53,47 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
     return device, precision
 
 
+def _session_options(intra_op_threads: int | None) -> ort.SessionOptions:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if intra_op_threads:
+        opts.intra_op_num_threads = intra_op_threads
+    # Idle intra-op threads otherwise spin, taking CPU from the event loop and the tokenizer.
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.log_severity_level = 3
+    return opts
+
+
+def kernels_library(graph: GraphInfo, device: str, choice: str) -> Path | None:
+    """The custom_kernels library to run the graph's custom-kernels variant with, or None for the plain
+    graph. choice "auto": when the artifact has that variant (export proved its parity) and the library
+    is found; "on": both are required; "off": never."""
+    if choice == "off" or device != "cuda":
+        if choice == "on":
+            raise EngineError("custom_kernels on: our operators run on CUDA only")
+        return None
+    if not graph.custom_kernels:
+        if choice == "on":
+            raise EngineError("custom_kernels on, but this artifact has no custom-kernels graph: export it on "
+                              "the GPU with the library built (bash custom_kernels/build.sh)")
+        return None
+    try:
+        library = custom_kernels.find_library()
+    except FileNotFoundError as e:
+        raise EngineError(str(e)) from e
+    if library is None and choice == "on":
+        raise EngineError(f"custom_kernels on, but {custom_kernels.LIBRARY_FILE} was not found: build it "
+                          f"(bash custom_kernels/build.sh) or name it in ${custom_kernels.LIBRARY_ENV}")
+    return library
+
+
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
-                 intra_op_threads: int | None = None, cuda_device_id: int = 0):
+                 intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto"):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        if intra_op_threads:
-            opts.intra_op_num_threads = intra_op_threads
-        # Idle intra-op threads otherwise spin, taking CPU from the event loop and the tokenizer.
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        opts.log_severity_level = 3
         if device == "cuda":
             if hasattr(ort, "preload_dlls"):  # finds the CUDA / cuDNN libraries pip packages ship
                 try:
@@ -75,11 +103,27 @@ class OrtEngine:
             providers: list = [(CUDA, {"device_id": cuda_device_id}), CPU]
         else:
             providers = [CPU]
+        library = kernels_library(graph, device, kernels)
         path = folder / graph.file
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-            raise EngineError(f"onnxruntime could not load {path} on {device}: {e}") from e
+        self.session = None
+        if library is not None:
+            try:
+                opts = _session_options(intra_op_threads)
+                opts.register_custom_ops_library(str(library))
+                self.session = ort.InferenceSession(str(folder / graph.custom_kernels["file"]), opts,
+                                                    providers=providers)
+                path = folder / graph.custom_kernels["file"]
+            except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+                if kernels == "on":
+                    raise EngineError(f"onnxruntime could not run the custom-kernels graph with {library}: {e}") from e
+                log.warning("custom kernels did not load (%s); running the plain %s graph", e, precision)
+        if self.session is None:
+            try:
+                self.session = ort.InferenceSession(str(path), _session_options(intra_op_threads), providers=providers)
+            except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+                raise EngineError(f"onnxruntime could not load {path} on {device}: {e}") from e
+        self.graph_file = path.name
+        self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
         if device == "cuda" and self.provider != CUDA:
             raise EngineError(f"onnxruntime fell back to {self.provider}: the CUDA provider did not start "

@@ -54,7 +54,8 @@ _HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before i
 @dataclass(frozen=True)
 class EngineInfo:
     """What a worker reports about the engine it uses (/info, metrics): OrtEngine's device, precision,
-    provider and threads, the batcher's limits, and the engine process id."""
+    provider, threads and whether it runs our custom kernels, the batcher's limits, and the engine
+    process id."""
     device: str
     precision: str
     provider: str
@@ -62,12 +63,13 @@ class EngineInfo:
     inference_workers: int
     max_batch_tokens: int
     pid: int
+    custom_kernels: bool
 
     @classmethod
     def of(cls, engine: OrtEngine, batcher: DynamicBatcher) -> "EngineInfo":
         """This process's engine and batcher."""
         return cls(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
-                   batcher.max_batch_tokens, os.getpid())
+                   batcher.max_batch_tokens, os.getpid(), engine.custom_kernels)
 
 
 class _Framed(asyncio.BufferedProtocol):

@@ -26,6 +26,11 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
         "auto", description="auto: fp16 on CUDA, fp32 on CPU; int8 is CPU only")
     cuda_device_id: int = Field(0, ge=0)
+    custom_kernels: Literal["auto", "on", "off"] = Field(
+        "auto", description="CUDA: run the artifact's fp16 graph on our fused GEMM + bias + GELU operator "
+        "(custom_kernels/; about 10% faster at large batches, BENCHMARKS.md). auto: when the artifact has "
+        "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
+        "built in the checkout), else the plain graph; on: fail without them; off: never")
     workers: int = Field(1, ge=1, le=64, description="HTTP server processes sharing the port. Above 1 they "
                          "tokenise and answer around one engine process that holds the session and the batcher, "
                          "metrics summed over all: on a GPU one Python process cannot keep it busy (see "

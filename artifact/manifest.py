@@ -23,6 +23,8 @@ POOLED_EMBEDDING = "pooled_embedding"  # [batch, hidden]: tanh(dense([CLS])), BE
 NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
 # Graph file per precision: fp32 for CPU (always there), fp16 for CUDA, int8 (dynamic) for CPU.
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
+# The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
+KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
 
 
 class ManifestError(ValueError):
@@ -37,6 +39,9 @@ class GraphInfo:
     outputs: list[str]
     fused_operators: dict[str, int] = field(default_factory=dict)
     parity: dict[str, float] = field(default_factory=dict)  # measured against PyTorch fp32 at export
+    # The same graph with custom_kernels' operators: {"file", "library", "operators", "parity"}; empty
+    # when export did not make one. A server without the library runs `file` above instead.
+    custom_kernels: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -94,7 +99,9 @@ def read_manifest(folder: Path | str) -> Manifest:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from e
-    for needed in [TOKENIZER_FILE, *(g.file for g in manifest.graphs.values())]:
+    files = [g.file for g in manifest.graphs.values()] + [
+        g.custom_kernels["file"] for g in manifest.graphs.values() if g.custom_kernels]
+    for needed in [TOKENIZER_FILE, *files]:
         if not (folder / needed).is_file():
             raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")
     return manifest

@@ -1,6 +1,7 @@
 """Engine throughput of the exported artifact against PyTorch on the same weights, in one run.
 
-CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph)
+CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
+the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 from artifact.manifest import INPUT_NAMES  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.onnx_graph import EmbeddingGraph  # noqa: E402
+import custom_kernels  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model import BertForPreTraining, preset_config  # noqa: E402
 from training.model_folder import save_model_folder  # noqa: E402
@@ -128,15 +130,18 @@ class OrtEngine:
     """IO binding: inputs already on the device, outputs left there (as a server that copies back
     only what it returns would do)."""
 
-    def __init__(self, path: Path, device: str, threads: int | None = None, cuda_graph: bool = False):
+    def __init__(self, path: Path, device: str, threads: int | None = None, cuda_graph: bool = False,
+                 kernels_library: Path | None = None):
         import onnxruntime as ort
 
         self.ort, self.device, self.cuda_graph = ort, device, cuda_graph
+        so = ort.SessionOptions()
+        if kernels_library is not None:  # custom_kernels' operators (the *_kernels.onnx graphs)
+            so.register_custom_ops_library(str(kernels_library))
         if device == "cuda":
             providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})]
-            self.session = ort.InferenceSession(str(path), providers=providers)
+            self.session = ort.InferenceSession(str(path), so, providers=providers)
         else:
-            so = ort.SessionOptions()
             if threads:
                 so.intra_op_num_threads = threads
             self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
@@ -214,11 +219,21 @@ def main(argv=None) -> int:
     def graph_file(kind: str, precision: str) -> Path:
         return work / kind / artifacts[kind].graph(precision).file
 
+    def kernels_file(kind: str) -> Path | None:
+        """The fp16 graph on custom_kernels' fused operator, when export made one (library built)."""
+        variant = artifacts[kind].graph("fp16").custom_kernels
+        return work / kind / variant["file"] if variant else None
+
+    library = custom_kernels.find_library()
     if cuda:
         engines = {"torch fp16 sdpa": lambda: TorchEngine(model, "cuda", torch.float16)}
         if "packed" in artifacts:
             engines["ort fp16 packed"] = lambda: OrtEngine(graph_file("packed", "fp16"), "cuda")
         engines["ort fp16 padded"] = lambda: OrtEngine(graph_file("padded", "fp16"), "cuda")
+        for kind in ("packed", "padded"):
+            if kind in artifacts and kernels_file(kind):
+                engines[f"ort fp16 {kind}+kernels"] = (
+                    lambda kind=kind: OrtEngine(kernels_file(kind), "cuda", kernels_library=library))
         baseline = "torch fp16 sdpa"
     else:
         engines = {
@@ -245,10 +260,12 @@ def main(argv=None) -> int:
         feeds = [fixed_batch(b, args.seq, rng)]
         for name, engine in built.items():
             record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
-        if cuda and not args.no_cuda_graph:
-            name = "ort fp16 padded+cudagraph"
+        graphs = {"ort fp16 padded+cudagraph": (graph_file("padded", "fp16"), None)} if cuda else {}
+        if cuda and kernels_file("padded"):
+            graphs["ort fp16 padded+kernels+cudagraph"] = (kernels_file("padded"), library)
+        for name, (path, kernels) in graphs.items() if not args.no_cuda_graph else ():
             try:
-                engine = OrtEngine(graph_file("padded", "fp16"), "cuda", cuda_graph=True)
+                engine = OrtEngine(path, "cuda", cuda_graph=True, kernels_library=kernels)
                 record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
                 del engine
             except Exception as e:  # report, do not hide: the table says why the row is missing

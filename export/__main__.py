@@ -1,4 +1,5 @@
-"""python -m export --model MODEL_DIR --out ARTIFACT_DIR [--device cpu|cuda] [--int8] [--keep-padding]"""
+"""python -m export --model MODEL_DIR --out ARTIFACT_DIR [--device cpu|cuda] [--int8] [--keep-padding]
+                   [--custom-kernels auto|on|off]"""
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8", action="store_true", help="also build a dynamically quantised int8 CPU graph")
     parser.add_argument("--keep-padding", action="store_true",
                         help="fp16 graph without ORT's padding removal (fixed shapes, e.g. for CUDA graphs)")
+    parser.add_argument("--custom-kernels", choices=["auto", "on", "off"], default="auto",
+                        help="with --device cuda, also write the fp16 graph on our fused GEMM + bias + GELU "
+                             "operator (custom_kernels/): auto when its library is built, on: required")
     args = parser.parse_args(argv)
 
     try:
         manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
-                                   remove_padding=not args.keep_padding)
+                                   remove_padding=not args.keep_padding, kernels=args.custom_kernels)
     except (ExportError, ModelFolderError, ManifestError) as e:
         message = " ".join(str(e).split())  # one line, however the cause formats itself
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
@@ -36,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
         print(f"{precision}: {args.out}/{info.file} on {info.device}; fused: {fused}; parity over "
               f"{int(info.parity['batches'])} batches: {worst}")
+        if info.custom_kernels:
+            ops = ", ".join(f"{k} {v}" for k, v in info.custom_kernels["operators"].items())
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in info.custom_kernels["parity"].items() if k != "batches")
+            print(f"{precision} with custom kernels: {args.out}/{info.custom_kernels['file']}; {ops}; parity: {worst}")
     return 0
 
 

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import GRAPH_FILES, MANIFEST_FILE, TOKENIZER_FILE, GraphInfo, Manifest
+import custom_kernels
+from artifact.manifest import GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphInfo, Manifest
 from export import ExportError
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
 from export.optimize import optimize_graph, quantize_int8
@@ -29,21 +30,27 @@ from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel,
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
 
 DEVICES = ("cpu", "cuda")
+KERNEL_CHOICES = ("auto", "on", "off")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
 
 
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
-    remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0,
+    remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
     Always an fp32 graph for the CPU; with device="cuda" also an fp16 graph, built and checked on the
     GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
-    a dynamically quantised CPU graph. Raises ExportError / ModelFolderError (one
-    line) when an input is bad, a fusion is missing or a graph fails parity; nothing is written then."""
+    a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
+    with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
+    on parity like the others. Raises ExportError / ModelFolderError (one line) when an input is bad,
+    a fusion is missing or a graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if kernels not in KERNEL_CHOICES:
+        raise ExportError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {kernels!r}")
+    library = _kernels_library(kernels) if device == "cuda" else None
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_out_dir(out_dir, model_dir)
     if device == "cuda":
@@ -70,6 +77,8 @@ def export_artifact(
         for precision in precisions:
             graphs[precision] = _build_graph(precision, traced, tmp, loaded, graph, batches, references,
                                              remove_padding)
+        if library is not None:
+            graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         manifest = Manifest(
@@ -116,17 +125,59 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
                      fused_operators=counts, parity=figures)
 
 
-def create_session(path: Path, device: str):
-    """An ORT session on `device`; refuses to fall back silently from CUDA to the CPU."""
+def _kernels_library(choice: str) -> Path | None:
+    if choice == "off":
+        return None
+    try:
+        library = custom_kernels.find_library()
+    except FileNotFoundError as e:
+        raise ExportError(str(e)) from e
+    if library is None and choice == "on":
+        raise ExportError(f"--custom-kernels on, but no {custom_kernels.LIBRARY_FILE}: build it with "
+                          f"`bash custom_kernels/build.sh` or name it in ${custom_kernels.LIBRARY_ENV}")
+    return library
+
+
+def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
+                         references: list[dict[str, np.ndarray]]) -> dict:
+    """The fp16 graph with its MatMul + BiasGelu pairs on our fused operator, checked like the graph itself."""
+    import onnx
+
+    from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
+
+    model = onnx.load(str(tmp / GRAPH_FILES["fp16"]))
+    fused = fuse_matmul_bias_gelu(model)
+    if not fused:
+        raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
+                          "with --custom-kernels off")
+    path = tmp / KERNELS_GRAPH_FILE
+    onnx.save(model, str(path))
+    try:
+        session = create_session(path, "cuda", library)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own types for a library it cannot load
+        raise ExportError(f"{library} did not load into onnxruntime: {e}; rebuild it (custom_kernels/build.sh) "
+                          f"or export with --custom-kernels off") from e
+    figures = compare(session, graph, batches, references)
+    check_parity("fp16", figures)
+    return {"file": path.name, "library": custom_kernels.LIBRARY_FILE, "operators": {MATMUL_BIAS_GELU: fused},
+            "parity": figures}
+
+
+def create_session(path: Path, device: str, kernels_library: Path | None = None):
+    """An ORT session on `device` (with our operator library registered when given); refuses to fall
+    back silently from CUDA to the CPU."""
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    if kernels_library is not None:
+        options.register_custom_ops_library(str(kernels_library))
     if device == "cuda":
         _require_cuda_provider()
-        session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider"])
+        session = ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"])
         if session.get_providers()[0] != "CUDAExecutionProvider":
             raise ExportError(f"ONNX Runtime ran {path.name} on {session.get_providers()[0]}, not CUDA")
         return session
-    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def _require_cuda_provider() -> None:

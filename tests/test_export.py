@@ -241,7 +241,7 @@ def test_unfused_attention_fails_the_export(tiny_model_dir, tmp_path, monkeypatc
 
     from training.model import BertSelfAttention
 
-    def hand_softmax_attention(self, hidden, attn_bias):
+    def hand_softmax_attention(self, hidden, attn_bias, queries=None):
         b, s, h = hidden.shape
         q, k, v = self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
         scores = torch.exp(torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size) + attn_bias)

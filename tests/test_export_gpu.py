@@ -76,3 +76,36 @@ def test_base_sized_fp16_export(tmp_path, tiny_tokenizer_dir):
     assert fp16.fused_operators["Attention"] + fp16.fused_operators["MultiHeadAttention"] == 12
     assert fp16.fused_operators["SkipLayerNormalization"] == 24
     assert fp16.parity["cls_embedding_min_cosine"] >= 0.999
+
+
+@pytest.mark.parametrize("keep_padding", [False, True])
+def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_path, keep_padding):
+    """Needs custom_kernels' CUDA library (bash custom_kernels/build.sh, or $BERTSERVE_KERNELS_LIBRARY):
+    `--custom-kernels on` fails the export without it."""
+    from app.engine import Batch, OrtEngine
+    from custom_kernels.fusion import MATMUL_BIAS_GELU
+
+    out = tmp_path / "art"
+    argv = ["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]
+    assert main(argv + (["--keep-padding"] if keep_padding else [])) == 0
+    m = read_manifest(out)
+    kernels = m.graph("fp16").custom_kernels
+    assert kernels["operators"] == {MATMUL_BIAS_GELU: m.num_layers}
+    assert kernels["parity"]["token_embeddings_min_cosine"] >= 0.999
+    assert kernels["parity"]["nsp_prob_max_diff"] <= 0.01
+
+    fused = OrtEngine(out, m, "cuda", "fp16", kernels="on")
+    plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
+    assert fused.custom_kernels and fused.graph_file == kernels["file"] and not plain.custom_kernels
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    encs = [tok.encode("a short one"), tok.encode("a much longer sentence with more words in it", "and a pair")] * 9
+    width = max(len(e.ids) for e in encs)
+    ids, mask, types = (np.zeros((len(encs), width), dtype=np.int64) for _ in range(3))
+    for row, e in enumerate(encs):
+        ids[row, :len(e.ids)], mask[row, :len(e.ids)], types[row, :len(e.ids)] = e.ids, 1, e.type_ids
+    batch = Batch(ids, mask, types, (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING))
+    got, want = fused.run(batch), plain.run(batch)
+    real = mask.astype(bool)
+    assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999
+    assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
+    assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999

@@ -15,7 +15,7 @@ from tests.test_server import running_server  # noqa: F401  (same start / ready 
 
 ROOT = Path(__file__).resolve().parents[1]
 # What the Dockerfile copies into the image (the rest is kept out by .dockerignore).
-IMAGE_FILES = ["pyproject.toml", "README.md", "app", "artifact", "scripts/install-serve.sh"]
+IMAGE_FILES = ["pyproject.toml", "README.md", "app", "artifact", "custom_kernels", "scripts/install-serve.sh"]
 
 
 def _pypi_reachable() -> bool:
@@ -35,7 +35,7 @@ def test_install_script_builds_a_torch_free_server(tmp_path, tiny_artifact_dir):
     for name in IMAGE_FILES:
         src = ROOT / name
         if src.is_dir():
-            shutil.copytree(src, context / name, ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copytree(src, context / name, ignore=shutil.ignore_patterns("__pycache__", "build"))
         elif src.exists():
             (context / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, context / name)

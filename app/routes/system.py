@@ -44,6 +44,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "device": e.device,
         "precision": e.precision,
         "provider": e.provider,
+        "custom_kernels": e.custom_kernels,  # the fp16 graph on our fused operators (custom_kernels/)
         "artifact": {"format_version": m.format_version, "created_at": m.created_at,
                      "weights_sha256": m.weights_sha256, "versions": m.versions},
         "limits": {

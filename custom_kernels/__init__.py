@@ -1,0 +1,29 @@
+"""Our own ONNX Runtime operators for the CUDA provider, and where their library is.
+
+ONNX Runtime's CUDA provider runs a BERT feed-forward block as a MatMul and then a separate BiasGelu
+kernel that reads the whole [tokens, 4·hidden] product back from memory. `libbertserve_ops.so`
+(src/matmul_bias_gelu.cc, built by build.sh) does both in one cuBLASLt GEMM whose epilogue adds the
+bias and applies GELU. `python -m export --device cuda` writes a second fp16 graph that uses it
+(fusion.py) and gates it on parity like every graph; the server runs that graph when it can load the
+library. This module imports nothing but the standard library: the server uses it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DOMAIN = "bertserve"
+LIBRARY_ENV = "BERTSERVE_KERNELS_LIBRARY"
+LIBRARY_FILE = "libbertserve_ops.so"
+_BUILT_HERE = Path(__file__).resolve().parent / "build" / LIBRARY_FILE  # bash custom_kernels/build.sh
+
+
+def find_library() -> Path | None:
+    """$BERTSERVE_KERNELS_LIBRARY when set (it must exist), else a library built in this checkout, else None."""
+    named = os.environ.get(LIBRARY_ENV)
+    if named:
+        if not Path(named).is_file():
+            raise FileNotFoundError(f"{LIBRARY_ENV}={named} does not exist; build it with "
+                                    f"`bash custom_kernels/build.sh` or unset {LIBRARY_ENV}")
+        return Path(named)
+    return _BUILT_HERE if _BUILT_HERE.is_file() else None

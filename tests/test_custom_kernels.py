@@ -1,0 +1,160 @@
+"""custom_kernels: the graph rewrite, the hand-declared ONNX Runtime ABI of our operator library, and how
+export and the server choose the custom-kernels graph. The library runs here through its host-reference
+build: the same registration, shape checks and errors, with a plain-loop kernel on the CPU provider.
+The CUDA kernel itself is tested on the GPU (tests/test_export_gpu.py)."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from tokenizers import Tokenizer
+
+import custom_kernels
+from app.engine import EngineError, kernels_library
+from artifact.manifest import GraphInfo, ManifestError, read_manifest
+from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
+from export import ExportError
+from export.pipeline import export_artifact
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def hostref_library(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("kernels")
+    subprocess.run(["bash", str(ROOT / "custom_kernels" / "build.sh"), "--host-reference", str(out)],
+                   check=True, capture_output=True, text=True)
+    return out / "libbertserve_ops_hostref.so"
+
+
+def _session(path_or_bytes, library: Path | None = None) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    source = path_or_bytes if isinstance(path_or_bytes, bytes) else str(path_or_bytes)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+
+
+def _padded_feed(artifact: Path) -> dict[str, np.ndarray]:
+    tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    encs = [tok.encode("The quick brown fox."), tok.encode("Dynamic batching packs queued requests", "a pair")]
+    width = max(len(e.ids) for e in encs)
+    feed = {k: np.zeros((2, width), dtype=np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
+    for row, e in enumerate(encs):
+        feed["input_ids"][row, :len(e.ids)] = e.ids
+        feed["attention_mask"][row, :len(e.ids)] = 1
+        feed["token_type_ids"][row, :len(e.ids)] = e.type_ids
+    return feed
+
+
+def test_fusion_replaces_every_feed_forward_pair(tiny_artifact_dir):
+    model = onnx.load(str(tiny_artifact_dir / "model.onnx"))
+    before = Counter(n.op_type for n in model.graph.node)
+    layers = read_manifest(tiny_artifact_dir).num_layers
+    assert before["BiasGelu"] == layers
+    assert fuse_matmul_bias_gelu(model) == layers
+    after = Counter(n.op_type for n in model.graph.node)
+    assert after["BiasGelu"] == 0 and after[MATMUL_BIAS_GELU] == layers
+    assert after["MatMul"] == before["MatMul"] - layers
+    assert custom_kernels.DOMAIN in {o.domain for o in model.opset_import}
+    produced = {i.name for i in model.graph.input} | {t.name for t in model.graph.initializer}
+    for node in model.graph.node:  # still in topological order
+        assert all(not name or name in produced for name in node.input), node.name
+        produced.update(node.output)
+
+
+def test_fused_graph_gives_the_plain_graphs_outputs(tiny_artifact_dir, hostref_library):
+    model = onnx.load(str(tiny_artifact_dir / "model.onnx"))
+    fuse_matmul_bias_gelu(model)
+    feed = _padded_feed(tiny_artifact_dir)
+    plain = _session(tiny_artifact_dir / "model.onnx")
+    fused = _session(model.SerializeToString(), hostref_library)
+    names = [o.name for o in plain.get_outputs()]
+    for name, want, got in zip(names, plain.run(names, feed), fused.run(names, feed)):
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
+
+
+def _one_node_graph() -> bytes:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", 4])
+    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 3])
+    b = helper.make_tensor_value_info("b", TensorProto.FLOAT, ["n"])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node(MATMUL_BIAS_GELU, ["x", "w", "b"], ["y"], domain=custom_kernels.DOMAIN)
+    graph = helper.make_graph([node], "one", [x, w, b], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(custom_kernels.DOMAIN, 1)])
+    return model.SerializeToString()
+
+
+def test_operator_errors_reach_the_caller_and_the_session_keeps_working(hostref_library):
+    session = _session(_one_node_graph(), hostref_library)
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((5, 4), dtype=np.float32), rng.standard_normal((4, 3), dtype=np.float32)
+    with pytest.raises(Exception, match="do not fit"):
+        session.run(None, {"x": x, "w": w, "b": np.zeros(2, np.float32)})
+    b = rng.standard_normal(3, dtype=np.float32)
+    (y,) = session.run(None, {"x": x, "w": w, "b": b})
+    z = (x @ w + b).astype(np.float64)
+    gelu = 0.5 * z * (1 + np.vectorize(math.erf)(z / np.sqrt(2)))
+    np.testing.assert_allclose(y, gelu, atol=1e-5)
+
+
+def test_fusion_leaves_a_product_that_is_read_elsewhere():
+    w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    b = numpy_helper.from_array(np.ones(3, np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
+             helper.make_node("BiasGelu", ["mm", "b"], ["y"], domain="com.microsoft"),
+             helper.make_node("Identity", ["mm"], ["also"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "also")],
+                              [w, b])
+    model = helper.make_model(graph)
+    assert fuse_matmul_bias_gelu(model) == 0
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "BiasGelu", "Identity"]
+
+
+def test_server_chooses_the_custom_kernels_graph_only_when_it_can(tmp_path, monkeypatch):
+    plain = GraphInfo("model_fp16.onnx", "fp16", "cuda", [])
+    with_kernels = GraphInfo("model_fp16.onnx", "fp16", "cuda", [],
+                             custom_kernels={"file": "model_fp16_kernels.onnx", "library": custom_kernels.LIBRARY_FILE,
+                                             "operators": {MATMUL_BIAS_GELU: 12}, "parity": {}})
+    library = tmp_path / custom_kernels.LIBRARY_FILE
+    library.write_bytes(b"")
+    monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(library))
+    assert kernels_library(with_kernels, "cuda", "auto") == library
+    assert kernels_library(with_kernels, "cuda", "off") is None
+    assert kernels_library(plain, "cuda", "auto") is None
+    assert kernels_library(with_kernels, "cpu", "auto") is None
+    with pytest.raises(EngineError, match="no custom-kernels graph"):
+        kernels_library(plain, "cuda", "on")
+    with pytest.raises(EngineError, match="CUDA only"):
+        kernels_library(with_kernels, "cpu", "on")
+    monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(tmp_path / "missing.so"))
+    with pytest.raises(EngineError, match="does not exist"):
+        kernels_library(with_kernels, "cuda", "auto")
+
+
+def test_export_refuses_an_unknown_kernels_choice(tiny_model_dir, tmp_path):
+    with pytest.raises(ExportError, match="kernels must be one of"):
+        export_artifact(tiny_model_dir, tmp_path / "art", kernels="maybe")
+    assert not (tmp_path / "art").exists()
+
+
+def test_manifest_naming_a_missing_kernels_graph_is_refused(tiny_artifact_dir, tmp_path):
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact_dir, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["graphs"]["fp32"]["custom_kernels"] = {"file": "model_kernels.onnx", "library": "x", "operators": {},
+                                                    "parity": {}}
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match="lacks model_kernels.onnx"):
+        read_manifest(art)
