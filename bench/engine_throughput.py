@@ -289,7 +289,9 @@ def main(argv=None) -> int:
     result = {"device": args.device, "card": card, "preset": args.preset, "seq": args.seq, "baseline": baseline,
               "versions": next(iter(artifacts.values())).versions,
               "fused_operators": {k: g.fused_operators for k, g in graphs.items()},
-              "parity": {k: g.parity for k, g in graphs.items()}, "rows": rows}
+              "parity": {k: g.parity for k, g in graphs.items()},
+              "custom_kernels_parity": {k: g.custom_kernels["parity"] for k, g in graphs.items() if g.custom_kernels},
+              "rows": rows}
     out = args.json or (os.path.join(os.environ["OUT"], "engine_throughput.json") if os.environ.get("OUT") else None)
     if out:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
