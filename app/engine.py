@@ -103,25 +103,8 @@ class OrtEngine:
             providers: list = [(CUDA, {"device_id": cuda_device_id}), CPU]
         else:
             providers = [CPU]
-        library = kernels_library(graph, device, kernels)
-        path = folder / graph.file
-        self.session = None
-        if library is not None:
-            try:
-                opts = _session_options(intra_op_threads)
-                opts.register_custom_ops_library(str(library))
-                self.session = ort.InferenceSession(str(folder / graph.custom_kernels["file"]), opts,
-                                                    providers=providers)
-                path = folder / graph.custom_kernels["file"]
-            except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-                if kernels == "on":
-                    raise EngineError(f"onnxruntime could not run the custom-kernels graph with {library}: {e}") from e
-                log.warning("custom kernels did not load (%s); running the plain %s graph", e, precision)
-        if self.session is None:
-            try:
-                self.session = ort.InferenceSession(str(path), _session_options(intra_op_threads), providers=providers)
-            except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-                raise EngineError(f"onnxruntime could not load {path} on {device}: {e}") from e
+        path, self.session = self._open(folder, graph, providers, kernels_library(graph, device, kernels),
+                                        kernels == "on")
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
@@ -141,6 +124,26 @@ class OrtEngine:
         # ORT's packing mode: the graph drops the padding itself, so padded tokens cost nothing.
         self.packed = graph.fused_operators.get("RemovePadding", 0) > 0
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
+
+    def _open(self, folder: Path, graph: GraphInfo, providers: list, library: Path | None,
+              kernels_required: bool) -> tuple[Path, ort.InferenceSession]:
+        """The custom-kernels graph with its library when there is one, else (or when that fails and
+        they are not required) the plain graph."""
+        if library is not None:
+            path = folder / graph.custom_kernels["file"]
+            try:
+                opts = _session_options(self.intra_op_threads)
+                opts.register_custom_ops_library(str(library))
+                return path, ort.InferenceSession(str(path), opts, providers=providers)
+            except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+                if kernels_required:
+                    raise EngineError(f"onnxruntime could not run {path.name} with {library}: {e}") from e
+                log.warning("custom kernels did not load (%s); running the plain %s graph", e, graph.file)
+        path = folder / graph.file
+        try:
+            return path, ort.InferenceSession(str(path), _session_options(self.intra_op_threads), providers=providers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            raise EngineError(f"onnxruntime could not load {path} on {self.device}: {e}") from e
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,

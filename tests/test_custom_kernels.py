@@ -158,3 +158,34 @@ def test_manifest_naming_a_missing_kernels_graph_is_refused(tiny_artifact_dir, t
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="lacks model_kernels.onnx"):
         read_manifest(art)
+
+
+def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artifact_dir, hostref_library, tmp_path):
+    """OrtEngine._open on the CPU: the custom-kernels graph with a library that loads; the plain graph,
+    with a warning, when the library does not load (an error when kernels are required)."""
+    from app.engine import OrtEngine
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact_dir, art)
+    model = onnx.load(str(art / "model.onnx"))
+    fuse_matmul_bias_gelu(model)
+    onnx.save(model, str(art / "model_kernels.onnx"))
+    manifest = read_manifest(art)
+    graph = manifest.graph("fp32")
+    graph.custom_kernels = {"file": "model_kernels.onnx", "library": "x", "operators": {}, "parity": {}}
+    engine = OrtEngine(art, manifest, "cpu", "fp32")
+    providers = ["CPUExecutionProvider"]
+
+    path, session = engine._open(art, graph, providers, hostref_library, kernels_required=True)
+    assert path.name == "model_kernels.onnx"
+    feed = _padded_feed(art)
+    names = [o.name for o in session.get_outputs()]
+    for got, want in zip(session.run(names, feed), engine.session.run(names, feed)):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+    not_a_library = tmp_path / "libbroken.so"
+    not_a_library.write_bytes(b"not an ELF file")
+    path, session = engine._open(art, graph, providers, not_a_library, kernels_required=False)
+    assert path.name == graph.file
+    with pytest.raises(EngineError, match="could not run model_kernels.onnx"):
+        engine._open(art, graph, providers, not_a_library, kernels_required=True)
