@@ -69,23 +69,17 @@ def kernels_library(graph: GraphInfo, device: str, choice: str) -> Path | None:
     """The custom_kernels library to run the graph's custom-kernels variant with, or None for the plain
     graph. choice "auto": when the artifact has that variant (export proved its parity) and the library
     is found; "on": both are required; "off": never."""
-    if choice == "off" or device != "cuda":
-        if choice == "on":
-            raise EngineError("custom_kernels on: our operators run on CUDA only")
-        return None
-    if not graph.custom_kernels:
-        if choice == "on":
-            raise EngineError("custom_kernels on, but this artifact has no custom-kernels graph: export it on "
-                              "the GPU with the library built (bash custom_kernels/build.sh)")
+    if choice == "on" and device != "cuda":
+        raise EngineError("custom_kernels on: our operators run on CUDA only")
+    if choice == "on" and not graph.custom_kernels:
+        raise EngineError("custom_kernels on, but this artifact has no custom-kernels graph: export it on "
+                          "the GPU with the library built (bash custom_kernels/build.sh)")
+    if device != "cuda" or not graph.custom_kernels:
         return None
     try:
-        library = custom_kernels.find_library()
-    except FileNotFoundError as e:
+        return custom_kernels.library_for(choice)
+    except custom_kernels.KernelsUnavailable as e:
         raise EngineError(str(e)) from e
-    if library is None and choice == "on":
-        raise EngineError(f"custom_kernels on, but {custom_kernels.LIBRARY_FILE} was not found: build it "
-                          f"(bash custom_kernels/build.sh) or name it in ${custom_kernels.LIBRARY_ENV}")
-    return library
 
 
 class OrtEngine:

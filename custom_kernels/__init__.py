@@ -18,12 +18,33 @@ LIBRARY_FILE = "libbertserve_ops.so"
 _BUILT_HERE = Path(__file__).resolve().parent / "build" / LIBRARY_FILE  # bash custom_kernels/build.sh
 
 
+CHOICES = ("auto", "on", "off")  # export's --custom-kernels and the server's custom_kernels setting
+
+
+class KernelsUnavailable(RuntimeError):
+    """Custom kernels were required, or their library named, and it is not there."""
+
+
 def find_library() -> Path | None:
     """$BERTSERVE_KERNELS_LIBRARY when set (it must exist), else a library built in this checkout, else None."""
     named = os.environ.get(LIBRARY_ENV)
     if named:
         if not Path(named).is_file():
-            raise FileNotFoundError(f"{LIBRARY_ENV}={named} does not exist; build it with "
-                                    f"`bash custom_kernels/build.sh` or unset {LIBRARY_ENV}")
+            raise KernelsUnavailable(f"{LIBRARY_ENV}={named} does not exist; build it with "
+                                     f"`bash custom_kernels/build.sh` or unset {LIBRARY_ENV}")
         return Path(named)
     return _BUILT_HERE if _BUILT_HERE.is_file() else None
+
+
+def library_for(choice: str) -> Path | None:
+    """The library to use under `choice`: "off" none, "auto" the one found if any, "on" the one found or
+    KernelsUnavailable."""
+    if choice not in CHOICES:
+        raise ValueError(f"custom kernels must be one of {', '.join(CHOICES)}, not {choice!r}")
+    if choice == "off":
+        return None
+    library = find_library()
+    if library is None and choice == "on":
+        raise KernelsUnavailable(f"custom kernels are on, but {LIBRARY_FILE} was not found: build it "
+                                 f"(bash custom_kernels/build.sh) or name it in ${LIBRARY_ENV}")
+    return library

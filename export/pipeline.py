@@ -30,7 +30,6 @@ from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel,
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
 
 DEVICES = ("cpu", "cuda")
-KERNEL_CHOICES = ("auto", "on", "off")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
 
 
@@ -48,9 +47,12 @@ def export_artifact(
     a fusion is missing or a graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
-    if kernels not in KERNEL_CHOICES:
-        raise ExportError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, not {kernels!r}")
-    library = _kernels_library(kernels) if device == "cuda" else None
+    if kernels not in custom_kernels.CHOICES:
+        raise ExportError(f"custom kernels must be one of {', '.join(custom_kernels.CHOICES)}, not {kernels!r}")
+    try:
+        library = custom_kernels.library_for(kernels) if device == "cuda" else None
+    except custom_kernels.KernelsUnavailable as e:
+        raise ExportError(str(e)) from e
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_out_dir(out_dir, model_dir)
     if device == "cuda":
@@ -123,19 +125,6 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
     check_parity(precision, figures)
     return GraphInfo(file=path.name, precision=precision, device=device, outputs=list(graph.outputs),
                      fused_operators=counts, parity=figures)
-
-
-def _kernels_library(choice: str) -> Path | None:
-    if choice == "off":
-        return None
-    try:
-        library = custom_kernels.find_library()
-    except FileNotFoundError as e:
-        raise ExportError(str(e)) from e
-    if library is None and choice == "on":
-        raise ExportError(f"--custom-kernels on, but no {custom_kernels.LIBRARY_FILE}: build it with "
-                          f"`bash custom_kernels/build.sh` or name it in ${custom_kernels.LIBRARY_ENV}")
-    return library
 
 
 def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],

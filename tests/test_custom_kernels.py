@@ -141,10 +141,15 @@ def test_server_chooses_the_custom_kernels_graph_only_when_it_can(tmp_path, monk
     monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(tmp_path / "missing.so"))
     with pytest.raises(EngineError, match="does not exist"):
         kernels_library(with_kernels, "cuda", "auto")
+    monkeypatch.delenv(custom_kernels.LIBRARY_ENV)
+    monkeypatch.setattr(custom_kernels, "_BUILT_HERE", tmp_path / "not-built.so")
+    assert kernels_library(with_kernels, "cuda", "auto") is None
+    with pytest.raises(EngineError, match="was not found"):
+        kernels_library(with_kernels, "cuda", "on")
 
 
 def test_export_refuses_an_unknown_kernels_choice(tiny_model_dir, tmp_path):
-    with pytest.raises(ExportError, match="kernels must be one of"):
+    with pytest.raises(ExportError, match="custom kernels must be one of"):
         export_artifact(tiny_model_dir, tmp_path / "art", kernels="maybe")
     assert not (tmp_path / "art").exists()
 
