@@ -63,7 +63,7 @@ class EngineInfo:
     inference_workers: int
     max_batch_tokens: int
     pid: int
-    custom_kernels: bool
+    custom_kernels: bool = False  # a stand-in engine (bench/) need not say
 
     @classmethod
     def of(cls, engine: OrtEngine, batcher: DynamicBatcher) -> "EngineInfo":
