@@ -24,6 +24,7 @@ from artifact.manifest import GraphInfo, ManifestError, read_manifest
 from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
 from export import ExportError
 from export.pipeline import export_artifact
+from tests.feeds import padded_feed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,14 +47,7 @@ def _session(path_or_bytes, library: Path | None = None) -> ort.InferenceSession
 
 def _padded_feed(artifact: Path) -> dict[str, np.ndarray]:
     tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
-    encs = [tok.encode("The quick brown fox."), tok.encode("Dynamic batching packs queued requests", "a pair")]
-    width = max(len(e.ids) for e in encs)
-    feed = {k: np.zeros((2, width), dtype=np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
-    for row, e in enumerate(encs):
-        feed["input_ids"][row, :len(e.ids)] = e.ids
-        feed["attention_mask"][row, :len(e.ids)] = 1
-        feed["token_type_ids"][row, :len(e.ids)] = e.type_ids
-    return feed
+    return padded_feed([tok.encode("The quick brown fox."), tok.encode("Dynamic batching packs queued requests", "a pair")])
 
 
 def test_fusion_replaces_every_feed_forward_pair(tiny_artifact_dir):

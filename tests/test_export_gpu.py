@@ -13,6 +13,7 @@ from export.__main__ import main
 from export.onnx_graph import EmbeddingGraph
 from export.parity import reference_outputs
 from export.pipeline import create_session, export_artifact
+from tests.feeds import padded_feed
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import load_model_folder, save_model_folder
 
@@ -42,13 +43,8 @@ def test_fp16_graph_built_and_checked_on_cuda(tiny_model_dir, tmp_path):
     assert {o.type for o in session.get_outputs()} == {"tensor(float)"}
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    encs = [tok.encode("a short one"), tok.encode("a much longer sentence with more words in it", "and a pair")]
-    width = max(len(e.ids) for e in encs)
-    feed = {k: np.zeros((2, width), dtype=np.int64) for k in ("input_ids", "attention_mask", "token_type_ids")}
-    for row, e in enumerate(encs):
-        feed["input_ids"][row, :len(e.ids)] = e.ids
-        feed["attention_mask"][row, :len(e.ids)] = 1
-        feed["token_type_ids"][row, :len(e.ids)] = e.type_ids
+    feed = padded_feed([tok.encode("a short one"),
+                        tok.encode("a much longer sentence with more words in it", "and a pair")])
     loaded = load_model_folder(tiny_model_dir)
     want = reference_outputs(EmbeddingGraph(loaded.model, True, True), feed)
     got = dict(zip(fp16.outputs, session.run(fp16.outputs, feed)))
@@ -98,14 +94,12 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
     assert fused.custom_kernels and fused.graph_file == kernels["file"] and not plain.custom_kernels
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    encs = [tok.encode("a short one"), tok.encode("a much longer sentence with more words in it", "and a pair")] * 9
-    width = max(len(e.ids) for e in encs)
-    ids, mask, types = (np.zeros((len(encs), width), dtype=np.int64) for _ in range(3))
-    for row, e in enumerate(encs):
-        ids[row, :len(e.ids)], mask[row, :len(e.ids)], types[row, :len(e.ids)] = e.ids, 1, e.type_ids
-    batch = Batch(ids, mask, types, (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING))
+    feed = padded_feed([tok.encode("a short one"),
+                        tok.encode("a much longer sentence with more words in it", "and a pair")] * 9)
+    batch = Batch(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"],
+                  (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING))
     got, want = fused.run(batch), plain.run(batch)
-    real = mask.astype(bool)
+    real = feed["attention_mask"].astype(bool)
     assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999
     assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
     assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999
