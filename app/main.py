@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI
@@ -78,6 +79,10 @@ class ServingApp(FastAPI):
 
 def create_app_from_env() -> FastAPI:
     """The app of one of several worker processes: settings from BERTSERVE_* variables (see __main__)."""
+    # The processes are a worker's parallelism. The tokenizers' own thread pool only adds CPU per request
+    # here (a hand-off to it and back, its threads spinning after each batch), and more of it once the
+    # event loop tokenises a request itself (service.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = Settings()
     configure_logging(settings)
     return create_app(settings)

@@ -10,18 +10,23 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from app.batcher import DynamicBatcher, GroupResult, Sequences
+from app.batcher import DynamicBatcher, GroupResult
 from app.engine import OrtEngine
 from app.engine_link import EngineClient, EngineInfo
 from app.errors import ClientClosed, InvalidInput, Overloaded, TooManyInputs
 from app.metrics import Metrics
 from app.settings import Settings
-from app.tokenization import Encoded, Item, TextTokenizer
+from app.tokenization import Item, TextTokenizer, Tokenized
 from artifact.manifest import Manifest
 
 # One text below this many characters is tokenised on the event loop: a thread hop costs more. Several
 # texts go to a thread, where encode_batch runs without the GIL on the tokenizer's own threads.
 _INLINE_TOKENIZE_CHARS = 4096
+# An HTTP worker of a multi-process server tokenises on its event loop any request of up to this many
+# characters in all (a few ms of tokenising): its processes are its parallelism, and the hop to a thread
+# and back cost 0.1-0.2 ms of CPU per 16- or 64-text request (create_app_from_env also turns off the
+# tokenizer's own threads, which cost more still when called from the event loop).
+_WORKER_INLINE_TOKENIZE_CHARS = 16384
 # A request still waiting after this long starts watching for its client going away. Watching costs a
 # task per request (about a quarter of a one-text /embed's event-loop time, in-process on a 2-core CPU
 # box), and many answers come sooner; a client that leaves is noticed this much later, and its queued
@@ -42,7 +47,7 @@ class Timings:
 
 @dataclass(slots=True)
 class Inference:
-    encoded: list[Encoded]
+    tokenized: Tokenized
     result: GroupResult | None  # None when no graph output was needed
     timings: Timings
 
@@ -53,7 +58,7 @@ class Inference:
 
     @property
     def tokens(self) -> int:
-        return sum(e.length for e in self.encoded)
+        return self.tokenized.tokens
 
 
 class InferenceService:
@@ -63,6 +68,7 @@ class InferenceService:
         self.engine, self.batcher, self.metrics = engine, batcher, metrics
         self.model_name = settings.model_name or manifest.model_name
         self._inflight = 0
+        self._worker = isinstance(batcher, EngineClient)  # one of several HTTP worker processes
 
     @contextlib.contextmanager
     def admitted(self):
@@ -79,7 +85,7 @@ class InferenceService:
             self.metrics.inflight.dec()
 
     async def tokenize(self, items: Sequence[Item], truncate: bool, field: str,
-                       offsets: bool = True) -> tuple[list[Encoded], float]:
+                       offsets: bool = True) -> tuple[Tokenized, float]:
         """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens."""
         if not items:
             raise InvalidInput(f"{field} is empty: send at least one text")
@@ -87,30 +93,33 @@ class InferenceService:
         if len(items) > limit:
             raise TooManyInputs(f"{field} has {len(items)} items; the server accepts at most {limit} per request")
         started = time.perf_counter()
-        one = items[0]
-        chars = len(one) if isinstance(one, str) else len(one[0]) + len(one[1])
-        if len(items) == 1 and chars <= _INLINE_TOKENIZE_CHARS:
-            encoded = self.tokenizer.encode(items, truncate, field, offsets)
+        if self._inline(items):
+            tokenized = self.tokenizer.encode_batch(items, truncate, field, offsets)
         else:  # the event loop keeps serving meanwhile
-            encoded = await asyncio.to_thread(self.tokenizer.encode, items, truncate, field, offsets)
+            tokenized = await asyncio.to_thread(self.tokenizer.encode_batch, items, truncate, field, offsets)
         seconds = time.perf_counter() - started
         self.metrics.tokenize_seconds.observe(seconds)
-        return encoded, seconds
+        return tokenized, seconds
+
+    def _inline(self, items: Sequence[Item]) -> bool:
+        """Whether to tokenise on the event loop (_INLINE_TOKENIZE_CHARS, _WORKER_INLINE_TOKENIZE_CHARS)."""
+        if self._worker:
+            return _at_most(items, _WORKER_INLINE_TOKENIZE_CHARS)
+        return len(items) == 1 and _at_most(items, _INLINE_TOKENIZE_CHARS)
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool,
                     outputs: frozenset[str], field: str, offsets: bool = False) -> Inference:
         """offsets: whether the answer describes tokens (describe_tokens reads their offsets)."""
         with self.admitted():
-            encoded, tokenize_s = await self.tokenize(items, truncate, field, offsets)
+            tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets)
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
-                return Inference(encoded, None, timings)
-            sequences = Sequences.concat([e.ids for e in encoded], [e.type_ids for e in encoded])
-            future = self.batcher.submit_group(sequences, outputs)
+                return Inference(tokenized, None, timings)
+            future = self.batcher.submit_group(tokenized.sequences, outputs)
             result = await self._wait(future, request)
             timings.queue_s, timings.inference_s = result.queue_s, result.inference_s
             self.metrics.queue_seconds.observe(result.queue_s)
-            return Inference(encoded, result, timings)
+            return Inference(tokenized, result, timings)
 
     async def _wait(self, future: asyncio.Future, request: Request | None) -> GroupResult:
         """The result, or ClientClosed once the client is seen gone; either way nothing of this request
@@ -147,6 +156,15 @@ class InferenceService:
             if watcher is not None:
                 watcher.cancel()
             future.cancel()
+
+
+def _at_most(items: Sequence[Item], chars: int) -> bool:
+    """Whether the texts have at most `chars` characters in all (counting stops past it)."""
+    for item in items:
+        chars -= len(item) if isinstance(item, str) else len(item[0]) + len(item[1])
+        if chars < 0:
+            return False
+    return True
 
 
 async def _disconnect(request: Request) -> None:

@@ -12,7 +12,9 @@ it serves a worker-only artifact made here (a WordPiece vocabulary trained on th
 a text, as bench/make_base_model.py's; a manifest of --hidden width; an empty graph file).
 
 --app-roots A,B runs one worker per source tree (e.g. a copy of app/ before a change, and this checkout),
-each round measuring every tree in turn: an A/B on the same noisy cores. Medians over --rounds.
+each round measuring every tree in turn: an A/B on the same noisy cores. Medians over --rounds. With
+--together every tree's worker is loaded at once, sharing the one core, so that the host's speed swings
+hit them alike: round-to-round ratios then agree within a few percent, where in turn they spread by ±20%.
 
   python bench/http_worker_load.py --texts-per-request 1,16,64 --formats float,base64 --rounds 5
   python bench/http_worker_load.py --app-roots /tmp/before,. --rounds 7
@@ -83,7 +85,7 @@ def _engine(socket_path: str, core: int, hidden: int) -> None:
         batcher = DynamicBatcher(run, pad_id=0, max_batch_tokens=16384, max_batch_size=256, max_wait_ms=0,
                                  max_queued=1 << 20, workers=1, packed=True)
         batcher.start()
-        info = EngineInfo("cuda", "fp16", "stand-in", None, 1, 16384, os.getpid())
+        info = EngineInfo("cuda", "fp16", "stand-in", None, 1, 16384, os.getpid(), False)
         server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=socket_path)
         async with server:
             await asyncio.Event().wait()
@@ -146,6 +148,12 @@ async def load_window(url: str, pid: int, bodies: list[dict], connections: int, 
             "cpu_us_per_request": (cpu1 - cpu0) / max(requests, 1) * 1e6, "worker_busy": (cpu1 - cpu0) / (t1 - t0)}
 
 
+async def load_together(workers: list[tuple], bodies: list[dict], args: argparse.Namespace) -> list[dict]:
+    """load_window on every worker at once (--together)."""
+    return await asyncio.gather(*[load_window(url, proc.pid, bodies, args.connections, args.warm_up, args.duration)
+                                  for proc, url in workers])
+
+
 def request_bodies(texts: list[str], per_request: int, encoding_format: str) -> list[dict]:
     return [{"inputs": texts[i:i + per_request], "pooling": "cls", "encoding_format": encoding_format}
             for i in range(0, len(texts) - per_request + 1, per_request)]
@@ -182,6 +190,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768, help="width of the stand-in engine's vectors")
     parser.add_argument("--connections", type=int, default=16, help="requests kept in flight")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--together", action="store_true", help="load every tree's worker at the same time, all "
+                        "on the one worker core: the host's speed swings (a quarter, from second to second on a "
+                        "shared VM) then hit every tree alike. Fair only between trees that run the same threads "
+                        "(the core is shared out by thread); no --profile")
     parser.add_argument("--warm-up", type=float, default=1.0, help="seconds before each window")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds of each measured window")
     parser.add_argument("--json", type=Path, help="also write the rows here")
@@ -211,7 +223,22 @@ def main() -> None:
                 (folder / f"metrics{k}").mkdir()
                 workers.append(start_worker(root, artifact, socket_path, folder / f"metrics{k}", worker_core))
             runs: dict = {}
+
+            def note(r: int, root: Path, texts_per_request: int, fmt: str, row: dict) -> None:
+                runs.setdefault((str(root), texts_per_request, fmt), []).append(row)
+                print(f"round {r + 1} {root.name or root}: {texts_per_request} text(s), {fmt}: "
+                      f"{row['cpu_us_per_request']:.0f} us/request ({row['worker_busy']:.2f} busy)",
+                      file=sys.stderr, flush=True)
+
             for r in range(args.rounds):
+                if args.together:
+                    for texts_per_request in sizes:
+                        for fmt in formats:
+                            bodies = request_bodies(texts, texts_per_request, fmt)
+                            rows = asyncio.run(load_together(workers, bodies, args))
+                            for root, row in zip(roots, rows):
+                                note(r, root, texts_per_request, fmt, row)
+                    continue
                 for root, (proc, url) in zip(roots, workers):
                     for texts_per_request in sizes:
                         for fmt in formats:
@@ -223,10 +250,7 @@ def main() -> None:
                                                           args.connections, args.warm_up, args.duration))
                             if spy:
                                 spy.wait()
-                            runs.setdefault((str(root), texts_per_request, fmt), []).append(row)
-                            print(f"round {r + 1} {root.name or root}: {texts_per_request} text(s), {fmt}: "
-                                  f"{row['cpu_us_per_request']:.0f} us/request ({row['worker_busy']:.2f} busy)",
-                                  file=sys.stderr, flush=True)
+                            note(r, root, texts_per_request, fmt, row)
         finally:
             for proc, _ in workers:
                 proc.terminate()

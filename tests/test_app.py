@@ -6,7 +6,9 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import shutil
+import string
 import subprocess
 import sys
 import time
@@ -157,6 +159,7 @@ def test_offsets_slice_the_original_text(artifact):
 
 
 ASCII_EDGES = ["CAPITALS, punctuation!? (and) digits 12345.", "[CLS] special [MASK] tokens [cls] in text [SEP]",
+               "".join(f"{c}x" for c in string.punctuation),
                "tab\tnew\nline\rreturn  spaces", "bell\x07and\x00nul and\x7fdel are dropped", "x\x0bvertical\x0cfeed",
                "Dynamic batching packs queued requests up to a token budget " * 20]
 
@@ -183,6 +186,71 @@ def test_plain_ascii_texts_tokenize_as_the_artifacts_tokenizer(artifact, truncat
                (enc.ids, enc.type_ids, enc.tokens, enc.offsets, enc.special_tokens_mask), item
     for batch in (ours.encode(items, truncate), ours.encode(items, truncate, offsets=False)):
         assert [e.ids.tolist() for e in batch] == [e.ids.tolist() for e in alone]
+
+
+@pytest.mark.parametrize("truncate", [True, False])
+def test_random_ascii_tokenizes_as_the_artifacts_tokenizer(artifact, truncate):
+    """The ASCII shortcut against tokenizer.json on 600 random texts and pairs of every ASCII character
+    (weighted towards capitals, punctuation and whitespace, where the two ways could part), batched as
+    the server batches them: a batch of plain texts takes the shortcut, any other the full way."""
+    from app.tokenization import TextTokenizer
+
+    manifest = read_manifest(artifact)
+    ours = TextTokenizer(artifact / "tokenizer.json", manifest.max_length, 10**6, manifest.special_tokens)
+    theirs = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    theirs.enable_truncation(manifest.max_length) if truncate else theirs.no_truncation()
+    rng = np.random.default_rng(7)
+    plain = string.ascii_letters + string.digits + string.punctuation.replace("[", "") + " \t\n\r" + "  "
+    every = "".join(map(chr, range(128)))
+
+    def text(chars: str) -> str:
+        n = int(rng.integers(1, 60 if truncate else 25))
+        return "x" + "".join(rng.choice(list(chars), size=n)) if chars else "x"
+
+    for chars in (plain, every):
+        items = [text(chars) if k % 3 else (text(chars), text(chars)) for k in range(300)]
+        if chars is plain:
+            assert ours._plain_ascii(items), "the plain set must exercise the shortcut"
+        for i in range(0, len(items), 20):
+            batch = items[i:i + 20]
+            for got, item in zip(ours.encode(batch, truncate), batch):
+                enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
+                assert (got.ids.tolist(), got.type_ids.tolist(), got.encoding.tokens, got.encoding.offsets) == \
+                       (enc.ids, enc.type_ids, enc.tokens, enc.offsets), item
+
+
+def test_ascii_lowercasing_makes_no_added_token_match(artifact, tmp_path):
+    """Added tokens are matched in the text as sent: one that lower-casing the text first would create
+    ("Zqx" -> "zqx") must not match, and one in the text must still match."""
+    from app.tokenization import TextTokenizer
+
+    manifest = read_manifest(artifact)
+    config = json.loads((artifact / "tokenizer.json").read_text())
+    config["added_tokens"].append({"id": len(config["model"]["vocab"]), "content": "zqx", "single_word": False,
+                                   "lstrip": False, "rstrip": False, "normalized": False, "special": False})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    ours = TextTokenizer(tmp_path / "tokenizer.json", manifest.max_length, 10**6, manifest.special_tokens)
+    theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    for text in ["Zqx yes", "ZQX", "a zqx b", "no mark"]:  # one by one: one text can send a batch the full way
+        mine = ours.encode([text], truncate=False)[0]
+        assert (mine.ids.tolist(), mine.encoding.offsets) == (theirs.encode(text).ids, theirs.encode(text).offsets)
+
+
+def test_another_template_is_kept(artifact, tmp_path):
+    """Only TemplateProcessing's exact BERT template is swapped for BertProcessing: another one (here a
+    single text as segment 1) is tokenised as tokenizer.json says."""
+    from app.tokenization import TextTokenizer
+
+    manifest = read_manifest(artifact)
+    config = json.loads((artifact / "tokenizer.json").read_text())
+    config["post_processor"]["single"][1]["Sequence"]["type_id"] = 1
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    ours = TextTokenizer(tmp_path / "tokenizer.json", manifest.max_length, 10**6, manifest.special_tokens)
+    theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    items = ["Plain text.", "Ünïcode text", ("a question?", "an answer.")]
+    for mine, item in zip(ours.encode(items, truncate=False), items):
+        enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
+        assert (mine.ids.tolist(), mine.type_ids.tolist()) == (enc.ids, enc.type_ids), item
 
 
 def test_normalize_base64_and_pooling_none(artifact):
@@ -518,6 +586,20 @@ def test_settings_fail_on_bad_values(artifact, tmp_path, monkeypatch):
     monkeypatch.setenv("BERTSERVE_MAX_BATCH_SIZE", "-3")
     with pytest.raises(ValidationError):
         Settings(model_dir=artifact)
+
+
+def test_worker_app_turns_the_tokenizers_threads_off(artifact, monkeypatch):
+    """An HTTP worker's parallelism is its processes: the tokenizers' own thread pool is off there,
+    unless TOKENIZERS_PARALLELISM says otherwise."""
+    from app.main import create_app_from_env
+
+    monkeypatch.setenv("BERTSERVE_MODEL_DIR", str(artifact))
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    create_app_from_env()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    create_app_from_env()
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
 
 
 def test_device_and_precision_choice(artifact):

@@ -27,14 +27,15 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
     result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs",
                                  offsets=body.return_tokens)
     fmt = body.encoding_format
-    embeddings: list = [None] * len(result.encoded)
+    embeddings: list = [None] * len(result.tokenized)
     if body.pooling != "none":  # the whole request's vectors at once
         vectors = pool(result.outputs, body.pooling)
         embeddings = encode_rows(l2_normalize(vectors) if body.normalize else vectors, fmt)
     if body.return_tokens:
         token_vectors = result.outputs[TOKEN_EMBEDDINGS]
-        data = [{"index": i, "embedding": embeddings[i], "tokens": describe_tokens(encoded),
-                 "token_embeddings": encode_vectors(token_vectors[i], fmt)} for i, encoded in enumerate(result.encoded)]
+        data = [{"index": i, "embedding": embeddings[i], "tokens": describe_tokens(enc),
+                 "token_embeddings": encode_vectors(token_vectors[i], fmt)}
+                for i, enc in enumerate(result.tokenized.encodings)]
     else:
         data = [{"index": i, "embedding": e} for i, e in enumerate(embeddings)]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": result.tokens}},
@@ -45,8 +46,7 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
 async def tokenize(body: TokenizeRequest, service: InferenceService = Depends(get_service)) -> Response:
     """The tokens /embed would see: id, token, segment, character offsets in its own text, special."""
     with service.admitted():
-        encoded, seconds = await service.tokenize(as_items(body.inputs), body.truncate, "inputs")
-    data = [{"index": i, "tokens": describe_tokens(e)} for i, e in enumerate(encoded)]
-    return json_response({"model": service.model_name, "data": data,
-                          "usage": {"tokens": sum(e.length for e in encoded)}},
+        tokenized, seconds = await service.tokenize(as_items(body.inputs), body.truncate, "inputs")
+    data = [{"index": i, "tokens": describe_tokens(enc)} for i, enc in enumerate(tokenized.encodings)]
+    return json_response({"model": service.model_name, "data": data, "usage": {"tokens": tokenized.tokens}},
                          headers={"x-tokenize-ms": f"{seconds * 1e3:.3f}"})
