@@ -360,15 +360,24 @@ def _client_process(url: str, texts: list[str], per_request: int, connections: i
 
 
 def multiprocess_load(url: str, texts: list[str], per_request: int, processes: int, connections: int,
-                      duration_s: float, encoding_format: str = "float") -> dict:
+                      duration_s: float, encoding_format: str = "float",
+                      server: tuple[int, set[int]] | None = None) -> dict:
     """processes x connections concurrent clients; also how busy the clients were (they must not be
-    the bottleneck: client_cpu_share near 1.0 means add processes)."""
+    the bottleneck: client_cpu_share near 1.0 means add processes) and, given `server` (engine pid, all
+    its pids), how busy its processes were over the same window."""
     _loopback(url)
     start_at = time.time() + 3.0  # every process connected and warmed up first
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(processes) as pool:
-        parts = pool.starmap(_client_process, [(url, texts, per_request, connections, start_at, duration_s, seed,
-                                                encoding_format) for seed in range(processes)])
+        pending = pool.starmap_async(_client_process, [(url, texts, per_request, connections, start_at, duration_s,
+                                                        seed, encoding_format) for seed in range(processes)])
+        server_cpu = None
+        if server is not None:
+            time.sleep(max(0.0, start_at - time.time()))
+            cpu0, t0 = _cpu_seconds(server[1]), time.perf_counter()
+            time.sleep(duration_s * 0.95)  # inside the clients' window
+            server_cpu = _server_cpu(cpu0, _cpu_seconds(server[1]), server[0], time.perf_counter() - t0)
+        parts = pending.get()
     latencies = [x for p in parts for x in p["latencies"]]
     requests = len(latencies)
     cpu = sum(p["cpu_s"] for p in parts)
@@ -377,7 +386,8 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
             "p50_ms": round(_pct(latencies, 50) * 1e3, 2), "p99_ms": round(_pct(latencies, 99) * 1e3, 2),
             "errors": sum(p["errors"] for p in parts),
             "client_cpu_us_per_request": round(cpu / max(requests, 1) * 1e6, 1),
-            "client_cpu_share": round(cpu / (processes * duration_s), 2)}
+            "client_cpu_share": round(cpu / (processes * duration_s), 2),
+            **({"server_cpu": server_cpu} if server_cpu else {})}
 
 
 def _sequential_latency(url: str, text: str, requests: int) -> dict:
@@ -428,7 +438,8 @@ def serving(args) -> dict:
         settings.update(item.split("=", 1) for item in args.set)
         runs = results["http"][f"workers{workers}"] = {}
         with serve(args.artifact, **settings) as url:
-            _all_workers_up(url, workers)
+            engine_pid, worker_pids = _all_workers_up(url, workers)
+            server_pids = {engine_pid, *worker_pids}
             for per_request in (1, 16, 64):
                 # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
                 connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
@@ -436,7 +447,7 @@ def serving(args) -> dict:
                 print(f"HTTP, {workers} server process(es): {args.processes} client processes x {connections} "
                       f"connections, {per_request} text(s) per request ...", file=sys.stderr)
                 run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
-                                        args.encoding_format)
+                                        args.encoding_format, (engine_pid, server_pids))
                 after = _server_batches(url)
                 run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
                 run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
@@ -448,15 +459,42 @@ def serving(args) -> dict:
     return results
 
 
-def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> None:
-    """/ready answers once one worker is up; wait until every worker has written its model gauge."""
+def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int, set[int]]:
+    """/ready answers once one worker is up; wait until every worker answers /info. (engine pid, worker pids)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        pids = {httpx.get(f"{url}/info", timeout=5).json()["pid"] for _ in range(4 * workers)}
-        if len(pids) >= workers:
-            return
+    while True:
+        infos = [httpx.get(f"{url}/info", timeout=5).json() for _ in range(4 * workers)]
+        pids = {i["pid"] for i in infos}
+        if len(pids) >= workers or time.monotonic() > deadline:
+            break
         time.sleep(1)
-    print(f"warning: saw fewer than {workers} worker processes answer", file=sys.stderr)
+    if len(pids) < workers:
+        print(f"warning: saw fewer than {workers} worker processes answer", file=sys.stderr)
+    return infos[0]["engine_pid"], pids
+
+
+def _cpu_seconds(pids: set[int]) -> dict[int, float]:
+    """User + system CPU seconds of each process so far, all its threads (Linux /proc; {} elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return out
+
+
+def _server_cpu(before: dict[int, float], after: dict[int, float], engine_pid: int, seconds: float) -> dict:
+    """Cores kept busy over a run: the engine process, the HTTP workers together, and the busiest worker
+    (near 1.0: that process is the limit)."""
+    busy = {pid: (after[pid] - before[pid]) / seconds for pid in after if pid in before}
+    workers = [v for pid, v in busy.items() if pid != engine_pid]
+    return {"engine_cores": round(busy.get(engine_pid, float("nan")), 2), "workers_cores": round(sum(workers), 2),
+            "busiest_worker": round(max(workers, default=float("nan")), 2)}
+
+
+def _cores(c: dict | None) -> str:
+    return f"{c['engine_cores']} / {c['workers_cores']} / {c['busiest_worker']}" if c else "-"
 
 
 def print_serving_table(r: dict) -> None:
@@ -465,14 +503,14 @@ def print_serving_table(r: dict) -> None:
           + ", ".join(f"b{b} {v:,.0f} texts/s" for b, v in e["texts_per_s"].items())
           + f"; batch-1 short text p50 {e['batch1_short_p50_ms']} ms")
     print(f"{'HTTP /embed (cls)':<34}{'texts/s':>10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
-          f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}")
+          f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}{'engine/workers/busiest cores':>30}")
     for workers, runs in r["http"].items():
         for key in ("x1", "x16", "x64"):
             h = runs[key]
             label = f"{workers}, {h['texts_per_request']} text(s), {h['clients']} cl"
             print(f"{label:<34}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
                   f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}"
-                  f"{h['client_cpu_share']:>12}")
+                  f"{h['client_cpu_share']:>12}{_cores(h.get('server_cpu')):>30}")
         c1 = runs["c1_short"]
         print(f"{workers}, one short text, concurrency 1: p50 {c1['p50_ms']} ms (engine batch-1 "
               f"{e['batch1_short_p50_ms']} ms, +{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms; server's "
