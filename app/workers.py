@@ -1,8 +1,8 @@
 """`python -m app --workers N` (N > 1): one engine process and N HTTP worker processes on one port.
 
-The engine process (app.engine_process) owns the ONNX Runtime session and the batcher; uvicorn's process
-manager binds the port once and runs the workers, which tokenise, encode answers and reach the engine
-over a Unix socket. Python's per-request work is what limits one process; the GPU wants large batches
+The engine process (app.engine_process) owns the ONNX Runtime session and the batcher; this process
+binds the port and hands each connection to the next HTTP worker (app.http_workers), which tokenise,
+encode answers and reach the engine over a Unix socket. Python's per-request work is what limits one process; the GPU wants large batches
 on one CUDA context. Metrics of every process are summed (prometheus_client's multiprocess mode)."""
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 from app.engine_process import run as run_engine
+from app.http_workers import HttpWorkers
 from app.metrics import MULTIPROC_DIR_VAR
 from app.settings import ENV_PREFIX, Settings
 
 log = logging.getLogger("app")
+_APP = "app.main:create_app_from_env"  # each HTTP worker's app, its settings from the environment
 _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass can take minutes
 
 
@@ -47,8 +49,13 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_option
             return 1
         stopping = threading.Event()
         threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopping.set())
+        config = uvicorn.Config(_APP, factory=True, **uvicorn_options)
         try:
-            uvicorn.run("app.main:create_app_from_env", factory=True, workers=settings.workers, **uvicorn_options)
+            with config.bind_socket() as listener:
+                listener.listen(config.backlog)
+                HttpWorkers(settings.workers, _APP, uvicorn_options).serve(listener, stopping)
         finally:
             stopping.set()
             if engine.is_alive():
@@ -93,4 +100,4 @@ def _stop_if_engine_dies(engine: multiprocessing.Process, stopping: threading.Ev
     engine.join()
     if not stopping.is_set():
         log.error("the engine process exited with %s; stopping the server", engine.exitcode)
-        os.kill(os.getpid(), signal.SIGTERM)
+        stopping.set()

@@ -173,7 +173,7 @@ def test_several_workers_share_one_engine_process_and_sum_their_metrics(server, 
     texts = [f"text {i} " + "more words " * (i % 5) for i in range(40)]
     with running_server(tiny_artifact_dir, workers=2) as base:
         # Each worker writes its model gauge once connected to the engine: one file per process id.
-        # /ready answered as soon as one worker was up (a worker accepts connections only when ready).
+        # /ready answered as soon as one worker was up (connections go only to workers that are ready).
         deadline = time.monotonic() + 60
         while len(pids := {p.stem.rsplit("_", 1)[1] for p in metrics_dir.glob("gauge_max_*.db")}) < 2:
             assert time.monotonic() < deadline, f"workers up: {pids}"
@@ -195,6 +195,39 @@ def test_several_workers_share_one_engine_process_and_sum_their_metrics(server, 
     single = httpx.post(f"{server}/embed", json={"inputs": texts[:8]}, timeout=30).json()["data"]
     for r, one in zip(rs, single):
         np.testing.assert_allclose(r.json()["data"][0]["embedding"], one["embedding"], atol=1e-5)
+
+
+def test_workers_get_connections_in_turn(tiny_artifact_dir):
+    """Keep-alive connections opened in a burst are spread evenly over the workers (where a shared
+    listening socket gave one worker most of them), so pooled clients load every worker alike."""
+    with running_server(tiny_artifact_dir, workers=3) as base:
+        async def pids_of_connections(count: int) -> list[int]:
+            clients = [httpx.AsyncClient(base_url=base, timeout=30) for _ in range(count)]  # one connection each
+            try:
+                return [r.json()["pid"] for r in await asyncio.gather(*(c.get("/info") for c in clients))]
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+
+        pids = asyncio.run(pids_of_connections(12))
+    assert sorted(pids.count(p) for p in set(pids)) == [4, 4, 4], pids
+
+
+def test_a_dead_http_worker_is_replaced(tiny_artifact_dir):
+    """A worker killed mid-service costs its own connections only: the others keep answering, a new
+    worker takes its place, and every answer stays right."""
+    with running_server(tiny_artifact_dir, workers=2) as base:
+        victim = httpx.get(f"{base}/info", timeout=10).json()["pid"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        pids: set[int] = set()
+        while len(pids - {victim}) < 2:  # both workers answer again, one of them new
+            assert time.monotonic() < deadline, f"workers answering: {pids}"
+            with httpx.Client(base_url=base, timeout=30) as c:  # a new connection, in turn to each worker
+                with contextlib.suppress(httpx.TransportError):
+                    r = c.post("/embed", json={"inputs": "still serving"})
+                    assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 128
+                    pids.add(c.get("/info").json()["pid"])
+        assert victim not in pids
 
 
 def test_workers_run_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatch):

@@ -1,0 +1,210 @@
+"""HTTP worker processes that are handed their connections one by one, in turn.
+
+When several processes accept from one shared listening socket, the kernel wakes them all and the
+first one awake takes every connection waiting: a burst of 30 keep-alive connections spread over 8
+workers as 24, 2, 2, 1, 1, 0, 0, 0 (measured here). Clients with connection pools then load one worker
+to a full core while others idle, and the server answers at that one worker's pace. So the launching
+process accepts, and passes each connection (its file descriptor, over a Unix socket) to the next
+ready worker in turn, as Node's cluster module does for the same reason. A worker is a plain uvicorn
+server with no listening socket of its own; it serves every connection it is handed.
+
+Each worker is a spawned process with one SOCK_SEQPACKET channel to the launcher: the worker says
+"ready" on it once its app has started, the launcher sends connections down it, and a closed channel
+tells the worker that its launcher is gone."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import selectors
+import socket
+import time
+
+import uvicorn
+
+log = logging.getLogger("app")
+
+_READY = b"ready"
+_CONNECTION = b"c"
+_RESTART_DELAY_S = 1.0  # a worker that dies at once is not restarted in a tight loop
+_STOP_S = 15  # a worker's graceful shutdown is uvicorn's timeout_graceful_shutdown (10 s) and a margin
+
+
+class HttpWorkers:
+    """`count` worker processes, each running the ASGI app factory `app` under uvicorn with `options`.
+    `serve(listener, stopping)` accepts until `stopping` is set, handing connections out in turn to the
+    workers that are ready, and restarts any worker that dies."""
+
+    def __init__(self, count: int, app: str, options: dict):
+        self.count, self.app, self.options = count, app, options
+        self._context = multiprocessing.get_context("spawn")
+        self._workers: list[_Worker | None] = [None] * count
+        self._turn = 0
+
+    def serve(self, listener: socket.socket, stopping) -> None:
+        listener.setblocking(False)
+        with selectors.DefaultSelector() as selector:
+            try:
+                for i in range(self.count):
+                    self._start(i, selector)
+                accepting = False
+                while not stopping.is_set():
+                    ready = any(w and w.ready for w in self._workers)
+                    if ready and not accepting:  # connections wait in the backlog until a worker can serve them
+                        selector.register(listener, selectors.EVENT_READ)
+                    elif accepting and not ready:
+                        selector.unregister(listener)
+                    accepting = ready
+                    for key, _ in selector.select(timeout=0.2):
+                        if key.fileobj is listener:
+                            self._hand_out(listener)
+                        else:
+                            self._on_message(key.data, selector)
+                    self._restart_dead(selector)
+            finally:
+                self._stop_all(selector)
+
+    # -- connections ------------------------------------------------------------------------------------
+    def _hand_out(self, listener: socket.socket) -> None:
+        """Every connection waiting, each to the next ready worker (one whose channel is full is passed over)."""
+        while True:
+            try:
+                connection, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            with connection:
+                for _ in range(self.count):
+                    worker = self._workers[self._turn]
+                    self._turn = (self._turn + 1) % self.count
+                    if worker and worker.ready and worker.send(connection):
+                        break
+                else:
+                    log.warning("no HTTP worker could take a connection; closed it")
+
+    # -- the workers' lives -----------------------------------------------------------------------------
+    def _start(self, index: int, selector: selectors.BaseSelector) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        process = self._context.Process(target=run_worker, args=(theirs, self.app, self.options),
+                                        name=f"bertserve-http-{index}")
+        process.start()
+        theirs.close()
+        ours.setblocking(False)
+        worker = self._workers[index] = _Worker(index, process, ours)
+        selector.register(ours, selectors.EVENT_READ, worker)
+
+    def _on_message(self, worker: _Worker, selector: selectors.BaseSelector) -> None:
+        try:
+            message = worker.channel.recv(64)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            message = b""
+        if message == _READY:
+            worker.ready = True
+        elif not message:  # the worker is gone; _restart_dead starts another once it has exited
+            selector.unregister(worker.channel)
+            worker.ready = False
+
+    def _restart_dead(self, selector: selectors.BaseSelector) -> None:
+        for i, worker in enumerate(self._workers):
+            if worker is None or worker.process.is_alive():
+                continue
+            if time.monotonic() - worker.started < _RESTART_DELAY_S:
+                continue
+            log.error("HTTP worker %d (pid %s) exited with %s; starting another", i, worker.process.pid,
+                      worker.process.exitcode)
+            with contextlib.suppress(KeyError, ValueError):
+                selector.unregister(worker.channel)
+            worker.channel.close()
+            self._start(i, selector)
+
+    def _stop_all(self, selector: selectors.BaseSelector) -> None:
+        """SIGTERM to every worker (uvicorn finishes the requests in flight), then wait; kill stragglers."""
+        alive = [w for w in self._workers if w is not None]
+        for worker in alive:
+            worker.process.terminate()
+        deadline = time.monotonic() + _STOP_S
+        for worker in alive:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                log.error("HTTP worker %d did not stop in %d s; killing it", worker.index, _STOP_S)
+                worker.process.kill()
+                worker.process.join()
+            worker.channel.close()
+
+
+class _Worker:
+    def __init__(self, index: int, process: multiprocessing.Process, channel: socket.socket):
+        self.index, self.process, self.channel = index, process, channel
+        self.ready = False
+        self.started = time.monotonic()
+
+    def send(self, connection: socket.socket) -> bool:
+        """Hands the connection over (the worker holds its own copy of the descriptor); False when the
+        worker cannot take it now (its channel is full or gone)."""
+        try:
+            socket.send_fds(self.channel, [_CONNECTION], [connection.fileno()])
+            return True
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            self.ready = False
+            return False
+
+
+# -- inside a worker process ------------------------------------------------------------------------------
+def run_worker(channel: socket.socket, app: str, options: dict) -> None:
+    _HandedConnectionsServer(uvicorn.Config(app, factory=True, **options), channel).run()
+
+
+class _HandedConnectionsServer(uvicorn.Server):
+    """uvicorn's server without a listening socket: it serves the connections the launcher sends."""
+
+    def __init__(self, config, channel: socket.socket):
+        super().__init__(config)
+        self._channel = channel
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=[])  # the app's lifespan; no socket of its own
+        loop = asyncio.get_running_loop()
+        config = self.config
+
+        def protocol():  # as uvicorn's own startup makes one per connection
+            return config.http_protocol_class(config=config, server_state=self.server_state,
+                                              app_state=self.lifespan.state, _loop=loop)
+
+        self._channel.setblocking(False)
+        loop.add_reader(self._channel.fileno(), self._receive, loop, protocol)
+        self._channel.send(_READY)
+
+    def _receive(self, loop: asyncio.AbstractEventLoop, protocol) -> None:
+        while True:
+            try:
+                message, fds, _, _ = socket.recv_fds(self._channel, 16, 16)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                message, fds = b"", []
+            if not message and not fds:  # the launcher is gone: finish what is in flight and exit
+                loop.remove_reader(self._channel.fileno())
+                self.should_exit = True
+                return
+            for fd in fds:
+                connection = socket.socket(fileno=fd)
+                if self.should_exit:
+                    connection.close()
+                    continue
+                loop.create_task(_serve_connection(loop, protocol, connection, self.config.ssl))
+
+    async def shutdown(self, sockets=None) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._channel.fileno())
+        await super().shutdown(sockets)
+
+
+async def _serve_connection(loop: asyncio.AbstractEventLoop, protocol, connection: socket.socket, ssl) -> None:
+    try:
+        await loop.connect_accepted_socket(protocol, connection, ssl=ssl)
+    except OSError:  # the client left before it was served
+        connection.close()
