@@ -374,9 +374,9 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
         server_cpu = None
         if server is not None:
             time.sleep(max(0.0, start_at - time.time()))
-            cpu0, t0 = _cpu_seconds(server[1]), time.perf_counter()
+            cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
             time.sleep(duration_s * 0.95)  # inside the clients' window
-            server_cpu = _server_cpu(cpu0, _cpu_seconds(server[1]), server[0], time.perf_counter() - t0)
+            server_cpu = _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
         parts = pending.get()
     latencies = [x for p in parts for x in p["latencies"]]
     requests = len(latencies)
@@ -473,28 +473,36 @@ def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int
     return infos[0]["engine_pid"], pids
 
 
-def _cpu_seconds(pids: set[int]) -> dict[int, float]:
-    """User + system CPU seconds of each process so far, all its threads (Linux /proc; {} elsewhere)."""
+def _cpu_seconds(engine_pid: int, pids: set[int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each server process ("p PID", all its threads) and of each
+    thread of the engine process ("t TID") (Linux /proc; {} elsewhere)."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    files = {f"p {pid}": Path(f"/proc/{pid}/stat") for pid in pids}
+    with contextlib.suppress(OSError):
+        files.update({f"t {t.name}": t / "stat" for t in Path(f"/proc/{engine_pid}/task").iterdir()})
     out = {}
-    for pid in pids:
+    for key, path in files.items():
         with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+            fields = path.read_text().rsplit(")", 1)[1].split()
+            out[key] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return out
 
 
-def _server_cpu(before: dict[int, float], after: dict[int, float], engine_pid: int, seconds: float) -> dict:
-    """Cores kept busy over a run: the engine process, the HTTP workers together, and the busiest worker
-    (near 1.0: that process is the limit)."""
-    busy = {pid: (after[pid] - before[pid]) / seconds for pid in after if pid in before}
-    workers = [v for pid, v in busy.items() if pid != engine_pid]
-    return {"engine_cores": round(busy.get(engine_pid, float("nan")), 2), "workers_cores": round(sum(workers), 2),
-            "busiest_worker": round(max(workers, default=float("nan")), 2)}
+def _server_cpu(before: dict[str, float], after: dict[str, float], engine_pid: int, seconds: float) -> dict:
+    """Cores kept busy over a run: the engine process and its busiest thread, the HTTP workers together,
+    and the busiest worker (near 1.0: that process, or that thread, is the limit)."""
+    busy = {key: (after[key] - before[key]) / seconds for key in after if key in before}
+    workers = [v for key, v in busy.items() if key.startswith("p ") and key != f"p {engine_pid}"]
+    threads = [v for key, v in busy.items() if key.startswith("t ")]
+    return {"engine_cores": round(busy.get(f"p {engine_pid}", float("nan")), 2),
+            "engine_busiest_thread": round(max(threads, default=float("nan")), 2),
+            "workers_cores": round(sum(workers), 2), "busiest_worker": round(max(workers, default=float("nan")), 2)}
 
 
 def _cores(c: dict | None) -> str:
-    return f"{c['engine_cores']} / {c['workers_cores']} / {c['busiest_worker']}" if c else "-"
+    if not c:
+        return "-"
+    return f"{c['engine_cores']} ({c.get('engine_busiest_thread', '-')}) / {c['workers_cores']} / {c['busiest_worker']}"
 
 
 def print_serving_table(r: dict) -> None:
@@ -503,14 +511,14 @@ def print_serving_table(r: dict) -> None:
           + ", ".join(f"b{b} {v:,.0f} texts/s" for b, v in e["texts_per_s"].items())
           + f"; batch-1 short text p50 {e['batch1_short_p50_ms']} ms")
     print(f"{'HTTP /embed (cls)':<34}{'texts/s':>10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
-          f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}{'engine/workers/busiest cores':>30}")
+          f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}{'engine (thread) / workers / busiest, cores':>44}")
     for workers, runs in r["http"].items():
         for key in ("x1", "x16", "x64"):
             h = runs[key]
             label = f"{workers}, {h['texts_per_request']} text(s), {h['clients']} cl"
             print(f"{label:<34}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
                   f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}"
-                  f"{h['client_cpu_share']:>12}{_cores(h.get('server_cpu')):>30}")
+                  f"{h['client_cpu_share']:>12}{_cores(h.get('server_cpu')):>44}")
         c1 = runs["c1_short"]
         print(f"{workers}, one short text, concurrency 1: p50 {c1['p50_ms']} ms (engine batch-1 "
               f"{e['batch1_short_p50_ms']} ms, +{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms; server's "
