@@ -19,6 +19,9 @@ log = logging.getLogger("app.engine_process")
 
 def run(socket_path: str) -> None:
     """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers'."""
+    # Ctrl-C reaches every process of the terminal's group: this one stops only when `python -m app`
+    # says so (SIGTERM), after the HTTP workers have answered what they hold.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = Settings()
     configure_logging(settings)
     with contextlib.suppress(ImportError):
@@ -35,8 +38,7 @@ async def _serve(settings: Settings, socket_path: str) -> None:
     info = EngineInfo.of(engine, batcher)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
     # The socket file appears once the model is loaded and checked: `python -m app` waits for it.
     server = await loop.create_unix_server(serve_workers(batcher, info), path=socket_path)
     log.info("engine process %d ready on %s", os.getpid(), socket_path)

@@ -155,7 +155,10 @@ class _Worker:
 
 # -- inside a worker process ------------------------------------------------------------------------------
 def run_worker(channel: socket.socket, app: str, options: dict) -> None:
-    _HandedConnectionsServer(uvicorn.Config(app, factory=True, **options), channel).run()
+    # uvicorn finishes the requests in flight on SIGINT / SIGTERM, then raises the signal again: Ctrl-C's
+    # KeyboardInterrupt is then an orderly end, not a traceback.
+    with contextlib.suppress(KeyboardInterrupt):
+        _HandedConnectionsServer(uvicorn.Config(app, factory=True, **options), channel).run()
 
 
 class _HandedConnectionsServer(uvicorn.Server):

@@ -31,8 +31,8 @@ class Settings(BaseSettings):
         "(custom_kernels/; about 10% faster at large batches, BENCHMARKS.md). auto: when the artifact has "
         "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
         "built in the checkout), else the plain graph; on: fail without them; off: never")
-    workers: int = Field(1, ge=1, le=64, description="HTTP server processes sharing the port. Above 1 they "
-                         "tokenise and answer around one engine process that holds the session and the batcher, "
+    workers: int = Field(1, ge=1, le=64, description="HTTP server processes, handed the port's connections in "
+                         "turn. Above 1 they tokenise and answer around one engine process that holds the session and the batcher, "
                          "metrics summed over all: on a GPU one Python process cannot keep it busy (see "
                          "BENCHMARKS.md); on the CPU keep 1: inference_workers already use every core")
     intra_op_threads: int | None = Field(None, ge=1, description="ONNX Runtime threads per batch. Default: one "

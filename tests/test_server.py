@@ -3,6 +3,7 @@ port, driven over real HTTP: every endpoint, concurrency, disconnects, overload,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -26,13 +27,15 @@ def free_port() -> int:
 
 
 def start_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT,
-                 **settings) -> tuple[subprocess.Popen, str]:
-    """`python -m app` with BERTSERVE_* settings; returns the process and its base URL once /ready answers 200."""
+                 new_session: bool = False, **settings) -> tuple[subprocess.Popen, str]:
+    """`python -m app` with BERTSERVE_* settings; returns the process and its base URL once /ready answers 200.
+    new_session: in a process group of its own, as a terminal's Ctrl-C reaches it."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
     env.update({f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()}, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([str(python), "-m", "app", "--model-dir", str(artifact), "--port", str(port)],
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=new_session)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -228,6 +231,27 @@ def test_a_dead_http_worker_is_replaced(tiny_artifact_dir):
                     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 128
                     pids.add(c.get("/info").json()["pid"])
         assert victim not in pids
+
+
+def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_dir):
+    """Ctrl-C reaches the launcher, the workers and the engine process at once: the engine keeps going
+    until the workers have answered what they hold, and all exit cleanly."""
+    proc, base = start_server(tiny_artifact_dir, new_session=True, workers=2)
+    texts = [f"request in flight {i} " + "with many more words " * 20 for i in range(512)]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{base}/embed", json={"inputs": texts}, timeout=60)
+            time.sleep(0.3)  # the request has reached a worker (tokenising and running it takes longer)
+            assert not answer.done()
+            os.killpg(proc.pid, signal.SIGINT)
+            r = answer.result()
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert r.status_code == 200 and len(r.json()["data"]) == 512, r.text[:300]
+    assert rc == 0 and "Traceback" not in log and "lost the engine" not in log, f"exit {rc}:\n{log}"
 
 
 def test_workers_run_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatch):
