@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import selectors
 import socket
+import threading
 import time
 
 import uvicorn
@@ -42,7 +43,7 @@ class HttpWorkers:
         self._workers: list[_Worker | None] = [None] * count
         self._turn = 0
 
-    def serve(self, listener: socket.socket, stopping) -> None:
+    def serve(self, listener: socket.socket, stopping: threading.Event) -> None:
         listener.setblocking(False)
         with selectors.DefaultSelector() as selector:
             try:
@@ -63,7 +64,7 @@ class HttpWorkers:
                             self._on_message(key.data, selector)
                     self._restart_dead(selector)
             finally:
-                self._stop_all(selector)
+                self._stop_all()
 
     # -- connections ------------------------------------------------------------------------------------
     def _hand_out(self, listener: socket.socket) -> None:
@@ -119,7 +120,7 @@ class HttpWorkers:
             worker.channel.close()
             self._start(i, selector)
 
-    def _stop_all(self, selector: selectors.BaseSelector) -> None:
+    def _stop_all(self) -> None:
         """SIGTERM to every worker (uvicorn finishes the requests in flight), then wait; kill stragglers."""
         alive = [w for w in self._workers if w is not None]
         for worker in alive:
