@@ -14,6 +14,8 @@ import numpy as np
 import onnxruntime as ort
 
 import custom_kernels
+from app.cuda_graphs import CudaGraphBuckets
+from app.cuda_graphs import open_session as open_cuda_graph_session
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
                                GraphInfo, Manifest)
 
@@ -84,7 +86,8 @@ def kernels_library(graph: GraphInfo, device: str, choice: str) -> Path | None:
 
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
-                 intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto"):
+                 intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
+                 cuda_graphs: str = "auto"):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
@@ -97,8 +100,8 @@ class OrtEngine:
             providers: list = [(CUDA, {"device_id": cuda_device_id}), CPU]
         else:
             providers = [CPU]
-        path, self.session = self._open(folder, graph, providers, kernels_library(graph, device, kernels),
-                                        kernels == "on")
+        library = kernels_library(graph, device, kernels)
+        path, self.session = self._open(folder, graph, providers, library, kernels == "on")
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
@@ -118,6 +121,41 @@ class OrtEngine:
         # ORT's packing mode: the graph drops the padding itself, so padded tokens cost nothing.
         self.packed = graph.fused_operators.get("RemovePadding", 0) > 0
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
+        self.graph_buckets = self._open_graph_buckets(folder, graph, library if self.custom_kernels else None,
+                                                      cuda_graphs, manifest.max_length)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.graph_buckets is not None
+
+    def _open_graph_buckets(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str,
+                            max_length: int) -> CudaGraphBuckets | None:
+        """Small batches on the padded twin as CUDA graphs (app/cuda_graphs.py), captured now. choice
+        "auto": when on CUDA and the artifact has the twin; "on": both required; "off": never. With the
+        custom kernels running, the twin's kernels variant."""
+        if choice not in ("auto", "on", "off"):
+            raise EngineError(f"cuda_graphs must be auto, on or off, not {choice!r}")
+        if choice == "off" or (choice == "auto" and (self.device != "cuda" or not graph.padded)):
+            return None
+        if self.device != "cuda" or not graph.padded:
+            raise EngineError("cuda_graphs on needs CUDA and an artifact with a padded twin of its fp16 graph "
+                              "(python -m export --device cuda writes one unless --no-padded-twin)")
+        twin = graph.padded["custom_kernels"] if library is not None and graph.padded["custom_kernels"] else graph.padded
+        options = _session_options(self.intra_op_threads)
+        if twin is not graph.padded:
+            options.register_custom_ops_library(str(library))
+        try:
+            buckets = CudaGraphBuckets(open_cuda_graph_session(folder / twin["file"], options, self.cuda_device_id),
+                                       self.device, self.cuda_device_id, max_length)
+            buckets.capture(self.pad_id)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own types
+            if choice == "on":
+                raise EngineError(f"CUDA graphs of {twin['file']} failed: {e}") from e
+            log.warning("CUDA graphs of %s failed (%s); small batches run on %s", twin["file"], e, self.graph_file)
+            return None
+        log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
+                 buckets.lengths[-1], twin["file"])
+        return buckets
 
     def _open(self, folder: Path, graph: GraphInfo, providers: list, library: Path | None,
               kernels_required: bool) -> tuple[Path, ort.InferenceSession]:
@@ -140,6 +178,13 @@ class OrtEngine:
             raise EngineError(f"onnxruntime could not load {path} on {self.device}: {e}") from e
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Small batches replay CUDA graphs when there are any; the rest run on the session's graph."""
+        if self.graph_buckets is not None and self.graph_buckets.fits(*batch.input_ids.shape):
+            return self.graph_buckets.run(batch.input_ids, batch.attention_mask, batch.token_type_ids,
+                                          batch.outputs, self.pad_id)
+        return self._run_session(batch)
+
+    def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                  "token_type_ids": batch.token_type_ids}
         names = list(batch.outputs)
@@ -156,15 +201,17 @@ class OrtEngine:
         return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values)}
 
     def health(self, ids: Sequence[int], type_ids: Sequence[int]) -> None:
-        """A real forward pass on a padded two-row batch; raises unless every output is finite."""
+        """A real forward pass on a padded two-row batch (on the session's graph, and as a CUDA graph when
+        small batches replay them); raises unless every output is finite."""
         n = len(ids)
         input_ids = np.full((2, n), self.pad_id, dtype=np.int64)
         mask = np.zeros((2, n), dtype=np.int64)
         types = np.zeros((2, n), dtype=np.int64)
         input_ids[0], mask[0], types[0] = ids, 1, type_ids
         input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
-        out = self.run(Batch(input_ids, mask, types, tuple(sorted(self.outputs))))
-        for name, value in out.items():
+        probe = Batch(input_ids, mask, types, tuple(sorted(self.outputs)))
+        runs = [self._run_session(probe)] + ([self.run(probe)] if self.graph_buckets is not None else [])
+        for name, value in (item for out in runs for item in out.items()):
             if value.shape[0] != 2 or not np.isfinite(value).all():
                 raise EngineError(f"the warm-up forward pass gave a bad {name} (shape {value.shape}, "
                                   f"finite: {bool(np.isfinite(value).all())})")

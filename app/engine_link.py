@@ -54,7 +54,7 @@ _HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before i
 @dataclass(frozen=True)
 class EngineInfo:
     """What a worker reports about the engine it uses (/info, metrics): OrtEngine's device, precision,
-    provider, threads and whether it runs our custom kernels, the batcher's limits, and the engine
+    provider, threads, whether it runs our custom kernels and CUDA graphs, the batcher's limits, and the engine
     process id."""
     device: str
     precision: str
@@ -64,12 +64,13 @@ class EngineInfo:
     max_batch_tokens: int
     pid: int
     custom_kernels: bool = False  # a stand-in engine (bench/) need not say
+    cuda_graphs: bool = False
 
     @classmethod
     def of(cls, engine: OrtEngine, batcher: DynamicBatcher) -> "EngineInfo":
         """This process's engine and batcher."""
         return cls(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
-                   batcher.max_batch_tokens, os.getpid(), engine.custom_kernels)
+                   batcher.max_batch_tokens, os.getpid(), engine.custom_kernels, engine.cuda_graphs)
 
 
 class _Framed(asyncio.BufferedProtocol):

@@ -25,6 +25,10 @@ NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 # The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
 KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
+# A packed fp16 graph's shapes follow its data, so CUDA cannot replay it; small batches run on the same
+# graph with its padding kept, replayed as CUDA graphs (app/cuda_graphs.py). With our operators too:
+PADDED_GRAPH_FILE = "model_fp16_padded.onnx"
+PADDED_KERNELS_GRAPH_FILE = "model_fp16_padded_kernels.onnx"
 
 
 class ManifestError(ValueError):
@@ -42,6 +46,15 @@ class GraphInfo:
     # The same graph with custom_kernels' operators: {"file", "library", "operators", "parity"}; empty
     # when export did not make one. A server without the library runs `file` above instead.
     custom_kernels: dict = field(default_factory=dict)
+    # A packed graph's padded twin for CUDA-graph replay: {"file", "fused_operators", "parity",
+    # "custom_kernels"} (the last as above); empty when export did not make one.
+    padded: dict = field(default_factory=dict)
+
+    def files(self) -> list[str]:
+        """Every graph file this entry names."""
+        named = [self.file, self.custom_kernels.get("file"), self.padded.get("file"),
+                 self.padded.get("custom_kernels", {}).get("file")]
+        return [f for f in named if f]
 
 
 @dataclass
@@ -99,8 +112,7 @@ def read_manifest(folder: Path | str) -> Manifest:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from e
-    files = [g.file for g in manifest.graphs.values()] + [
-        g.custom_kernels["file"] for g in manifest.graphs.values() if g.custom_kernels]
+    files = [f for g in manifest.graphs.values() for f in g.files()]
     for needed in [TOKENIZER_FILE, *files]:
         if not (folder / needed).is_file():
             raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")

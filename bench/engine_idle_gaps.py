@@ -1,6 +1,8 @@
 """Batch-1 time of one short text when the engine idles between requests, as at concurrency 1 in the
 server, against back-to-back calls: the server's OrtEngine on the packed fp16 graph (with and without
-the custom kernels), and the padded fp16 + kernels graph replayed as a CUDA graph. Medians of 300 calls.
+the custom kernels, CUDA graphs off), the same engine replaying its padded twin as CUDA graphs (as the
+server does), and optionally a --keep-padding artifact's graph replayed by bench/engine_throughput.py's
+engine. Medians of 300 calls.
 
   python bench/engine_idle_gaps.py --artifact ART --padded-artifact ART_PADDED   # GPU; ART_PADDED from
                                                                                  # python -m export ... --keep-padding
@@ -59,17 +61,20 @@ def main() -> int:
     tokenizer = TextTokenizer(args.artifact / TOKENIZER_FILE, manifest.max_length, 10**6, manifest.special_tokens)
     short = tokenizer.encode_batch([SHORT_TEXT], truncate=True).sequences
     results = {}
-    for kernels in ("on", "off"):
-        engine = OrtEngine(args.artifact, manifest, "cuda", "fp16", kernels=kernels)
+    variants = {"packed, kernels on": ("on", "off"), "packed, kernels off": ("off", "off")}
+    if manifest.graph("fp16").padded:  # the server's engine: small batches replay the padded twin
+        variants["server engine: kernels on, CUDA graphs of the padded twin"] = ("on", "on")
+    for label, (kernels, cuda_graphs) in variants.items():
+        engine = OrtEngine(args.artifact, manifest, "cuda", "fp16", kernels=kernels, cuda_graphs=cuda_graphs)
         batch = collate(short, engine.pad_id, frozenset({CLS_EMBEDDING}))
         for _ in range(50):
             engine.run(batch)
         call = lambda: engine.run(batch)  # noqa: E731
-        results[f"packed, kernels {kernels}"] = {
+        results[label] = {
             "back_to_back": median_ms(call, 0), "sleep_2ms": median_ms(call, 0.002),
             "spin_2ms": median_ms(call, 0.002, "spin"), "thread_sleep_2ms": median_ms(call, 0.002, "thread"),
             "sleep_10ms": median_ms(call, 0.010)}
-        print(f"packed, kernels {kernels}: {results[f'packed, kernels {kernels}']}", flush=True)
+        print(f"{label}: {results[label]}", flush=True)
     if args.padded_artifact:
         graph = read_manifest(args.padded_artifact).graph("fp16")
         engine = CudaGraphEngine(args.padded_artifact / graph.custom_kernels["file"], "cuda", cuda_graph=True,

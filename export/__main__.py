@@ -26,11 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--custom-kernels", choices=["auto", "on", "off"], default="auto",
                         help="with --device cuda, also write the fp16 graph on our fused GEMM + bias + GELU "
                              "operator (custom_kernels/): auto when its library is built, on: required")
+    parser.add_argument("--no-padded-twin", action="store_true",
+                        help="with --device cuda, skip the padded copy of the fp16 graph that the server replays "
+                             "as CUDA graphs for small batches (a lone text in about half the time)")
     args = parser.parse_args(argv)
 
     try:
         manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
-                                   remove_padding=not args.keep_padding, kernels=args.custom_kernels)
+                                   remove_padding=not args.keep_padding, kernels=args.custom_kernels,
+                                   padded_twin=not args.no_padded_twin)
     except (ExportError, ModelFolderError, ManifestError) as e:
         message = " ".join(str(e).split())  # one line, however the cause formats itself
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
@@ -44,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
             ops = ", ".join(f"{k} {v}" for k, v in info.custom_kernels["operators"].items())
             worst = ", ".join(f"{k} {v:.3g}" for k, v in info.custom_kernels["parity"].items() if k != "batches")
             print(f"{precision} with custom kernels: {args.out}/{info.custom_kernels['file']}; {ops}; parity: {worst}")
+        if info.padded:
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in info.padded["parity"].items() if k != "batches")
+            kernels = info.padded["custom_kernels"]
+            print(f"{precision} padded twin (CUDA graphs): {args.out}/{info.padded['file']}"
+                  + (f" and {kernels['file']}" if kernels else "") + f"; parity: {worst}")
     return 0
 
 

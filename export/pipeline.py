@@ -21,7 +21,8 @@ import torch
 from tokenizers import Tokenizer
 
 import custom_kernels
-from artifact.manifest import GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, TOKENIZER_FILE, GraphInfo, Manifest
+from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
+                               PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, GraphInfo, Manifest)
 from export import ExportError
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
 from export.optimize import optimize_graph, quantize_int8
@@ -36,6 +37,7 @@ REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
+    padded_twin: bool = True,
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -43,7 +45,8 @@ def export_artifact(
     GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
-    on parity like the others. Raises ExportError / ModelFolderError (one line) when an input is bad,
+    on parity like the others. A packed fp16 graph gets a padded twin (and its kernels variant) unless
+    `padded_twin` is false: the server replays that one as CUDA graphs for small batches. Raises ExportError / ModelFolderError (one line) when an input is bad,
     a fusion is missing or a graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
@@ -81,6 +84,13 @@ def export_artifact(
                                              remove_padding)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
+        if device == "cuda" and remove_padding and padded_twin:
+            twin = _build_graph("fp16", traced, tmp, loaded, graph, batches, references, False, PADDED_GRAPH_FILE)
+            graphs["fp16"].padded = {"file": twin.file, "fused_operators": twin.fused_operators,
+                                     "parity": twin.parity, "custom_kernels": {}}
+            if library is not None:
+                graphs["fp16"].padded["custom_kernels"] = _build_kernels_graph(
+                    tmp, library, graph, batches, references, PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE)
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         manifest = Manifest(
@@ -111,8 +121,8 @@ def export_artifact(
 
 def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, graph: EmbeddingGraph,
                  batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
-                 remove_padding: bool) -> GraphInfo:
-    path = tmp / GRAPH_FILES[precision]
+                 remove_padding: bool, file: str | None = None) -> GraphInfo:
+    path = tmp / (file or GRAPH_FILES[precision])
     if precision == "fp32":
         counts = optimize_graph(traced, path, loaded.config, use_gpu=False, float16=False)
     elif precision == "fp16":
@@ -128,18 +138,20 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
 
 
 def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
-                         references: list[dict[str, np.ndarray]]) -> dict:
-    """The fp16 graph with its MatMul + BiasGelu pairs on our fused operator, checked like the graph itself."""
+                         references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
+                         file: str = KERNELS_GRAPH_FILE) -> dict:
+    """The fp16 graph `source` with its MatMul + BiasGelu pairs on our fused operator, checked like the
+    graph itself."""
     import onnx
 
     from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
 
-    model = onnx.load(str(tmp / GRAPH_FILES["fp16"]))
+    model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")
-    path = tmp / KERNELS_GRAPH_FILE
+    path = tmp / file
     onnx.save(model, str(path))
     try:
         session = create_session(path, "cuda", library)

@@ -103,3 +103,37 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999
     assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
     assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999
+
+
+@pytest.mark.parametrize("kernels", ["off", "on"])
+def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp_path, kernels):
+    """The export writes a padded twin of the packed fp16 graph (and its kernels variant with the
+    library); the engine replays it as CUDA graphs for small batches, giving what the packed graph gives,
+    every replay on its own new inputs; a batch beyond the buckets runs on the packed graph."""
+    from app.engine import Batch, OrtEngine
+    from artifact.manifest import NSP_LOGITS, PADDED_GRAPH_FILE
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels]) == 0
+    m = read_manifest(out)
+    padded = m.graph("fp16").padded
+    assert padded["file"] == PADDED_GRAPH_FILE and "PackedAttention" not in padded["fused_operators"]
+    assert padded["parity"]["cls_embedding_min_cosine"] >= 0.999 and bool(padded["custom_kernels"]) == (kernels == "on")
+    replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on")
+    packed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="off")
+    assert replayed.cuda_graphs and not packed.cuda_graphs
+
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    texts = [tok.encode("a short one"), tok.encode("a much longer sentence with more words in it", "and a pair"),
+             tok.encode("x"), tok.encode("another text of a middling length")]
+    outputs = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
+    for rows, first in [(1, 0), (1, 1), (1, 2), (3, 1), (16, 0), (16, 3), (17, 0)]:
+        feed = padded_feed([texts[(first + i) % len(texts)] for i in range(rows)])
+        batch = Batch(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"], outputs)
+        got, want = replayed.run(batch), packed.run(batch)
+        real = feed["attention_mask"].astype(bool)
+        assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+        assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999, (rows, first)
+        assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, (rows, first)
+        assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)
+        np.testing.assert_allclose(got[NSP_LOGITS], want[NSP_LOGITS], atol=2e-2)

@@ -45,6 +45,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "precision": e.precision,
         "provider": e.provider,
         "custom_kernels": e.custom_kernels,  # the fp16 graph on our fused operators (custom_kernels/)
+        "cuda_graphs": e.cuda_graphs,  # small batches replay CUDA graphs (app/cuda_graphs.py)
         "artifact": {"format_version": m.format_version, "created_at": m.created_at,
                      "weights_sha256": m.weights_sha256, "versions": m.versions},
         "limits": {

@@ -1,0 +1,108 @@
+"""Small batches replayed as CUDA graphs.
+
+A batch of a few short texts costs ONNX Runtime about as much CPU time as a large one: it launches
+every kernel of the graph one by one, from a thread that has often just woken up. A lone short text
+takes 1.2-1.4 ms that way on an H200 when the server idles between requests, and 0.53 ms as a
+replayed CUDA graph (BENCHMARKS.md, bench/engine_idle_gaps.py). A CUDA graph needs fixed shapes and
+fixed addresses, which the packed graph (its shapes follow the data) cannot give, so small batches run
+on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
+input and output buffers on the device, the batch padded up to the smallest bucket that holds it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from artifact.manifest import INPUT_NAMES
+
+log = logging.getLogger("app.engine")
+
+ROWS = (1, 2, 4, 8, 16)  # batch sizes captured; a larger batch runs on the packed graph
+LENGTHS = (16, 32, 64, 128)  # sequence lengths captured (up to the model's maximum)
+_RUNS_TO_CAPTURE = 3  # ORT runs a graph normally before it captures it
+
+
+@dataclass
+class _Bucket:
+    rows: int
+    length: int
+    binding: ort.IOBinding
+    inputs: dict[str, ort.OrtValue]
+    outputs: dict[str, ort.OrtValue]
+    run_options: ort.RunOptions
+
+
+class CudaGraphBuckets:
+    """`session` (created with the CUDA provider's enable_cuda_graph) over fixed-shape buckets. `run`
+    takes the same padded int64 arrays as the packed graph and answers float32 outputs cut back to the
+    batch's own rows and length. One batch at a time: a bucket's buffers are shared."""
+
+    def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int,
+                 rows: tuple[int, ...] = ROWS, lengths: tuple[int, ...] = LENGTHS):
+        self.session, self.device, self.device_id = session, device, device_id
+        self.output_names = [o.name for o in session.get_outputs()]
+        lengths = tuple(sorted({min(n, max_length) for n in lengths}))
+        self.rows, self.lengths = tuple(sorted(rows)), lengths
+        self._lock = threading.Lock()
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        for r in self.rows:
+            for n in self.lengths:
+                self._buckets[r, n] = self._make(r, n, len(self._buckets))
+
+    def _make(self, rows: int, length: int, graph_id: int) -> _Bucket:
+        binding = self.session.io_binding()
+        inputs = {}
+        for name in INPUT_NAMES:
+            inputs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros((rows, length), np.int64), self.device,
+                                                            self.device_id)
+            binding.bind_ortvalue_input(name, inputs[name])
+        outputs = {}
+        for o in self.session.get_outputs():
+            shape = [rows if d == "batch" else length if d == "sequence" else d for d in o.shape]
+            outputs[o.name] = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device,
+                                                                        self.device_id)
+            binding.bind_ortvalue_output(o.name, outputs[o.name])
+        run_options = ort.RunOptions()
+        if self.device == "cuda":
+            run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        return _Bucket(rows, length, binding, inputs, outputs, run_options)
+
+    def capture(self, pad_id: int) -> None:
+        """Run every bucket until ORT has captured its graph (start-up: later runs only replay)."""
+        for bucket in self._buckets.values():
+            ids = np.full((bucket.rows, bucket.length), pad_id, np.int64)
+            for _ in range(_RUNS_TO_CAPTURE):
+                self._run(bucket, ids, np.ones_like(ids), np.zeros_like(ids))
+
+    def fits(self, rows: int, length: int) -> bool:
+        return rows <= self.rows[-1] and length <= self.lengths[-1]
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
+            outputs: tuple[str, ...], pad_id: int) -> dict[str, np.ndarray]:
+        rows, length = input_ids.shape
+        bucket = self._buckets[next(r for r in self.rows if r >= rows), next(n for n in self.lengths if n >= length)]
+        ids = np.full((bucket.rows, bucket.length), pad_id, np.int64)
+        mask = np.zeros_like(ids)
+        types = np.zeros_like(ids)
+        ids[:rows, :length], mask[:rows, :length], types[:rows, :length] = input_ids, attention_mask, token_type_ids
+        mask[rows:, 0] = 1  # rows that only fill the bucket attend to one token: no empty softmax
+        with self._lock:
+            self._run(bucket, ids, mask, types)
+            values = {name: bucket.outputs[name].numpy() for name in outputs}  # copies to the host
+        return {name: v[:rows, :length] if v.ndim == 3 else v[:rows] for name, v in values.items()}
+
+    def _run(self, bucket: _Bucket, ids: np.ndarray, mask: np.ndarray, types: np.ndarray) -> None:
+        for name, value in zip(INPUT_NAMES, (ids, mask, types)):
+            bucket.inputs[name].update_inplace(value)
+        self.session.run_with_iobinding(bucket.binding, bucket.run_options)
+
+
+def open_session(path: Path, options: ort.SessionOptions, device_id: int) -> ort.InferenceSession:
+    """The padded graph on CUDA with graph capture on."""
+    return ort.InferenceSession(str(path), options, providers=[
+        ("CUDAExecutionProvider", {"device_id": device_id, "enable_cuda_graph": "1"})])
