@@ -1,12 +1,16 @@
-"""Small batches replayed as CUDA graphs.
+"""Small batches replayed as CUDA graphs (opt-in: `python -m export --device cuda --cuda-graphs`).
 
 A batch of a few short texts costs ONNX Runtime about as much CPU time as a large one: it launches
-every kernel of the graph one by one, from a thread that has often just woken up. A lone short text
-takes 1.2-1.4 ms that way on an H200 when the server idles between requests, and 0.53 ms as a
-replayed CUDA graph (BENCHMARKS.md, bench/engine_idle_gaps.py). A CUDA graph needs fixed shapes and
-fixed addresses, which the packed graph (its shapes follow the data) cannot give, so small batches run
-on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
+every kernel of the graph one by one, from a thread that has often just woken up. One short text run
+as the batcher runs it (a worker thread, after 2 ms idle) takes 1.6 ms that way on an H200, and 0.75 ms
+as a replayed CUDA graph (bench/engine_idle_gaps.py; BENCHMARKS.md). A CUDA graph needs fixed shapes
+and fixed addresses, which the packed graph (its shapes follow the data) cannot give, so small batches
+run on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
 input and output buffers on the device, the batch padded up to the smallest bucket that holds it.
+
+Known cost: under saturating single-text load the p99 latency doubled (61-83 ms against 34-38 ms),
+likely because update_inplace / numpy() copy synchronously on CUDA's default stream and so wait for
+the packed graph's batches running beside them; that is why export makes the twin only when asked.
 """
 from __future__ import annotations
 
@@ -43,11 +47,10 @@ class CudaGraphBuckets:
     batch's own rows and length. One batch at a time: a bucket's buffers are shared."""
 
     def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int,
-                 rows: tuple[int, ...] = ROWS, lengths: tuple[int, ...] = LENGTHS):
+                 rows: tuple[int, ...] | None = None, lengths: tuple[int, ...] | None = None):
         self.session, self.device, self.device_id = session, device, device_id
-        self.output_names = [o.name for o in session.get_outputs()]
-        lengths = tuple(sorted({min(n, max_length) for n in lengths}))
-        self.rows, self.lengths = tuple(sorted(rows)), lengths
+        self.rows = tuple(sorted(rows or ROWS))
+        self.lengths = tuple(sorted({min(n, max_length) for n in lengths or LENGTHS}))
         self._lock = threading.Lock()
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         for r in self.rows:

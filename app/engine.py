@@ -139,7 +139,7 @@ class OrtEngine:
             return None
         if self.device != "cuda" or not graph.padded:
             raise EngineError("cuda_graphs on needs CUDA and an artifact with a padded twin of its fp16 graph "
-                              "(python -m export --device cuda writes one unless --no-padded-twin)")
+                              "(python -m export --device cuda --cuda-graphs writes one)")
         twin = graph.padded["custom_kernels"] if library is not None and graph.padded["custom_kernels"] else graph.padded
         options = _session_options(self.intra_op_threads)
         if twin is not graph.padded:

@@ -33,8 +33,9 @@ class Settings(BaseSettings):
         "built in the checkout), else the plain graph; on: fail without them; off: never")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: batches of up to 16 texts of up to 128 tokens replay CUDA graphs of the "
-        "artifact's padded fp16 graph, captured at start (a lone short text in about half the time, "
-        "BENCHMARKS.md). auto: when the artifact has that graph; on: fail without it; off: never")
+        "artifact's padded fp16 twin (python -m export --cuda-graphs), captured at start: a lone short text "
+        "about 1 ms sooner; under saturating single-text load the p99 doubled (BENCHMARKS.md). auto: when "
+        "the artifact has the twin; on: fail without it; off: never")
     workers: int = Field(1, ge=1, le=64, description="HTTP server processes, handed the port's connections in "
                          "turn. Above 1 they tokenise and answer around one engine process that holds the session and the batcher, "
                          "metrics summed over all: on a GPU one Python process cannot keep it busy (see "

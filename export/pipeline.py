@@ -37,7 +37,7 @@ REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
-    padded_twin: bool = True,
+    padded_twin: bool = False,
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -45,8 +45,8 @@ def export_artifact(
     GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
-    on parity like the others. A packed fp16 graph gets a padded twin (and its kernels variant) unless
-    `padded_twin` is false: the server replays that one as CUDA graphs for small batches. Raises ExportError / ModelFolderError (one line) when an input is bad,
+    on parity like the others. With `padded_twin`, a packed fp16 graph gets a padded twin (and its
+    kernels variant), which the server replays as CUDA graphs for small batches. Raises ExportError / ModelFolderError (one line) when an input is bad,
     a fusion is missing or a graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")

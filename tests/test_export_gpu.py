@@ -114,7 +114,8 @@ def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp
     from artifact.manifest import NSP_LOGITS, PADDED_GRAPH_FILE
 
     out = tmp_path / "art"
-    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels]) == 0
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels,
+                 "--cuda-graphs"]) == 0
     m = read_manifest(out)
     padded = m.graph("fp16").padded
     assert padded["file"] == PADDED_GRAPH_FILE and "PackedAttention" not in padded["fused_operators"]
