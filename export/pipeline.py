@@ -45,11 +45,14 @@ def export_artifact(
     GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
-    on parity like the others. With `padded_twin`, a packed fp16 graph gets a padded twin (and its
-    kernels variant), which the server replays as CUDA graphs for small batches. Raises ExportError / ModelFolderError (one line) when an input is bad,
-    a fusion is missing or a graph fails parity; nothing is written then."""
+    on parity like the others. `padded_twin`: the server may replay the fp16 graph's padded form as
+    CUDA graphs for small batches; a packed graph gets a padded twin (and its kernels variant) for that.
+    Raises ExportError / ModelFolderError (one line) when an input is bad, a fusion is missing or a
+    graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if padded_twin and device != "cuda":
+        raise ExportError("CUDA graphs replay the fp16 graph: --cuda-graphs needs --device cuda")
     if kernels not in custom_kernels.CHOICES:
         raise ExportError(f"custom kernels must be one of {', '.join(custom_kernels.CHOICES)}, not {kernels!r}")
     try:
@@ -84,7 +87,11 @@ def export_artifact(
                                              remove_padding)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
-        if device == "cuda" and remove_padding and padded_twin:
+        if padded_twin and not remove_padding:  # the fp16 graph is padded already: it is its own twin
+            fp16 = graphs["fp16"]
+            fp16.padded = {"file": fp16.file, "fused_operators": fp16.fused_operators, "parity": fp16.parity,
+                           "custom_kernels": fp16.custom_kernels}
+        elif padded_twin:
             twin = _build_graph("fp16", traced, tmp, loaded, graph, batches, references, False, PADDED_GRAPH_FILE)
             graphs["fp16"].padded = {"file": twin.file, "fused_operators": twin.fused_operators,
                                      "parity": twin.parity, "custom_kernels": {}}

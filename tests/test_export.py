@@ -321,3 +321,9 @@ def test_benchmark_smoke_on_cpu(tmp_path):
                        "--text-batches", "8", "--iters", "1", "--texts", "600", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert {r["engine"] for r in result["rows"]} == {"torch fp32", "ort fp32", "ort int8"}
+
+
+def test_cuda_graphs_need_the_gpu_export(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--cuda-graphs"]) == 1
+    assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err and not out.exists()

@@ -105,20 +105,22 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999
 
 
-@pytest.mark.parametrize("kernels", ["off", "on"])
-def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp_path, kernels):
+@pytest.mark.parametrize("kernels,keep_padding", [("off", False), ("on", False), ("on", True)])
+def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp_path, kernels, keep_padding):
     """The export writes a padded twin of the packed fp16 graph (and its kernels variant with the
-    library); the engine replays it as CUDA graphs for small batches, giving what the packed graph gives,
-    every replay on its own new inputs; a batch beyond the buckets runs on the packed graph."""
+    library; a padded fp16 graph is its own twin); the engine replays it as CUDA graphs for small
+    batches, giving what the session's graph gives, every replay on its own new inputs; a batch beyond
+    the buckets runs on the session's graph."""
     from app.engine import Batch, OrtEngine
     from artifact.manifest import NSP_LOGITS, PADDED_GRAPH_FILE
 
     out = tmp_path / "art"
     assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels,
-                 "--cuda-graphs"]) == 0
+                 "--cuda-graphs"] + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     padded = m.graph("fp16").padded
-    assert padded["file"] == PADDED_GRAPH_FILE and "PackedAttention" not in padded["fused_operators"]
+    assert padded["file"] == (GRAPH_FILES["fp16"] if keep_padding else PADDED_GRAPH_FILE)
+    assert "PackedAttention" not in padded["fused_operators"]
     assert padded["parity"]["cls_embedding_min_cosine"] >= 0.999 and bool(padded["custom_kernels"]) == (kernels == "on")
     replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on")
     packed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="off")
