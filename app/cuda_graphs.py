@@ -14,7 +14,6 @@ the packed graph's batches running beside them; that is why export makes the twi
 """
 from __future__ import annotations
 
-import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,6 @@ import numpy as np
 import onnxruntime as ort
 
 from artifact.manifest import INPUT_NAMES
-
-log = logging.getLogger("app.engine")
 
 ROWS = (1, 2, 4, 8, 16)  # batch sizes captured; a larger batch runs on the packed graph
 LENGTHS = (16, 32, 64, 128)  # sequence lengths captured (up to the model's maximum)
