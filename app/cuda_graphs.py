@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -43,9 +42,9 @@ class CudaGraphBuckets:
     takes the same padded int64 arrays as the packed graph and answers float32 outputs cut back to the
     batch's own rows and length. One batch at a time: a bucket's buffers are shared."""
 
-    def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int,
+    def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int, pad_id: int,
                  rows: tuple[int, ...] | None = None, lengths: tuple[int, ...] | None = None):
-        self.session, self.device, self.device_id = session, device, device_id
+        self.session, self.device, self.device_id, self.pad_id = session, device, device_id, pad_id
         self.rows = tuple(sorted(rows or ROWS))
         self.lengths = tuple(sorted({min(n, max_length) for n in lengths or LENGTHS}))
         self._lock = threading.Lock()
@@ -72,10 +71,10 @@ class CudaGraphBuckets:
             run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
         return _Bucket(rows, length, binding, inputs, outputs, run_options)
 
-    def capture(self, pad_id: int) -> None:
+    def capture(self) -> None:
         """Run every bucket until ORT has captured its graph (start-up: later runs only replay)."""
         for bucket in self._buckets.values():
-            ids = np.full((bucket.rows, bucket.length), pad_id, np.int64)
+            ids = np.full((bucket.rows, bucket.length), self.pad_id, np.int64)
             for _ in range(_RUNS_TO_CAPTURE):
                 self._run(bucket, ids, np.ones_like(ids), np.zeros_like(ids))
 
@@ -83,10 +82,10 @@ class CudaGraphBuckets:
         return rows <= self.rows[-1] and length <= self.lengths[-1]
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
-            outputs: tuple[str, ...], pad_id: int) -> dict[str, np.ndarray]:
+            outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         rows, length = input_ids.shape
         bucket = self._buckets[next(r for r in self.rows if r >= rows), next(n for n in self.lengths if n >= length)]
-        ids = np.full((bucket.rows, bucket.length), pad_id, np.int64)
+        ids = np.full((bucket.rows, bucket.length), self.pad_id, np.int64)
         mask = np.zeros_like(ids)
         types = np.zeros_like(ids)
         ids[:rows, :length], mask[:rows, :length], types[:rows, :length] = input_ids, attention_mask, token_type_ids
@@ -101,8 +100,3 @@ class CudaGraphBuckets:
             bucket.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)
 
-
-def open_session(path: Path, options: ort.SessionOptions, device_id: int) -> ort.InferenceSession:
-    """The padded graph on CUDA with graph capture on."""
-    return ort.InferenceSession(str(path), options, providers=[
-        ("CUDAExecutionProvider", {"device_id": device_id, "enable_cuda_graph": "1"})])

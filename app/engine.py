@@ -15,7 +15,6 @@ import onnxruntime as ort
 
 import custom_kernels
 from app.cuda_graphs import CudaGraphBuckets
-from app.cuda_graphs import open_session as open_cuda_graph_session
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
                                GraphInfo, Manifest)
 
@@ -101,7 +100,8 @@ class OrtEngine:
         else:
             providers = [CPU]
         library = kernels_library(graph, device, kernels)
-        path, self.session = self._open(folder, graph, providers, library, kernels == "on")
+        path, self.session = self._open(folder, graph.file, graph.custom_kernels.get("file"), providers, library,
+                                        kernels == "on")
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
@@ -140,29 +140,27 @@ class OrtEngine:
         if self.device != "cuda" or not graph.padded:
             raise EngineError("cuda_graphs on needs CUDA and an artifact with a padded twin of its fp16 graph "
                               "(python -m export --device cuda --cuda-graphs writes one)")
-        twin = graph.padded["custom_kernels"] if library is not None and graph.padded["custom_kernels"] else graph.padded
-        options = _session_options(self.intra_op_threads)
-        if twin is not graph.padded:
-            options.register_custom_ops_library(str(library))
+        providers = [(CUDA, {"device_id": self.cuda_device_id, "enable_cuda_graph": "1"})]
         try:
-            buckets = CudaGraphBuckets(open_cuda_graph_session(folder / twin["file"], options, self.cuda_device_id),
-                                       self.device, self.cuda_device_id, max_length)
-            buckets.capture(self.pad_id)
+            path, session = self._open(folder, graph.padded["file"], graph.padded["custom_kernels"].get("file"),
+                                       providers, library, kernels_required=True)
+            buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id)
+            buckets.capture()
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             if choice == "on":
-                raise EngineError(f"CUDA graphs of {twin['file']} failed: {e}") from e
-            log.warning("CUDA graphs of %s failed (%s); small batches run on %s", twin["file"], e, self.graph_file)
+                raise EngineError(f"CUDA graphs of the padded twin failed: {e}") from e
+            log.warning("CUDA graphs of the padded twin failed (%s); small batches run on %s", e, self.graph_file)
             return None
         log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
-                 buckets.lengths[-1], twin["file"])
+                 buckets.lengths[-1], path.name)
         return buckets
 
-    def _open(self, folder: Path, graph: GraphInfo, providers: list, library: Path | None,
+    def _open(self, folder: Path, file: str, kernels_file: str | None, providers: list, library: Path | None,
               kernels_required: bool) -> tuple[Path, ort.InferenceSession]:
-        """The custom-kernels graph with its library when there is one, else (or when that fails and
-        they are not required) the plain graph."""
-        if library is not None:
-            path = folder / graph.custom_kernels["file"]
+        """The custom-kernels graph `kernels_file` with its library when there are both, else (or when
+        that fails and they are not required) the plain graph `file`."""
+        if library is not None and kernels_file:
+            path = folder / kernels_file
             try:
                 opts = _session_options(self.intra_op_threads)
                 opts.register_custom_ops_library(str(library))
@@ -170,8 +168,8 @@ class OrtEngine:
             except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
                 if kernels_required:
                     raise EngineError(f"onnxruntime could not run {path.name} with {library}: {e}") from e
-                log.warning("custom kernels did not load (%s); running the plain %s graph", e, graph.file)
-        path = folder / graph.file
+                log.warning("custom kernels did not load (%s); running the plain %s graph", e, file)
+        path = folder / file
         try:
             return path, ort.InferenceSession(str(path), _session_options(self.intra_op_threads), providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
@@ -181,7 +179,7 @@ class OrtEngine:
         """Small batches replay CUDA graphs when there are any; the rest run on the session's graph."""
         if self.graph_buckets is not None and self.graph_buckets.fits(*batch.input_ids.shape):
             return self.graph_buckets.run(batch.input_ids, batch.attention_mask, batch.token_type_ids,
-                                          batch.outputs, self.pad_id)
+                                          batch.outputs)
         return self._run_session(batch)
 
     def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:

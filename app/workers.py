@@ -2,8 +2,8 @@
 
 The engine process (app.engine_process) owns the ONNX Runtime session and the batcher; this process
 binds the port and hands each connection to the next HTTP worker (app.http_workers), which tokenise,
-encode answers and reach the engine over a Unix socket. Python's per-request work is what limits one process; the GPU wants large batches
-on one CUDA context. Metrics of every process are summed (prometheus_client's multiprocess mode)."""
+encode answers and reach the engine over a Unix socket. Python's per-request work is what limits one
+process; the GPU wants large batches on one CUDA context. Metrics of every process are summed (prometheus_client's multiprocess mode)."""
 from __future__ import annotations
 
 import contextlib

@@ -87,17 +87,15 @@ def export_artifact(
                                              remove_padding)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
-        if padded_twin and not remove_padding:  # the fp16 graph is padded already: it is its own twin
-            fp16 = graphs["fp16"]
-            fp16.padded = {"file": fp16.file, "fused_operators": fp16.fused_operators, "parity": fp16.parity,
-                           "custom_kernels": fp16.custom_kernels}
-        elif padded_twin:
-            twin = _build_graph("fp16", traced, tmp, loaded, graph, batches, references, False, PADDED_GRAPH_FILE)
+        if padded_twin:
+            twin = graphs["fp16"]  # a padded fp16 graph is its own twin
+            if remove_padding:
+                twin = _build_graph("fp16", traced, tmp, loaded, graph, batches, references, False, PADDED_GRAPH_FILE)
+                if library is not None:
+                    twin.custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references,
+                                                               PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE)
             graphs["fp16"].padded = {"file": twin.file, "fused_operators": twin.fused_operators,
-                                     "parity": twin.parity, "custom_kernels": {}}
-            if library is not None:
-                graphs["fp16"].padded["custom_kernels"] = _build_kernels_graph(
-                    tmp, library, graph, batches, references, PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE)
+                                     "parity": twin.parity, "custom_kernels": twin.custom_kernels}
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         manifest = Manifest(

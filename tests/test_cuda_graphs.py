@@ -33,11 +33,11 @@ def batch(rng, rows: int, length: int, vocab: int, pad: int):
 def test_a_batch_padded_into_a_bucket_gives_its_own_outputs(graph, rows, length):
     manifest, session = graph
     pad = manifest.special_tokens["[PAD]"]
-    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, rows=(1, 4, 8), lengths=(16, 32))
+    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, pad, rows=(1, 4, 8), lengths=(16, 32))
     assert buckets.fits(rows, length)
     ids, mask, types = batch(np.random.default_rng(rows * 100 + length), rows, length, manifest.vocab_size, pad)
     names = tuple(o.name for o in session.get_outputs())
-    got = buckets.run(ids, mask, types, names, pad)
+    got = buckets.run(ids, mask, types, names)
     want = dict(zip(names, session.run(list(names), dict(zip(INPUT_NAMES, (ids, mask, types))))))
     for name in names:
         assert got[name].shape == want[name].shape, name
@@ -47,7 +47,8 @@ def test_a_batch_padded_into_a_bucket_gives_its_own_outputs(graph, rows, length)
 
 def test_only_batches_within_the_largest_bucket_fit(graph):
     manifest, session = graph
-    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, rows=(1, 4), lengths=(16, 32, 4096))
+    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, manifest.special_tokens["[PAD]"],
+                               rows=(1, 4), lengths=(16, 32, 4096))
     assert buckets.lengths[-1] == manifest.max_length  # no bucket longer than the model takes
     assert buckets.fits(4, manifest.max_length) and not buckets.fits(5, 8) and not buckets.fits(1, manifest.max_length + 1)
 

@@ -175,7 +175,8 @@ def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artif
     engine = OrtEngine(art, manifest, "cpu", "fp32")
     providers = ["CPUExecutionProvider"]
 
-    path, session = engine._open(art, graph, providers, hostref_library, kernels_required=True)
+    kernels_file = graph.custom_kernels["file"]
+    path, session = engine._open(art, graph.file, kernels_file, providers, hostref_library, kernels_required=True)
     assert path.name == "model_kernels.onnx"
     feed = _padded_feed(art)
     names = [o.name for o in session.get_outputs()]
@@ -184,7 +185,7 @@ def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artif
 
     not_a_library = tmp_path / "libbroken.so"
     not_a_library.write_bytes(b"not an ELF file")
-    path, session = engine._open(art, graph, providers, not_a_library, kernels_required=False)
+    path, session = engine._open(art, graph.file, kernels_file, providers, not_a_library, kernels_required=False)
     assert path.name == graph.file
     with pytest.raises(EngineError, match="could not run model_kernels.onnx"):
-        engine._open(art, graph, providers, not_a_library, kernels_required=True)
+        engine._open(art, graph.file, kernels_file, providers, not_a_library, kernels_required=True)
