@@ -152,6 +152,14 @@ class PretrainingDataset:
             first = (b * world_size + rank) * batch_size
             yield self._collate([self.example(epoch, seed, int(i)) for i in order[first: first + batch_size]])
 
+    def every_batch(self, epoch: int, batch_size: int, seed: int,
+                    max_examples: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """All of the epoch's examples (or its first `max_examples`) in the order `batches` serves them,
+        the last batch possibly smaller: an evaluation over the whole dataset, on one process."""
+        order = self.order(epoch, seed)[:max_examples]
+        for first in range(0, len(order), batch_size):
+            yield self._collate([self.example(epoch, seed, int(i)) for i in order[first: first + batch_size]])
+
     def _collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(e["input_ids"]) for e in examples)
         n = len(examples)
