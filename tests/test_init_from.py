@@ -74,7 +74,7 @@ def sentence_transformers_dir(root, tokenizer_dir) -> Path:
     hf_folder(folder / "0_Transformer", tokenizer_dir, transformers.BertModel, add_pooling_layer=False)
     (folder / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 48}')
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32, "pooling_mode_mean_tokens": true}')
+    (folder / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32}')
     (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "0_Transformer", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))

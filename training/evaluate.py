@@ -52,9 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def require_heads(loaded: LoadedModel, folder: Path) -> None:
-    missing = ([] if loaded.has_mlm_head else ["no MLM head (cls.predictions.*)"]) + \
-              ([] if loaded.has_nsp_head else [f"no NSP head ({'' if loaded.has_pooler else 'bert.pooler.*, '}"
-                                                f"cls.seq_relationship.*)"])
+    """Evaluation reads both heads: a folder that lacks one would be scored on random weights."""
+    missing = []
+    if not loaded.has_mlm_head:
+        missing.append("no MLM head (cls.predictions.*)")
+    if not loaded.has_nsp_head:  # NSP reads the pooler too
+        missing.append("no NSP head (cls.seq_relationship.*)" if loaded.has_pooler
+                       else "no NSP head (bert.pooler.*, cls.seq_relationship.*)")
     if missing:
         raise ModelFolderError(f"{folder} has {' and '.join(missing)}: evaluation needs a BertForPreTraining "
                                f"checkpoint")

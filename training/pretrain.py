@@ -96,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimiser step")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default per preset: "
-                        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items()) + f"; with --init-from {INIT_FROM_LR:g})")
+                        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items())
+                        + f"; with --init-from {INIT_FROM_LR:g})")
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (default: --warmup-fraction of all steps)")
     g.add_argument("--warmup-fraction", type=float, default=t.warmup_fraction,
@@ -362,7 +363,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     del resume_state
 
     # The longest sequence the written model has been trained at, counting the --init-from folder's own.
-    max_length = min(max([c.max_seq_len for c in dcfgs] + [source.trained_length]), model_config.max_position_embeddings)
+    max_length = min(max([c.max_seq_len for c in dcfgs] + [source.trained_length]),
+                     model_config.max_position_embeddings)
     summary = {
         "preset": source.preset,
         "init_from": source.folder,
