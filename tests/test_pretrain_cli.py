@@ -55,6 +55,9 @@ def test_end_to_end_writes_a_loadable_folder_metrics_and_summary(finished_run, c
         assert key in summary["heldout"]
     assert summary["versions"]["torch"] == torch.__version__
     assert summary["data_stats"][0]["documents"] == 80
+    # The longest sequence trained at, where export and transformers' tokenizer look for it.
+    assert summary["max_length"] == 32
+    assert json.loads((folder / "tokenizer_config.json").read_text())["model_max_length"] == 32
 
     train_events = read_metrics(root / "run")
     assert [r["step"] for r in train_events] == [3, 6, 9, 12]
@@ -135,5 +138,6 @@ def test_help_lists_every_knob():
                  "--grad-accum", "--lr", "--warmup-steps", "--weight-decay", "--clip-norm", "--seed",
                  "--eval-every", "--eval-batches", "--checkpoint-every", "--keep-checkpoints", "--vocab-size",
                  "--vocab-file", "--no-lowercase", "--whole-word-masking", "--max-predictions", "--compile",
-                 "--device", "--precision", "--phase2-seq-len", "--phase2-steps", "--cache-dir", "--run-dir"):
+                 "--device", "--precision", "--phase2-seq-len", "--phase2-steps", "--cache-dir", "--run-dir",
+                 "--init-from"):
         assert flag in done.stdout, flag

@@ -88,17 +88,17 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 
 def check_compatible(path: Path, state: dict[str, Any], expected: dict[str, dict]) -> None:
     """Refuse a checkpoint whose recorded settings differ from `expected` in any listed section
-    (e.g. {"model_config": ..., "data_config": ...}): its weights or data position would be meaningless."""
+    (e.g. {"model_config": ..., "data_config": ...}): its weights or data position would be meaningless.
+    A setting (or section) that an older checkpoint lacks counts as None, the default of those added since."""
     for section, want in expected.items():
-        have = state.get(section)
-        if have == want:
-            continue
-        diffs = [f"{k} {have.get(k)!r} (now {want.get(k)!r})" for k in sorted(set(have or {}) | set(want))
-                 if (have or {}).get(k) != want.get(k)] if isinstance(have, dict) else [repr(have)]
-        raise CheckpointError(
-            f"checkpoint {path} was made with another configuration: {', '.join(diffs[:4])}; "
-            f"pass the settings it was made with, or choose a new --run-dir to start a fresh run"
-        )
+        have = state.get(section, {})
+        diffs = [f"{k} {have.get(k)!r} (now {want.get(k)!r})" for k in sorted(set(have) | set(want))
+                 if have.get(k) != want.get(k)] if isinstance(have, dict) else [repr(have)]
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {path} was made with another configuration: {', '.join(diffs[:4])}; "
+                f"pass the settings it was made with, or choose a new --run-dir to start a fresh run"
+            )
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from training.docstring_corpus import docstring_corpus, docstring_corpus_path
 from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, create_pairs
 from training.masking import Masker
 from training.shards import TokenShards, write_shards
-from training.wordpiece import CLS, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
+from training.wordpiece import CLS, MASK, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
     train_wordpiece
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,10 @@ _WAIT_LOG_S = 60.0
 @dataclass(frozen=True)
 class DataConfig:
     corpus: tuple[str, ...] = ()          # empty -> embedded default corpus (docstrings)
-    vocab_size: int = 8192                # vocab to train when no vocab_file
+    vocab_size: int = 8192                # vocab to train when no vocab_file / tokenizer_dir
     vocab_file: str | None = None         # use an existing vocab.txt instead of training one
-    lowercase: bool = True
+    tokenizer_dir: str | None = None      # use a model folder's tokenizer as it is (its own lower-casing)
+    lowercase: bool = True                # of a trained tokenizer or a vocab_file
     max_seq_len: int = 128
     short_seq_prob: float = 0.1
     masked_lm_prob: float = 0.15
@@ -68,7 +69,9 @@ class DataConfig:
             raise ValueError("max_predictions_per_seq must be at least 1")
         if not 0.0 <= self.heldout_fraction <= 0.5:
             raise ValueError(f"heldout_fraction {self.heldout_fraction} must lie in [0, 0.5]")
-        if self.vocab_file is None and self.vocab_size < 105:
+        if self.vocab_file is not None and self.tokenizer_dir is not None:
+            raise ValueError("vocab_file and tokenizer_dir both name a vocabulary; pass one")
+        if self.vocab_file is None and self.tokenizer_dir is None and self.vocab_size < 105:
             raise ValueError(f"vocab_size {self.vocab_size} is too small; use at least 105")
 
 
@@ -149,6 +152,14 @@ class PretrainingDataset:
             first = (b * world_size + rank) * batch_size
             yield self._collate([self.example(epoch, seed, int(i)) for i in order[first: first + batch_size]])
 
+    def every_batch(self, epoch: int, batch_size: int, seed: int,
+                    max_examples: int | None = None) -> Iterator[dict[str, torch.Tensor]]:
+        """All of the epoch's examples (or its first `max_examples`) in the order `batches` serves them,
+        the last batch possibly smaller: an evaluation over the whole dataset, on one process."""
+        order = self.order(epoch, seed)[:max_examples]
+        for first in range(0, len(order), batch_size):
+            yield self._collate([self.example(epoch, seed, int(i)) for i in order[first: first + batch_size]])
+
     def _collate(self, examples: list[dict]) -> dict[str, torch.Tensor]:
         length = max(len(e["input_ids"]) for e in examples)
         n = len(examples)
@@ -208,8 +219,22 @@ def _corpus_fingerprint(cfg: DataConfig) -> tuple[str, list[Path] | None]:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest(), files
 
 
+def folder_tokenizer(folder: Path | str) -> Tokenizer:
+    """A model folder's tokenizer as it is, minus any truncation or padding a tokenizer.json carries
+    (they would cut or pad the sentences written to the shards)."""
+    tokenizer = load_tokenizer_from_folder(folder)
+    missing = [t for t in (PAD, CLS, SEP, MASK) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise ValueError(f"the tokenizer of {folder} lacks {', '.join(missing)}; pretraining needs a BERT vocabulary")
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
+
+
 def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
-    if cfg.vocab_file is not None:
+    if cfg.tokenizer_dir is not None:  # keyed on what the tokenizer does, its lower-casing included
+        vocab = "tokenizer:" + hashlib.sha256(folder_tokenizer(cfg.tokenizer_dir).to_str().encode()).hexdigest()
+    elif cfg.vocab_file is not None:
         vocab_path = Path(cfg.vocab_file)
         if not vocab_path.is_file():
             raise ValueError(f"vocab file {cfg.vocab_file} does not exist")
@@ -232,7 +257,9 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
         timings["extract_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        if cfg.vocab_file is not None:
+        if cfg.tokenizer_dir is not None:
+            tokenizer = folder_tokenizer(cfg.tokenizer_dir)
+        elif cfg.vocab_file is not None:
             tokenizer = tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
         else:
             counted = CorpusStats()

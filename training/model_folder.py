@@ -2,7 +2,8 @@
 
 The folder is the hand-off from training to export. Ours is written atomically (a temporary sibling
 renamed into place) and is also a valid Hugging Face BERT checkpoint; reading accepts any local
-`BertModel` / `BertForPreTraining` checkpoint (safetensors or a PyTorch .bin).
+`BertModel` / `BertForPreTraining` checkpoint (safetensors or a PyTorch .bin), sentence-transformers
+folders included, with the key spellings transformers itself accepts (`LayerNorm.gamma` / `.beta`).
 """
 from __future__ import annotations
 
@@ -17,19 +18,20 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from artifact.source_folder import CONFIG_FILE, TOKENIZER_CONFIG_FILE, transformer_folder
+from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
 from training.model import BertConfig, BertForPreTraining
 
-CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
 TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json")
 
 # Tied to the word embeddings (and its bias to cls.predictions.bias): never stored separately.
 _TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
-
-
-class ModelFolderError(ValueError):
-    """A model folder that is missing, incomplete or corrupt; the message says what to do."""
+# Buffers that transformers versions stored with the weights; ours are rebuilt from the config.
+_BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
+# Old (TF-converted) checkpoints, such as Google's bert-base-uncased, renamed as transformers does at load.
+_LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
 @dataclass
@@ -43,9 +45,11 @@ class LoadedModel:
 
 
 def save_model_folder(
-    model: BertForPreTraining, tokenizer_dir: Path, out_dir: Path, extra_files: dict[str, dict] | None = None
+    model: BertForPreTraining, tokenizer_dir: Path, out_dir: Path, extra_files: dict[str, dict] | None = None,
+    max_length: int | None = None,
 ) -> Path:
-    """Write config, weights, tokenizer files (copied from `tokenizer_dir`) and any extra JSON files.
+    """Write config, weights, tokenizer files (copied from `tokenizer_dir`) and any extra JSON files;
+    `max_length` (the longest sequence trained at) becomes tokenizer_config.json's model_max_length.
     Nothing appears at `out_dir` until everything is written."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -58,6 +62,10 @@ def save_model_folder(
             src = Path(tokenizer_dir) / name
             if src.exists():
                 shutil.copy2(src, tmp / name)
+        if max_length is not None:
+            path = tmp / TOKENIZER_CONFIG_FILE
+            config = json.loads(path.read_text()) if path.is_file() else {}
+            path.write_text(json.dumps({**config, "model_max_length": max_length}, indent=2) + "\n")
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
         _replace_dir(tmp, out_dir)
@@ -81,8 +89,8 @@ def _replace_dir(src: Path, dst: Path) -> None:
 def read_config(folder: Path) -> BertConfig:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
-        raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; point --model at a folder written by "
-                               f"`python -m training.pretrain` or a Hugging Face BERT checkpoint")
+        raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; not a model folder (expected one written by "
+                               f"`python -m training.pretrain` or a Hugging Face BERT checkpoint)")
     try:
         return BertConfig.from_hf_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -105,19 +113,36 @@ def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     raise ModelFolderError(f"{folder}: no {WEIGHTS_FILE} or {TORCH_WEIGHTS_FILE} found")
 
 
+def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers BERT state dict in our names: a bare BertModel's keys get the `bert.` prefix,
+    legacy LayerNorm names are renamed, stored buffers and tied copies dropped (an old checkpoint
+    that keeps the MLM bias only as the decoder's gives it to `cls.predictions.bias`)."""
+    renamed = {}
+    for key, value in state.items():
+        for old, new in _LEGACY_NAMES.items():
+            key = key.replace(old, new)
+        if not key.startswith(("bert.", "cls.")):
+            key = f"bert.{key}"
+        renamed[key] = value
+    if "cls.predictions.bias" not in renamed and "cls.predictions.decoder.bias" in renamed:
+        renamed["cls.predictions.bias"] = renamed["cls.predictions.decoder.bias"]
+    return {k: v for k, v in renamed.items() if not k.endswith(_BUFFER_SUFFIXES) and k not in _TIED_KEYS}
+
+
 def load_model_folder(folder: Path | str) -> LoadedModel:
     """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU).
 
-    Heads absent from the checkpoint (a bare BertModel) stay randomly initialised and are reported
-    through `has_mlm_head` / `has_nsp_head`, so that downstream code never serves made-up scores."""
+    In a sentence-transformers folder the transformer may sit in a subfolder (modules.json);
+    `LoadedModel.folder` is where it and its tokenizer are. Heads absent from the checkpoint (a bare
+    BertModel) are freshly initialised from torch's random state (the MLM decoder tied to the word
+    embeddings, as always) and reported through `has_mlm_head` / `has_nsp_head`, so that downstream
+    code never serves made-up scores."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ModelFolderError(f"{folder} is not a folder")
+    folder = transformer_folder(folder)
     config = read_config(folder)
-    state = _read_state_dict(folder)
-    if not any(k.startswith("bert.") for k in state):  # a bare BertModel checkpoint
-        state = {f"bert.{k}": v for k, v in state.items()}
-    state = {k: v for k, v in state.items() if not k.endswith("position_ids") and k not in _TIED_KEYS}
+    state = _our_names(_read_state_dict(folder))
     model = BertForPreTraining(config)
     expected = {k for k in model.state_dict() if k not in _TIED_KEYS}
     missing = expected - state.keys()
@@ -136,6 +161,6 @@ def load_model_folder(folder: Path | str) -> LoadedModel:
     has_pooler = not any(k.startswith("bert.pooler.") for k in missing)
     has_nsp = has_pooler and not any(k.startswith("cls.seq_relationship.") for k in missing)
     has_mlm = not any(k.startswith("cls.predictions.") for k in missing)
-    if has_mlm:  # re-tie: load_state_dict with an absent decoder key keeps the tie, but be explicit
-        model.cls.predictions.decoder.weight = model.bert.embeddings.word_embeddings.weight
+    # load_state_dict with no decoder key keeps the tie, fresh head or not; be explicit all the same
+    model.cls.predictions.decoder.weight = model.bert.embeddings.word_embeddings.weight
     return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder)

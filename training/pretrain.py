@@ -1,6 +1,7 @@
 """`python -m training.pretrain`: prepare the data, pretrain BERT (MLM + NSP), write the model folder.
 
-Defaults train the `tiny` preset on the embedded default corpus in about ten minutes on 2 CPU cores.
+Defaults train the `tiny` preset on the embedded default corpus in about ten minutes on 2 CPU cores;
+`--init-from DIR` continues any local BERT folder instead (its weights, shape and tokenizer).
 Under `torchrun` it trains with DDP, one process per device; only rank 0 writes files.
 """
 from __future__ import annotations
@@ -9,28 +10,41 @@ import argparse
 import platform
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from artifact.source_folder import trained_max_length
 from training.checkpoint import CheckpointError, check_compatible, list_checkpoints, load_checkpoint
 from training.corpus import CorpusError
 from training.data import DataConfig, prepare_data
-from training.model import PRESETS, BertForPreTraining, preset_config
-from training.model_folder import ModelFolderError, save_model_folder
+from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
+from training.model_folder import LoadedModel, ModelFolderError, load_model_folder, save_model_folder
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, setup_distributed, teardown_distributed,
                               train)
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
-# Every model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
+DEFAULT_PRESET = "tiny"
+# --init-from's: the peak rate BERT itself was pretrained with; a trained model needs no larger step.
+INIT_FROM_LR = 1e-4
+DEFAULT_DROPOUT = 0.1  # a fresh model's (BERT's); --init-from keeps its folder's
+DEFAULT_VOCAB_SIZE = DataConfig.vocab_size
+# Every fresh model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
 
 
 class _RankZeroFailed(Exception):
     """Another rank's copy of an error rank 0 already reported."""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except None: those flags say in words what happens when left out."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder (config.json, model.safetensors, tokenizer files) that `python -m export` and "
                     "transformers read. With no arguments: the tiny preset on the embedded default corpus, "
                     "about ten minutes on 2 CPU cores.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
@@ -52,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most masked tokens per sequence")
     g.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob, help="share of tokens masked")
     g.add_argument("--whole-word-masking", action="store_true", help="mask all pieces of a word together")
-    g.add_argument("--vocab-size", type=int, default=d.vocab_size, help="WordPiece vocabulary to train")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help=f"WordPiece vocabulary to train (default: {DEFAULT_VOCAB_SIZE})")
     g.add_argument("--vocab-file", default=None, help="use this vocab.txt instead of training a tokenizer")
     g.add_argument("--no-lowercase", action="store_true", help="keep case (a cased model)")
     g.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
@@ -63,8 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "dropping surplus pairs so that exactly half are IsNext")
 
     g = p.add_argument_group("model")
-    g.add_argument("--preset", default="tiny", help=f"model size: {', '.join(PRESETS)}")
-    g.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout (BERT: 0.1)")
+    g.add_argument("--preset", default=None,
+                   help=f"model size: {', '.join(PRESETS)} (default: {DEFAULT_PRESET}; with --init-from, the folder's)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="continue pretraining this local BERT folder (ours, transformers' BertForPreTraining or "
+                        "BertModel, or sentence-transformers): its weights, sizes and tokenizer as they are; "
+                        "heads it lacks start fresh")
+    g.add_argument("--dropout", type=float, default=None,
+                   help=f"hidden and attention dropout (default: {DEFAULT_DROPOUT} as in BERT; with --init-from, "
+                        f"the folder's)")
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-steps", type=int, default=1200, help="optimiser steps (of phase 1)")
@@ -74,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimiser step")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default per preset: "
-                        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items()) + ")")
+                        + ", ".join(f"{k} {v:g}" for k, v in PRESET_LR.items())
+                        + f"; with --init-from {INIT_FROM_LR:g})")
     g.add_argument("--warmup-steps", type=int, default=None,
                    help="linear warm-up steps (default: --warmup-fraction of all steps)")
     g.add_argument("--warmup-fraction", type=float, default=t.warmup_fraction,
@@ -118,11 +141,93 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def data_configs(args: argparse.Namespace) -> list[DataConfig]:
+@dataclass
+class ModelSource:
+    """Where a run's model comes from: a fresh preset, or the BERT folder given to --init-from (its
+    weights, shape and tokenizer; heads it lacks freshly initialised)."""
+
+    preset: str | None = None
+    init_from: LoadedModel | None = None
+    trained_length: int = 0  # the longest sequence the --init-from folder was trained at
+
+    @property
+    def name(self) -> str:
+        return self.preset if self.init_from is None else str(self.init_from.folder)
+
+    @property
+    def max_positions(self) -> int:
+        return MAX_POSITIONS if self.init_from is None else self.init_from.config.max_position_embeddings
+
+    @property
+    def folder(self) -> str | None:
+        """The --init-from folder (where its transformer and tokenizer are), absolute."""
+        return None if self.init_from is None else str(self.init_from.folder.resolve())
+
+    @property
+    def default_lr(self) -> float:
+        return PRESET_LR[self.preset] if self.init_from is None else INIT_FROM_LR
+
+    def record(self) -> dict[str, Any]:
+        """What checkpoints keep of it, so that a resume from another source is refused."""
+        return {"init_from": self.folder}
+
+    def model_config(self, vocab_size: int, dropout: float | None) -> BertConfig:
+        if self.init_from is None:
+            config = preset_config(self.preset, vocab_size=vocab_size, max_position_embeddings=MAX_POSITIONS)
+            dropout = DEFAULT_DROPOUT if dropout is None else dropout
+        else:
+            config = self.init_from.config
+        if dropout is None:
+            return config
+        return replace(config, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+
+    def build(self, config: BertConfig, seed: int) -> BertForPreTraining:
+        if self.init_from is not None and config == self.init_from.config:
+            return self.init_from.model
+        torch.manual_seed(seed)  # the same initial weights on every rank
+        model = BertForPreTraining(config)
+        if self.init_from is not None:  # another dropout: the modules are built from the config
+            model.load_state_dict(self.init_from.model.state_dict())
+        return model
+
+
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """The fresh preset, or the --init-from folder, loaded and checked against the flags that would
+    contradict it. Its missing heads are drawn from the seed, so every DDP rank gets the same."""
+    if args.init_from is None:
+        return ModelSource(preset=args.preset or DEFAULT_PRESET)
+    for flag, given in (("--vocab-size", args.vocab_size is not None), ("--vocab-file", args.vocab_file is not None),
+                        ("--no-lowercase", args.no_lowercase)):
+        if given:
+            raise ValueError(f"{flag} does not go with --init-from: the folder's tokenizer is used as it is")
+    torch.manual_seed(args.seed)
+    loaded = load_model_folder(args.init_from)
+    c = loaded.config
+    shape = (c.num_hidden_layers, c.hidden_size, c.num_attention_heads)
+    if args.preset is not None and (PRESETS[args.preset] != shape or c.intermediate_size != 4 * c.hidden_size):
+        layers, hidden, heads = PRESETS[args.preset]
+        raise ValueError(f"--preset {args.preset} ({layers} layers, hidden {hidden}, {heads} heads) is not the shape "
+                         f"of --init-from {args.init_from} ({shape[0]} layers, hidden {shape[1]}, {shape[2]} heads, "
+                         f"FFN {c.intermediate_size}); leave --preset out")
+    return ModelSource(init_from=loaded, trained_length=trained_max_length(args.init_from))
+
+
+def check_lengths(args: argparse.Namespace, source: ModelSource) -> None:
+    lengths = [("--max-seq-len", args.max_seq_len)] + ([("--phase2-seq-len", args.phase2_seq_len)]
+                                                       if args.phase2_steps else [])
+    for flag, value in lengths:
+        if value > source.max_positions:
+            where = (f"--init-from {args.init_from} has" if source.init_from is not None
+                     else "a fresh model gets")
+            raise ValueError(f"{flag} {value} is longer than the {source.max_positions} positions {where}")
+
+
+def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> list[DataConfig]:
     phase1 = DataConfig(
-        corpus=tuple(args.corpus), vocab_size=args.vocab_size, vocab_file=args.vocab_file,
-        lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len, masked_lm_prob=args.masked_lm_prob,
-        max_predictions_per_seq=args.max_predictions, whole_word_masking=args.whole_word_masking,
+        corpus=tuple(args.corpus), vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE, vocab_file=args.vocab_file,
+        tokenizer_dir=tokenizer_dir, lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len,
+        masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
+        whole_word_masking=args.whole_word_masking,
         heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir, balance_nsp=not args.no_nsp_balance,
     )
     if args.phase2_steps <= 0:
@@ -131,9 +236,9 @@ def data_configs(args: argparse.Namespace) -> list[DataConfig]:
                             max_predictions_per_seq=args.phase2_max_predictions)]
 
 
-def train_config(args: argparse.Namespace) -> TrainConfig:
+def train_config(args: argparse.Namespace, default_lr: float) -> TrainConfig:
     return TrainConfig(
-        batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr or PRESET_LR[args.preset],
+        batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr or default_lr,
         warmup_steps=args.warmup_steps, warmup_fraction=args.warmup_fraction, weight_decay=args.weight_decay,
         clip_norm=args.clip_norm, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
@@ -143,16 +248,16 @@ def train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if args.preset not in PRESETS:
+    if args.preset is not None and args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
     if args.max_steps < 1:
         raise ValueError(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.phase2_steps < 0:
         raise ValueError(f"--phase2-steps must not be negative, got {args.phase2_steps}")
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--phase2-seq-len", args.phase2_seq_len)):
-        if not 8 <= value <= MAX_POSITIONS:
-            raise ValueError(f"{flag} must lie in [8, {MAX_POSITIONS}], got {value}")
-    if not 0 <= args.dropout < 1:
+        if value < 8:
+            raise ValueError(f"{flag} must be at least 8 ([CLS] A [SEP] B [SEP]), got {value}")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must lie in [0, 1), got {args.dropout}")
     if args.resume and args.fresh:
         raise ValueError("--resume and --fresh contradict each other; pass one")
@@ -190,8 +295,10 @@ def _versions() -> dict[str, str]:
 
 def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     out, run_dir = Path(args.out), Path(args.run_dir or Path("runs") / Path(args.out).name)
-    cfg = train_config(args)
-    dcfgs = data_configs(args)
+    source = model_source(args)
+    check_lengths(args, source)
+    cfg = train_config(args, source.default_lr)
+    dcfgs = data_configs(args, source.folder)
 
     # Decide how the run starts before spending time on data: a wrong checkpoint fails fast.
     existing = list_checkpoints(run_dir)
@@ -206,7 +313,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     resume_from = existing[-1] if args.resume and existing else None
     resume_state = load_checkpoint(resume_from) if resume_from is not None else None
     if resume_state is not None:
-        check_compatible(resume_from, resume_state, {"data_config": _comparable(dcfgs[0])})
+        check_compatible(resume_from, resume_state, {"model_source": source.record(),
+                                                     "data_config": _comparable(dcfgs[0])})
 
     started = time.perf_counter()
     prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
@@ -216,9 +324,12 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     vocab_size = prepared[0].tokenizer.get_vocab_size()
     if len(prepared) > 1 and prepared[1].tokenizer.get_vocab() != prepared[0].tokenizer.get_vocab():
         raise ValueError("phase 2 data got another vocabulary than phase 1; pass --vocab-file to fix one")
-    model_config = replace(preset_config(args.preset, vocab_size=vocab_size, max_position_embeddings=MAX_POSITIONS),
-                           hidden_dropout_prob=args.dropout, attention_probs_dropout_prob=args.dropout)
+    model_config = source.model_config(vocab_size, args.dropout)
+    if vocab_size > model_config.vocab_size:
+        raise ValueError(f"the tokenizer of {source.name} has {vocab_size} tokens but the model only "
+                         f"{model_config.vocab_size} embeddings; tokenizer and weights do not belong together")
     meta = {
+        "model_source": source.record(),
         "model_config": asdict(model_config),
         "data_config": _comparable(dcfgs[0]),
         "phases_config": [_comparable(c) for c in dcfgs[1:]],
@@ -239,11 +350,10 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                     max_predictions=c.max_predictions_per_seq,
                     batch_size=args.batch_size if i == 0 else (args.phase2_batch_size or args.batch_size))
               for i, (p, c) in enumerate(zip(prepared, dcfgs))]
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    model = BertForPreTraining(model_config)
+    model = source.build(model_config, cfg.seed)
     if dist.is_main:
         n_params = sum(p.numel() for p in model.parameters())
-        print(f"training {args.preset} ({n_params / 1e6:.1f}M parameters, vocabulary {vocab_size}) on {dist.device}"
+        print(f"training {source.name} ({n_params / 1e6:.1f}M parameters, vocabulary {vocab_size}) on {dist.device}"
               f" x{dist.world_size}: {sum(p.steps for p in phases)} steps of "
               f"{args.batch_size * cfg.grad_accum * dist.world_size} sequences; "
               f"{'resuming from ' + str(resume_from) if resume_from else 'checkpoints in ' + str(run_dir)}",
@@ -252,8 +362,13 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                    resume_state=resume_state, show_progress=not args.no_progress)
     del resume_state
 
+    # The longest sequence the written model has been trained at, counting the --init-from folder's own.
+    max_length = min(max([c.max_seq_len for c in dcfgs] + [source.trained_length]),
+                     model_config.max_position_embeddings)
     summary = {
-        "preset": args.preset,
+        "preset": source.preset,
+        "init_from": source.folder,
+        "max_length": max_length,
         "model_config": model_config.to_hf_dict(),
         "train_config": asdict(cfg),
         "data_config": [_comparable(c) for c in dcfgs],
@@ -270,7 +385,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
         "versions": _versions(),
     }
     if dist.is_main:
-        save_model_folder(model, prepared[0].tokenizer_dir, out, extra_files={"training_summary.json": summary})
+        save_model_folder(model, prepared[0].tokenizer_dir, out, extra_files={"training_summary.json": summary},
+                          max_length=max_length)
     barrier(dist)
     return summary
 

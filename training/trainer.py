@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,21 +219,32 @@ def autocast_context(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-@torch.no_grad()
 def evaluate(model: BertForPreTraining, data: BatchSource, phase: Phase, cfg: TrainConfig, dist: DistInfo,
              most_frequent_id: int) -> dict[str, float]:
     """Held-out MLM / NSP loss and accuracy on the first `cfg.eval_batches` batches (the same masks
     every time: fixed seed and epoch), summed over all processes; with the baselines beside them."""
+    batches = data.batches(0, phase.batch_size, cfg.seed, rank=dist.rank, world_size=dist.world_size)
+    sums = pretraining_sums(model, itertools.islice(batches, cfg.eval_batches), phase.max_predictions,
+                            most_frequent_id, dist.device, cfg.precision, cfg.unpad)
+    if dist.distributed:
+        torch_dist.all_reduce(sums)
+    return pretraining_metrics(sums, when_empty="the held-out split yields no batch; use a larger corpus, a larger "
+                                                "--heldout-fraction or a smaller --batch-size")
+
+
+@torch.no_grad()
+def pretraining_sums(model: BertForPreTraining, batches: Iterable[dict[str, torch.Tensor]], max_predictions: int,
+                     most_frequent_id: int, device: torch.device, precision: str = "fp32",
+                     unpad: bool = True) -> torch.Tensor:
+    """The running sums behind pretraining_metrics over `batches` (from the data pipeline), float64 [8]
+    on `device`, so that processes can add theirs up before the division."""
     was_training = model.training
     model.eval()
     # mlm loss sum, mlm correct, mlm count, most-frequent-token correct, nsp loss sum, nsp correct, nsp count, IsNext count
-    sums = torch.zeros(8, dtype=torch.float64, device=dist.device)
-    batches = data.batches(0, phase.batch_size, cfg.seed, rank=dist.rank, world_size=dist.world_size)
-    for i, batch in enumerate(batches):
-        if i >= cfg.eval_batches:
-            break
-        inputs = model_inputs(batch, phase.max_predictions, dist.device, unpad=cfg.unpad)
-        with autocast_context(cfg.precision, dist.device):
+    sums = torch.zeros(8, dtype=torch.float64, device=device)
+    for batch in batches:
+        inputs = model_inputs(batch, max_predictions, device, unpad=unpad)
+        with autocast_context(precision, device):
             out = model(**inputs)
         labels = inputs["mlm_labels"].flatten()
         keep = labels != -100
@@ -241,24 +254,27 @@ def evaluate(model: BertForPreTraining, data: BatchSource, phase: Phase, cfg: Tr
         sums += torch.stack([
             F.cross_entropy(mlm_logits, labels, reduction="sum").double(),
             (mlm_logits.argmax(-1) == labels).sum().double(),
-            torch.tensor(labels.numel(), dtype=torch.float64, device=dist.device),
+            torch.tensor(labels.numel(), dtype=torch.float64, device=device),
             (labels == most_frequent_id).sum().double(),
             F.cross_entropy(nsp_logits, nsp, reduction="sum").double(),
             (nsp_logits.argmax(-1) == nsp).sum().double(),
-            torch.tensor(nsp.numel(), dtype=torch.float64, device=dist.device),
+            torch.tensor(nsp.numel(), dtype=torch.float64, device=device),
             (nsp == 0).sum().double(),
         ])
-    if dist.distributed:
-        torch_dist.all_reduce(sums)
     model.train(was_training)
+    return sums
+
+
+def pretraining_metrics(sums: torch.Tensor, when_empty: str) -> dict[str, float]:
+    """MLM / NSP loss and accuracy from pretraining_sums, with the baselines beside them; a ValueError
+    saying `when_empty` if the sums cover no sequence."""
     mlm_loss, mlm_ok, mlm_n, mf_ok, nsp_loss, nsp_ok, nsp_n, is_next = sums.tolist()
     if mlm_n == 0 or nsp_n == 0:
-        raise ValueError("the held-out split yields no batch; use a larger corpus, a larger "
-                         "--heldout-fraction or a smaller --batch-size")
+        raise ValueError(when_empty)
     return {
         "mlm_loss": mlm_loss / mlm_n,
         "mlm_accuracy": mlm_ok / mlm_n,
-        "mlm_baseline_accuracy": mf_ok / mlm_n,  # always predict the most frequent training token
+        "mlm_baseline_accuracy": mf_ok / mlm_n,  # always predict the most frequent token
         "nsp_loss": nsp_loss / nsp_n,
         "nsp_accuracy": nsp_ok / nsp_n,
         "nsp_baseline_accuracy": max(is_next, nsp_n - is_next) / nsp_n,  # always predict the majority class

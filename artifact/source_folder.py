@@ -1,0 +1,85 @@
+"""The JSON facts of a model folder (ours, or a Hugging Face / sentence-transformers BERT folder) that
+training and export both read: where its transformer lives and the longest sequence it was trained at.
+Dependency-free (no torch), like the rest of `artifact`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CONFIG_FILE = "config.json"
+TRAINING_SUMMARY_FILE = "training_summary.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SENTENCE_BERT_CONFIG_FILE = "sentence_bert_config.json"
+MODULES_FILE = "modules.json"
+_TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
+# BERT's own default, when config.json does not say.
+DEFAULT_MAX_POSITIONS = 512
+
+
+class ModelFolderError(ValueError):
+    """A model folder that is missing, incomplete or corrupt; the message says what to do."""
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFolderError(f"{path} is not valid JSON ({e}); the folder is corrupt, re-create it") from e
+
+
+def _json_object(path: Path) -> dict:
+    """The file's object; {} when it is absent or holds something else."""
+    data = _read_json(path) if path.is_file() else {}
+    return data if isinstance(data, dict) else {}
+
+
+def transformer_folder(folder: Path | str) -> Path:
+    """Where config.json, the weights and the tokenizer are: `folder` itself, or, in a
+    sentence-transformers folder, the `path` of the Transformer module in modules.json (often "" and
+    sometimes `0_Transformer`)."""
+    folder = Path(folder)
+    modules = folder / MODULES_FILE
+    if not modules.is_file():
+        return folder
+    entries = _read_json(modules)
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and entry.get("type") == _TRANSFORMER_MODULE:
+            return folder / str(entry.get("path", ""))
+    raise ModelFolderError(f"{modules} names no {_TRANSFORMER_MODULE} module; not a BERT sentence encoder")
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def trained_max_length(folder: Path | str) -> int:
+    """The longest sequence (in tokens, [CLS] and [SEP]s included) the model in `folder` was trained at,
+    never more than its max_position_embeddings. The first of, in the transformer folder:
+
+    1. training_summary.json `max_length` (ours; older summaries: the longest phase's max_seq_len);
+    2. sentence_bert_config.json `max_seq_length` (sentence-transformers);
+    3. tokenizer_config.json `model_max_length`, unless HF's "unknown" value (int(1e30)) or not a positive int;
+    4. config.json `max_position_embeddings` (512 when absent).
+    """
+    folder = transformer_folder(folder)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; not a model folder (expected one written by "
+                               f"`python -m training.pretrain` or a Hugging Face BERT checkpoint)")
+    positions = _positive_int(_json_object(config_path).get("max_position_embeddings")) or DEFAULT_MAX_POSITIONS
+    return min(_recorded_length(folder) or positions, positions)
+
+
+def _recorded_length(folder: Path) -> int | None:
+    summary = _json_object(folder / TRAINING_SUMMARY_FILE)
+    phases = summary.get("phases") if isinstance(summary.get("phases"), list) else []
+    phases = [_positive_int(p.get("max_seq_len")) for p in phases if isinstance(p, dict)]
+    found = _positive_int(summary.get("max_length")) or max(filter(None, phases), default=None)
+    if found:
+        return found
+    for name, key in ((SENTENCE_BERT_CONFIG_FILE, "max_seq_length"), (TOKENIZER_CONFIG_FILE, "model_max_length")):
+        found = _positive_int(_json_object(folder / name).get(key))
+        if found and found < 10**9:  # transformers writes int(1e30) when it does not know
+            return found
+    return None

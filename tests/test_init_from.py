@@ -1,0 +1,244 @@
+"""`python -m training.pretrain --init-from DIR`: continued pretraining of folders that transformers
+writes (with heads, without, sentence-transformers' layout), against transformers' own loss; the
+trained-length rule of the folders it writes; and the one-line refusals."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from test_trainer import read_metrics, write_corpus
+
+from artifact.source_folder import trained_max_length
+from training.checkpoint import list_checkpoints
+from training.data import DataConfig, prepare_data
+from training.model_folder import load_model_folder
+from training.pretrain import main
+from training.wordpiece import save_tokenizer, train_wordpiece
+
+POSITIONS = 64
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("init_from")
+
+
+@pytest.fixture(scope="module")
+def corpus(root) -> Path:
+    return write_corpus(root / "corpus.txt", n_docs=60, seed=7)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(root, corpus) -> Path:
+    """A real WordPiece of the corpus, cased, whose tokenizer.json truncates and pads as some HF ones do."""
+    tok = train_wordpiece(corpus.read_text().splitlines(), vocab_size=300, lowercase=False, min_frequency=1)
+    tok.enable_truncation(8)
+    tok.enable_padding(length=16)
+    save_tokenizer(tok, root / "tokenizer")
+    return root / "tokenizer"
+
+
+def _hf_config(vocab_size: int) -> transformers.BertConfig:
+    return transformers.BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=POSITIONS)
+
+
+def hf_folder(out: Path, tokenizer_dir: Path, model_class, **kwargs) -> Path:
+    """A random transformers model saved by transformers, with the tokenizer beside it."""
+    torch.manual_seed(1)
+    vocab_size = len((tokenizer_dir / "vocab.txt").read_text().splitlines())
+    model_class(_hf_config(vocab_size), **kwargs).save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pretraining_dir(root, tokenizer_dir) -> Path:
+    return hf_folder(root / "hf_pretraining", tokenizer_dir, transformers.BertForPreTraining)
+
+
+@pytest.fixture(scope="module")
+def bare_dir(root, tokenizer_dir) -> Path:
+    return hf_folder(root / "hf_bare", tokenizer_dir, transformers.BertModel)
+
+
+@pytest.fixture(scope="module")
+def sentence_transformers_dir(root, tokenizer_dir) -> Path:
+    """The older sentence-transformers layout: the transformer (no pooler) in 0_Transformer/."""
+    folder = root / "st"
+    hf_folder(folder / "0_Transformer", tokenizer_dir, transformers.BertModel, add_pooling_layer=False)
+    (folder / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 48}')
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32}')
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "0_Transformer", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    return folder
+
+
+def init_args(corpus: Path, cache: Path, init_from: Path, out: Path, run_dir: Path, *extra: str) -> list[str]:
+    return ["--init-from", str(init_from), "--corpus", str(corpus), "--cache-dir", str(cache), "--out", str(out),
+            "--run-dir", str(run_dir), "--max-seq-len", "32", "--max-predictions", "5", "--batch-size", "8",
+            "--heldout-fraction", "0.1", "--eval-batches", "1", "--no-progress", "--data-workers", "0", *extra]
+
+
+def _fails(capsys, argv: list[str], *expected: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def test_step_zero_loss_equals_transformers(root, corpus, pretraining_dir, tmp_path):
+    """Heads kept: the first logged loss (dropout off, before any update) is transformers' loss on the
+    same batch, which the data pipeline hands out again from the same settings."""
+    cache = tmp_path / "cache"
+    args = init_args(corpus, cache, pretraining_dir, tmp_path / "model", tmp_path / "run", "--max-steps", "1",
+                     "--log-every", "1", "--dropout", "0")
+    assert main(args) == 0
+    logged = read_metrics(tmp_path / "run")[0]
+
+    data = prepare_data(DataConfig(corpus=(str(corpus),), tokenizer_dir=str(pretraining_dir.resolve()),
+                                   max_seq_len=32, max_predictions_per_seq=5, heldout_fraction=0.1,
+                                   cache_dir=str(cache)), show_progress=False)
+    assert not data.stats["built_now"]  # the very data the run read
+    batch = next(data.train.batches(0, 8, seed=0))
+    hf = transformers.BertForPreTraining.from_pretrained(pretraining_dir).eval()
+    with torch.no_grad():
+        out = hf(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                 attention_mask=batch["attention_mask"], labels=batch["mlm_labels"],
+                 next_sentence_label=batch["nsp_labels"])
+    assert abs(logged["loss"] - float(out.loss)) <= 1e-4, (logged["loss"], float(out.loss))
+
+    summary = json.loads((tmp_path / "model" / "training_summary.json").read_text())
+    assert summary["init_from"] == str(pretraining_dir.resolve()) and summary["preset"] is None
+    # Its tokenizer_config says 512 (unknown), so the source counts as trained at all 64 positions.
+    assert summary["max_length"] == POSITIONS == trained_max_length(tmp_path / "model")
+    assert json.loads((tmp_path / "model" / "tokenizer_config.json").read_text())["model_max_length"] == POSITIONS
+
+
+def test_tokenizer_is_used_as_it_is_without_truncation_or_padding(root, corpus, pretraining_dir):
+    data = prepare_data(DataConfig(corpus=(str(corpus),), tokenizer_dir=str(pretraining_dir), max_seq_len=32,
+                                   heldout_fraction=0.05, cache_dir=str(root / "cache_tok")), show_progress=False)
+    assert data.tokenizer.get_vocab() == transformers.BertTokenizerFast.from_pretrained(pretraining_dir).get_vocab()
+    first = corpus.read_text().splitlines()[0]  # 12+ tokens, cased: the truncation at 8 would cut it
+    expected = transformers.BertTokenizerFast.from_pretrained(pretraining_dir)(
+        first, add_special_tokens=False, truncation=False)["input_ids"]
+    assert data.train.shards.tokens(0, len(expected)).tolist() == expected and len(expected) > 8
+
+
+@pytest.mark.parametrize("layout", ["bare", "sentence_transformers"])
+def test_folder_without_heads_trains_and_writes_a_transformers_folder(layout, root, corpus, request, tmp_path):
+    source = request.getfixturevalue({"bare": "bare_dir", "sentence_transformers": "sentence_transformers_dir"}[layout])
+    before = load_model_folder(source)
+    assert not before.has_mlm_head and not before.has_nsp_head
+    assert before.has_pooler == (layout == "bare")
+    out = tmp_path / "model"
+    assert main(init_args(corpus, root / "cache", source, out, tmp_path / "run", "--max-steps", "3")) == 0
+
+    hf = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
+    model, info = hf
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    loaded = load_model_folder(out)
+    assert loaded.has_mlm_head and loaded.has_nsp_head and loaded.config.hidden_size == 32
+    assert loaded.model.cls.predictions.decoder.weight is loaded.model.bert.embeddings.word_embeddings.weight
+    summary = json.loads((out / "training_summary.json").read_text())
+    assert summary["steps"] == 3
+    assert summary["max_length"] == (48 if layout == "sentence_transformers" else POSITIONS)
+
+
+def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corpus, pretraining_dir, bare_dir,
+                                                                      tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = init_args(corpus, root / "cache", pretraining_dir, tmp_path / "model", run_dir, "--checkpoint-every", "2")
+    assert main([*args, "--max-steps", "2"]) == 0
+    assert [p.name for p in list_checkpoints(run_dir)] == ["ckpt-00000002.pt"]
+    assert main([*args, "--max-steps", "4", "--resume"]) == 0
+    assert json.loads((tmp_path / "model" / "training_summary.json").read_text())["steps"] == 4
+    capsys.readouterr()
+
+    other = init_args(corpus, root / "cache", bare_dir, tmp_path / "model", run_dir, "--checkpoint-every", "2")
+    _fails(capsys, [*other, "--max-steps", "6", "--resume"], "another configuration", "init_from",
+           str(bare_dir.resolve()))
+    fresh = [a for a in args if a not in ("--init-from", str(pretraining_dir))]
+    _fails(capsys, [*fresh, "--max-steps", "6", "--resume"], "another configuration", "init_from")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--preset", "mini"], "--preset mini (4 layers, hidden 256, 4 heads) is not the shape"),
+    (["--vocab-size", "400"], "--vocab-size does not go with --init-from"),
+    (["--vocab-file", "vocab.txt"], "--vocab-file does not go with --init-from"),
+    (["--no-lowercase"], "--no-lowercase does not go with --init-from"),
+    (["--max-seq-len", "128"], f"--max-seq-len 128 is longer than the {POSITIONS} positions"),
+])
+def test_flags_that_contradict_the_folder_are_one_line(flags, expected, root, corpus, pretraining_dir, tmp_path,
+                                                         capsys):
+    out = tmp_path / "model"
+    _fails(capsys, init_args(corpus, root / "cache", pretraining_dir, out, tmp_path / "run", *flags), expected)
+    assert not out.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", ["gpt2", "no_config", "missing_encoder"])
+def test_a_folder_that_is_not_bert_is_one_line(case, root, corpus, pretraining_dir, tmp_path, capsys):
+    folder = tmp_path / "source"
+    shutil.copytree(pretraining_dir, folder)
+    if case == "gpt2":
+        (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 32, "n_layer": 2}))
+    elif case == "no_config":
+        (folder / "config.json").unlink()
+    else:
+        from safetensors.torch import load_file, save_file
+        weights = load_file(str(folder / "model.safetensors"))
+        save_file({k: v for k, v in weights.items() if ".layer.1." not in k}, str(folder / "model.safetensors"))
+    expected = {"gpt2": "not a BERT config", "no_config": "no config.json",
+                "missing_encoder": "lack"}[case]
+    out = tmp_path / "model"
+    _fails(capsys, init_args(corpus, tmp_path / "cache", folder, out, tmp_path / "run"), str(folder), expected)
+    assert not out.exists() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_trained_max_length_rule(tmp_path):
+    """training_summary.json, then sentence_bert_config.json, then a sane model_max_length, then the
+    positions; never beyond the positions."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "max_position_embeddings": 256}))
+    assert trained_max_length(folder) == 256
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": int(1e30)}))
+    assert trained_max_length(folder) == 256
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    assert trained_max_length(folder) == 128
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 200}))
+    assert trained_max_length(folder) == 200
+    (folder / "training_summary.json").write_text(json.dumps({"phases": [{"max_seq_len": 64}, {"max_seq_len": 96}]}))
+    assert trained_max_length(folder) == 96
+    (folder / "training_summary.json").write_text(json.dumps({"max_length": 1000}))
+    assert trained_max_length(folder) == 256
+
+
+def test_legacy_checkpoint_names_load_as_transformers_loads_them(pretraining_dir, tmp_path):
+    """Google's TF-converted checkpoints: LayerNorm.gamma / .beta, stored position_ids and token_type_ids
+    buffers, the decoder's bias, a PyTorch .bin."""
+    from safetensors.torch import load_file
+    folder = tmp_path / "legacy"
+    shutil.copytree(pretraining_dir, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in weights.items()}
+    assert any(k.endswith("LayerNorm.gamma") for k in legacy)
+    legacy["bert.embeddings.position_ids"] = torch.arange(POSITIONS)[None]
+    legacy["bert.embeddings.token_type_ids"] = torch.zeros(1, POSITIONS, dtype=torch.int64)
+    legacy["cls.predictions.decoder.bias"] = legacy.pop("cls.predictions.bias")
+    (folder / "model.safetensors").unlink()
+    torch.save(legacy, folder / "pytorch_model.bin")
+    loaded, reference = load_model_folder(folder), load_model_folder(pretraining_dir)
+    assert loaded.has_mlm_head and loaded.has_nsp_head
+    ours, theirs = loaded.model.state_dict(), reference.model.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
