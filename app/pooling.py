@@ -5,18 +5,51 @@ import base64
 
 import numpy as np
 
-from artifact.manifest import CLS_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import CLS_EMBEDDING, POOLED_EMBEDDING, POOLINGS, TOKEN_EMBEDDINGS
 
-# The graph output each pooling reads.
-POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, "mean": TOKEN_EMBEDDINGS}
+
+# sentence-transformers' Pooling modes over one input's real tokens ([len, H], the batcher already cut the
+# padding off; [CLS] and [SEP] included, as there), each computed as its Pooling module does.
+def _mean(t: np.ndarray) -> np.ndarray:
+    return t.mean(axis=0, dtype=np.float32)
+
+
+def _mean_sqrt_len(t: np.ndarray) -> np.ndarray:
+    return t.sum(axis=0, dtype=np.float32) / np.float32(np.sqrt(len(t)))
+
+
+def _max(t: np.ndarray) -> np.ndarray:
+    return t.max(axis=0)
+
+
+def _weightedmean(t: np.ndarray) -> np.ndarray:
+    """Token i (from 1) weighs i: later tokens count more."""
+    weights = np.arange(1, len(t) + 1, dtype=np.float32)
+    return weights @ t / weights.sum()
+
+
+def _lasttoken(t: np.ndarray) -> np.ndarray:
+    return t[-1]  # the final [SEP] for BERT
+
+
+_TOKEN_POOLINGS = {"mean": _mean, "mean_sqrt_len": _mean_sqrt_len, "max": _max, "weightedmean": _weightedmean,
+                   "lasttoken": _lasttoken}
+# The graph output each pooling reads ("cls" is the first token, which the graph also gives on its own).
+POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, **dict.fromkeys(_TOKEN_POOLINGS, TOKEN_EMBEDDINGS)}
+assert set(POOLING_OUTPUT) == set(POOLINGS), "every pooling of the artifact contract is computed here"
 
 
 def pool(outputs: dict, pooling: str) -> np.ndarray:
-    """[n, H] float32, row i for input i. `mean` averages the real tokens of each input, [CLS] and [SEP]
-    included (the batcher already cut the padding off), as sentence-transformers' mean pooling does."""
-    if pooling == "mean":
-        return np.stack([t.mean(axis=0, dtype=np.float32) for t in outputs[TOKEN_EMBEDDINGS]])
-    return outputs[POOLING_OUTPUT[pooling]]
+    """[n, H] float32, row i for input i."""
+    reduce = _TOKEN_POOLINGS.get(pooling)
+    if reduce is None:
+        return outputs[POOLING_OUTPUT[pooling]]
+    return np.stack([reduce(t) for t in outputs[TOKEN_EMBEDDINGS]])
+
+
+def available_poolings(has_pooler: bool) -> list[str]:
+    """The poolings a model offers (its artifact's order; "pooled" needs BERT's pooler), and "none"."""
+    return [p for p in POOLINGS if p != "pooled" or has_pooler] + ["none"]
 
 
 def l2_normalize(v: np.ndarray) -> np.ndarray:

@@ -5,8 +5,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from artifact.manifest import POOLINGS
+
 Pair = Annotated[list[str], Field(min_length=2, max_length=2, description="[text_a, text_b]")]
-Pooling = Literal["cls", "pooled", "mean", "none"]
+Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
 
 
@@ -26,10 +28,14 @@ class EmbedRequest(_Strict):
         description="a text, or a list whose items are texts or sentence pairs [text_a, text_b] "
                     "(encoded [CLS] A [SEP] B [SEP] with segment ids 0 / 1)",
         examples=["The quick brown fox", ["first text", ["a question?", "its answer."]]])
-    pooling: Pooling = Field("cls", description="cls: the raw [CLS] vector; pooled: BERT's pooler, "
-                             "tanh(dense([CLS])); mean: average over all real tokens, [CLS] and [SEP] "
-                             "included (as sentence-transformers); none: no embedding")
-    normalize: bool = Field(False, description="L2-normalise the embedding (not the token vectors)")
+    pooling: Pooling | None = Field(
+        None, description="null: the model's default (GET /info `default_pooling`: a sentence-transformers "
+        "checkpoint's own Pooling, else cls). cls: the raw [CLS] vector; pooled: BERT's pooler, "
+        "tanh(dense([CLS])); over all real tokens, [CLS] and [SEP] included, as sentence-transformers "
+        "computes them: mean, max (per dimension), mean_sqrt_len (sum / sqrt(tokens)), weightedmean (token i "
+        "from 1 weighs i), lasttoken (the final [SEP]); none: no embedding")
+    normalize: bool | None = Field(None, description="L2-normalise the embedding (not the token vectors); "
+                                   "null: the model's default (GET /info `default_normalize`)")
     truncate: bool = Field(True, description="cut inputs to the model's max length; false: an over-long "
                            "input is answered 413")
     return_tokens: bool = Field(False, description="add each input's tokens and their vectors")

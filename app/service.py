@@ -67,6 +67,10 @@ class InferenceService:
         self.settings, self.manifest, self.tokenizer = settings, manifest, tokenizer
         self.engine, self.batcher, self.metrics = engine, batcher, metrics
         self.model_name = settings.model_name or manifest.model_name
+        # /v1/embeddings: the settings' pooling and normalisation, else the model's defaults.
+        self.openai_pooling = settings.openai_pooling or manifest.default_pooling
+        self.openai_normalize = (manifest.default_normalize if settings.openai_normalize is None
+                                 else settings.openai_normalize)
         self._inflight = 0
         self._worker = isinstance(batcher, EngineClient)  # one of several HTTP worker processes
 

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from artifact.manifest import POOLINGS
+
 ENV_PREFIX = "BERTSERVE_"
 
 
@@ -72,8 +74,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="when set, requests need `Authorization: Bearer KEY` "
                                                         "(all but /health, /ready, /metrics and the docs)")
     model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")
-    openai_pooling: Literal["cls", "pooled", "mean"] = Field("cls", description="pooling of /v1/embeddings")
-    openai_normalize: bool = Field(True, description="L2-normalise /v1/embeddings vectors, as OpenAI's are")
+    openai_pooling: Literal[POOLINGS] | None = Field(None, description="pooling of /v1/embeddings (see /embed's "
+                                                     "`pooling`); default: the model's (GET /info `default_pooling`)")
+    openai_normalize: bool | None = Field(None, description="L2-normalise /v1/embeddings vectors (OpenAI's are); "
+                                          "default: the model's (GET /info `default_normalize`)")
     engine_socket: Path | None = Field(None, description="internal, set by `workers` > 1 for its worker "
                                        "processes: the Unix socket of the engine process")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: max_length is the trained length; max_position_embeddings, default pooling
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -21,6 +21,9 @@ TOKEN_EMBEDDINGS = "token_embeddings"  # [batch, sequence, hidden]: last hidden 
 CLS_EMBEDDING = "cls_embedding"  # [batch, hidden]: raw [CLS] vector
 POOLED_EMBEDDING = "pooled_embedding"  # [batch, hidden]: tanh(dense([CLS])), BERT's pooler
 NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
+# How a text's vector is made (app/pooling.py): "pooled" is BERT's pooler (POOLED_EMBEDDING); the others
+# are sentence-transformers' Pooling modes, computed as it does ("cls" = the first token, [CLS]).
+POOLINGS = ("cls", "pooled", "mean", "max", "mean_sqrt_len", "weightedmean", "lasttoken")
 # Graph file per precision: fp32 for CPU (always there), fp16 for CUDA, int8 (dynamic) for CPU.
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 # The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
@@ -64,11 +67,16 @@ class Manifest:
     num_layers: int
     num_heads: int
     vocab_size: int
-    max_length: int  # position embeddings: the longest sequence the model accepts
+    max_length: int  # the longest sequence served: the length the model was trained at (or export's --max-length)
+    max_position_embeddings: int  # the longest sequence the weights accept at all
     has_pooler: bool
     has_nsp_head: bool
     lowercase: bool
     special_tokens: dict[str, int]  # "[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]" -> id
+    # What /embed and /v1/embeddings do unless a request (or setting) says otherwise: a sentence-transformers
+    # checkpoint's own Pooling / Normalize modules; "cls", not normalised, for other checkpoints.
+    default_pooling: str  # one of POOLINGS
+    default_normalize: bool
     graphs: dict[str, GraphInfo]  # precision -> graph
     weights_sha256: str
     tokenizer_sha256: str
@@ -91,9 +99,15 @@ class Manifest:
                                 f"model with this version of `python -m export`")
         try:
             graphs = {k: GraphInfo(**g) for k, g in d["graphs"].items()}
-            return cls(**{**d, "graphs": graphs})
+            manifest = cls(**{**d, "graphs": graphs})
         except (KeyError, TypeError) as e:
             raise ManifestError(f"manifest is incomplete or malformed: {e}") from e
+        if manifest.default_pooling not in POOLINGS:
+            raise ManifestError(f"manifest default_pooling {manifest.default_pooling!r} is not one of {', '.join(POOLINGS)}")
+        if not 0 < manifest.max_length <= manifest.max_position_embeddings:
+            raise ManifestError(f"manifest max_length {manifest.max_length} is not within the model's "
+                                f"{manifest.max_position_embeddings} positions")
+        return manifest
 
     def graph(self, precision: str) -> GraphInfo:
         if precision not in self.graphs:

@@ -61,8 +61,10 @@ def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
     (out / "model.onnx").write_bytes(b"")
     graph = GraphInfo("model.onnx", "fp16", "cuda", ["cls_embedding", "pooled_embedding", "token_embeddings"])
     manifest = Manifest(model_name="stand-in", hidden_size=hidden, num_layers=12, num_heads=12,
-                        vocab_size=tokenizer.get_vocab_size(), max_length=512, has_pooler=True, has_nsp_head=False,
-                        lowercase=True, special_tokens={t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS},
+                        vocab_size=tokenizer.get_vocab_size(), max_length=512, max_position_embeddings=512, has_pooler=True,
+                        has_nsp_head=False, lowercase=True,
+                        special_tokens={t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS},
+                        default_pooling="cls", default_normalize=False,
                         graphs={"fp16": graph}, weights_sha256="", tokenizer_sha256="", versions={}, created_at="")
     (out / "manifest.json").write_text(manifest.to_json())
     return out

@@ -1,5 +1,5 @@
 """python -m export --model MODEL_DIR --out ARTIFACT_DIR [--device cpu|cuda] [--int8] [--keep-padding]
-                   [--custom-kernels auto|on|off]"""
+                   [--custom-kernels auto|on|off] [--cuda-graphs] [--max-length N]"""
 from __future__ import annotations
 
 import argparse
@@ -30,16 +30,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --device cuda, also write a padded copy of the fp16 graph (and of its custom-"
                              "kernels variant) that the server replays as CUDA graphs for batches of up to 16 "
                              "texts of up to 128 tokens: a lone short text about 1 ms sooner (BENCHMARKS.md)")
+    parser.add_argument("--max-length", type=int, default=None, metavar="N",
+                        help="longest input served, in tokens (at most the model's position embeddings). Default: "
+                             "the length the model was trained at: sentence_bert_config.json max_seq_length, "
+                             "training_summary.json, tokenizer_config.json model_max_length, else its positions")
     args = parser.parse_args(argv)
 
     try:
         manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
                                    remove_padding=not args.keep_padding, kernels=args.custom_kernels,
-                                   padded_twin=args.cuda_graphs)
+                                   padded_twin=args.cuda_graphs, max_length=args.max_length)
     except (ExportError, ModelFolderError, ManifestError) as e:
         message = " ".join(str(e).split())  # one line, however the cause formats itself
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
         return 1
+    print(f"serves up to {manifest.max_length} tokens (of {manifest.max_position_embeddings} positions); default "
+          f"pooling {manifest.default_pooling}" + (", normalised" if manifest.default_normalize else ""))
     for precision, info in manifest.graphs.items():
         fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")

@@ -23,7 +23,9 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
                                PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, GraphInfo, Manifest)
+from artifact.model_folder_info import ModelFolderInfoError, trained_max_length
 from export import ExportError
+from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
 from export.optimize import optimize_graph, quantize_int8
 from export.parity import DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs
@@ -32,12 +34,13 @@ from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_fol
 
 DEVICES = ("cpu", "cuda")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
+MIN_MAX_LENGTH = 8  # room for [CLS] A [SEP] B [SEP] with a few tokens of each text
 
 
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
-    padded_twin: bool = False,
+    padded_twin: bool = False, max_length: int | None = None,
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -47,6 +50,9 @@ def export_artifact(
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
     on parity like the others. `padded_twin`: the server may replay the fp16 graph's padded form as
     CUDA graphs for small batches; a packed graph gets a padded twin (and its kernels variant) for that.
+    The artifact serves texts of up to `max_length` tokens, by default the length the model was trained
+    at (artifact.model_folder_info.trained_max_length), and pools them as a sentence-transformers folder
+    says (export.checkpoint_layout; else the raw [CLS] vector).
     Raises ExportError / ModelFolderError (one line) when an input is bad, a fusion is missing or a
     graph fails parity; nothing is written then."""
     if device not in DEVICES:
@@ -63,9 +69,14 @@ def export_artifact(
     _check_out_dir(out_dir, model_dir)
     if device == "cuda":
         _require_cuda_provider()
-    loaded = load_model_folder(model_dir)
-    tokenizer = _load_tokenizer(model_dir, loaded.config.vocab_size)
+    layout = read_layout(model_dir)
+    loaded = load_model_folder(layout.encoder_dir)
+    tokenizer = _load_tokenizer(layout.encoder_dir, loaded.config.vocab_size)
     specials = special_token_ids(tokenizer)
+    if layout.lowercase and not is_lowercase(tokenizer):
+        raise ExportError(f"{layout.encoder_dir}: sentence-transformers lower-cases texts (do_lower_case) but "
+                          f"this tokenizer does not; the server would tokenise them differently")
+    served_length = _served_length(layout, loaded.config.max_position_embeddings, max_length)
 
     graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
     special_ids = set(specials.values())
@@ -104,13 +115,16 @@ def export_artifact(
             num_layers=loaded.config.num_hidden_layers,
             num_heads=loaded.config.num_attention_heads,
             vocab_size=loaded.config.vocab_size,
-            max_length=loaded.config.max_position_embeddings,
+            max_length=served_length,
+            max_position_embeddings=loaded.config.max_position_embeddings,
             has_pooler=loaded.has_pooler,
             has_nsp_head=loaded.has_nsp_head,
             lowercase=is_lowercase(tokenizer),
             special_tokens=specials,
+            default_pooling=layout.pooling,
+            default_normalize=layout.normalize,
             graphs=graphs,
-            weights_sha256=sha256_file(_weights_file(model_dir)),
+            weights_sha256=sha256_file(_weights_file(layout.encoder_dir)),
             tokenizer_sha256=sha256_file(tmp / TOKENIZER_FILE),
             versions=versions(),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -122,6 +136,23 @@ def export_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _served_length(layout: CheckpointLayout, positions: int, requested: int | None) -> int:
+    """`requested` (export's --max-length), else the length the model was trained at."""
+    if requested is not None:
+        if requested > positions:
+            raise ExportError(f"--max-length {requested} is more than the model's {positions} position embeddings")
+        length = requested
+    else:
+        try:
+            length = trained_max_length(layout.encoder_dir)
+        except ModelFolderInfoError as e:
+            raise ExportError(str(e)) from e
+    if length < MIN_MAX_LENGTH:
+        raise ExportError(f"a max length of {length} tokens leaves no room for text; it must be at least "
+                          f"{MIN_MAX_LENGTH}")
+    return length
 
 
 def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, graph: EmbeddingGraph,

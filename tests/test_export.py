@@ -55,7 +55,8 @@ def no_leftovers(out_dir) -> bool:
 
 def test_tiny_artifact_manifest(tiny_artifact_dir, tiny_model_dir):
     m = read_manifest(tiny_artifact_dir)
-    assert (m.hidden_size, m.num_layers, m.num_heads, m.max_length) == (128, 2, 2, 128)
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.max_length, m.max_position_embeddings) == (128, 2, 2, 128, 128)
+    assert (m.default_pooling, m.default_normalize) == ("cls", False)  # ours: the raw [CLS] vector
     assert m.has_pooler and m.has_nsp_head and m.lowercase
     assert set(m.graphs) == {"fp32", "int8"}
     assert m.special_tokens == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}

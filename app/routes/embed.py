@@ -19,18 +19,20 @@ router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_k
 @router.post("/embed", response_model=EmbedResponse, responses=ERROR_RESPONSES)
 async def embed(body: EmbedRequest, request: Request, service: InferenceService = Depends(get_service)) -> Response:
     """Embed texts or sentence pairs; optionally return every token with its vector."""
-    if body.pooling == "pooled" and not service.manifest.has_pooler:
-        raise Unsupported("this model has no pooler: use pooling cls, mean or none")
-    outputs = {POOLING_OUTPUT[body.pooling]} if body.pooling != "none" else set()
+    pooling = body.pooling or service.manifest.default_pooling
+    normalize = service.manifest.default_normalize if body.normalize is None else body.normalize
+    if pooling == "pooled" and not service.manifest.has_pooler:
+        raise Unsupported("this model has no pooler: use another pooling (GET /info lists them)")
+    outputs = {POOLING_OUTPUT[pooling]} if pooling != "none" else set()
     if body.return_tokens:
         outputs.add(TOKEN_EMBEDDINGS)
     result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs",
                                  offsets=body.return_tokens)
     fmt = body.encoding_format
     embeddings: list = [None] * len(result.tokenized)
-    if body.pooling != "none":  # the whole request's vectors at once
-        vectors = pool(result.outputs, body.pooling)
-        embeddings = encode_rows(l2_normalize(vectors) if body.normalize else vectors, fmt)
+    if pooling != "none":  # the whole request's vectors at once
+        vectors = pool(result.outputs, pooling)
+        embeddings = encode_rows(l2_normalize(vectors) if normalize else vectors, fmt)
     if body.return_tokens:
         token_vectors = result.outputs[TOKEN_EMBEDDINGS]
         data = [{"index": i, "embedding": embeddings[i], "tokens": describe_tokens(enc),

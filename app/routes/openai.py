@@ -18,19 +18,20 @@ router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_k
              responses={400: {"model": ERROR_RESPONSES[422]["model"]}, **ERROR_RESPONSES})
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
                      service: InferenceService = Depends(get_service)) -> Response:
-    """Pooling and normalisation follow the openai_pooling / openai_normalize settings (cls, normalised)."""
+    """Pooled and normalised as the model's defaults say, unless the openai_pooling / openai_normalize
+    settings say otherwise."""
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(x, str) for x in inputs):
         raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text")
     hidden = service.manifest.hidden_size
     if body.dimensions is not None and body.dimensions != hidden:
         raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {hidden}")
-    pooling = service.settings.openai_pooling
+    pooling = service.openai_pooling
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
     vectors = pool(result.outputs, pooling)
-    if service.settings.openai_normalize:
+    if service.openai_normalize:
         vectors = l2_normalize(vectors)
     data = [{"object": "embedding", "index": i, "embedding": e}
             for i, e in enumerate(encode_rows(vectors, body.encoding_format))]

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
+from app.pooling import available_poolings
 from app.responses import json_response
 from app.routes import ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES
@@ -34,13 +35,16 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
     return json_response({
         "model": service.model_name,
         "dimensions": m.hidden_size,
-        "max_length": m.max_length,
+        "max_length": m.max_length,  # longer inputs are cut there (or answered 413 with truncate: false)
+        "max_position_embeddings": m.max_position_embeddings,
+        "default_pooling": m.default_pooling,  # what /embed does without `pooling`
+        "default_normalize": m.default_normalize,
         "num_layers": m.num_layers,
         "vocab_size": m.vocab_size,
         "lowercase": m.lowercase,
         "has_pooler": m.has_pooler,
         "has_nsp_head": m.has_nsp_head,
-        "poolings": ["cls", *(["pooled"] if m.has_pooler else []), "mean", "none"],
+        "poolings": available_poolings(m.has_pooler),
         "device": e.device,
         "precision": e.precision,
         "provider": e.provider,
@@ -56,7 +60,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
             "max_request_bytes": s.max_request_bytes, "inference_workers": service.batcher.workers,
             "intra_op_threads": e.intra_op_threads, "workers": s.workers,
         },
-        "openai": {"pooling": s.openai_pooling, "normalize": s.openai_normalize},
+        "openai": {"pooling": service.openai_pooling, "normalize": service.openai_normalize},
         "auth": s.api_key is not None,
         "pid": os.getpid(),  # which of `workers` processes answered
         "engine_pid": getattr(e, "pid", os.getpid()),  # the process that holds the session

