@@ -62,24 +62,38 @@ def trained_max_length(folder: Path | str) -> int:
     3. tokenizer_config.json `model_max_length`, unless HF's "unknown" value (int(1e30)) or not a positive int;
     4. config.json `max_position_embeddings` (512 when absent).
     """
+    positions = max_position_embeddings(folder)
+    return min(_recorded_length(transformer_folder(folder)) or positions, positions)
+
+
+def max_position_embeddings(folder: Path | str) -> int:
+    """config.json's max_position_embeddings: the longest sequence the weights can take at all."""
     folder = transformer_folder(folder)
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; not a model folder (expected one written by "
                                f"`python -m training.pretrain` or a Hugging Face BERT checkpoint)")
-    positions = _positive_int(_json_object(config_path).get("max_position_embeddings")) or DEFAULT_MAX_POSITIONS
-    return min(_recorded_length(folder) or positions, positions)
+    return _positive_int(_json_object(config_path).get("max_position_embeddings")) or DEFAULT_MAX_POSITIONS
+
+
+def _declared(folder: Path, name: str, key: str) -> int | None:
+    """A length the folder states on purpose: absent or null is None; anything but a positive int is an error."""
+    path = folder / name
+    value = _json_object(path).get(key)
+    if value is None:
+        return None
+    if _positive_int(value) is None:
+        raise ModelFolderError(f"{path}: {key} is {value!r}, not a positive integer")
+    return value
 
 
 def _recorded_length(folder: Path) -> int | None:
     summary = _json_object(folder / TRAINING_SUMMARY_FILE)
     phases = summary.get("phases") if isinstance(summary.get("phases"), list) else []
     phases = [_positive_int(p.get("max_seq_len")) for p in phases if isinstance(p, dict)]
-    found = _positive_int(summary.get("max_length")) or max(filter(None, phases), default=None)
+    found = (_declared(folder, TRAINING_SUMMARY_FILE, "max_length") or max(filter(None, phases), default=None)
+             or _declared(folder, SENTENCE_BERT_CONFIG_FILE, "max_seq_length"))
     if found:
         return found
-    for name, key in ((SENTENCE_BERT_CONFIG_FILE, "max_seq_length"), (TOKENIZER_CONFIG_FILE, "model_max_length")):
-        found = _positive_int(_json_object(folder / name).get(key))
-        if found and found < 10**9:  # transformers writes int(1e30) when it does not know
-            return found
-    return None
+    found = _positive_int(_json_object(folder / TOKENIZER_CONFIG_FILE).get("model_max_length"))
+    return found if found and found < 10**9 else None  # transformers writes int(1e30) when it does not know

@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from artifact.model_folder_info import SBERT_CONFIG_FILE
+from artifact.source_folder import SENTENCE_BERT_CONFIG_FILE as SBERT_CONFIG_FILE
 from export import ExportError
 
 MODULES_FILE = "modules.json"

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
                                PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, GraphInfo, Manifest)
-from artifact.model_folder_info import ModelFolderInfoError, trained_max_length
+from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
@@ -51,7 +51,7 @@ def export_artifact(
     on parity like the others. `padded_twin`: the server may replay the fp16 graph's padded form as
     CUDA graphs for small batches; a packed graph gets a padded twin (and its kernels variant) for that.
     The artifact serves texts of up to `max_length` tokens, by default the length the model was trained
-    at (artifact.model_folder_info.trained_max_length), and pools them as a sentence-transformers folder
+    at (artifact.source_folder.trained_max_length), and pools them as a sentence-transformers folder
     says (export.checkpoint_layout; else the raw [CLS] vector).
     Raises ExportError / ModelFolderError (one line) when an input is bad, a fusion is missing or a
     graph fails parity; nothing is written then."""
@@ -147,7 +147,7 @@ def _served_length(layout: CheckpointLayout, positions: int, requested: int | No
     else:
         try:
             length = trained_max_length(layout.encoder_dir)
-        except ModelFolderInfoError as e:
+        except ModelFolderError as e:
             raise ExportError(str(e)) from e
     if length < MIN_MAX_LENGTH:
         raise ExportError(f"a max length of {length} tokens leaves no room for text; it must be at least "

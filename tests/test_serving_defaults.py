@@ -13,7 +13,7 @@ import torch
 
 from app.pooling import available_poolings
 from artifact.manifest import POOLINGS, ManifestError, read_manifest
-from artifact.model_folder_info import ModelFolderInfoError, trained_max_length
+from artifact.source_folder import ModelFolderError, trained_max_length
 from export.__main__ import main
 from export.pipeline import export_artifact
 from tests.test_app import assert_error, run, serving
@@ -45,14 +45,16 @@ def test_trained_max_length_rules(tmp_path):
     write_json(tmp_path / "training_summary.json", {"max_length": 96, "phases": [{"max_seq_len": 128}]})
     assert trained_max_length(tmp_path) == 96  # (2) its max_length, over the phases
     write_json(tmp_path / "sentence_bert_config.json", {"max_seq_length": 1024, "do_lower_case": False})
-    assert trained_max_length(tmp_path) == 512  # (1), capped by the positions
+    assert trained_max_length(tmp_path) == 96  # our own record comes first (a run --init-from this folder)
+    (tmp_path / "training_summary.json").unlink()
+    assert trained_max_length(tmp_path) == 512  # sentence-transformers', capped by the positions
     write_json(tmp_path / "sentence_bert_config.json", {"max_seq_length": 256})
     assert trained_max_length(tmp_path) == 256
     write_json(tmp_path / "sentence_bert_config.json", {"max_seq_length": "long"})
-    with pytest.raises(ModelFolderInfoError, match="max_seq_length"):
+    with pytest.raises(ModelFolderError, match="max_seq_length"):
         trained_max_length(tmp_path)
     (tmp_path / "config.json").unlink()
-    with pytest.raises(ModelFolderInfoError, match="config.json"):
+    with pytest.raises(ModelFolderError, match="config.json"):
         trained_max_length(tmp_path)
 
 
