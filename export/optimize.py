@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from export import ExportError
+from export.smoothing import smooth_activations
 from training.model import BertConfig
 
 # Fused kernels recorded in the manifest (fp32 / fp16 graphs: ORT's statistics; int8: op counts).
@@ -89,24 +92,31 @@ def _pack(opt, num_layers: int) -> dict[str, int]:
     return counts
 
 
-def quantize_int8(fp32_optimized: Path, dst: Path, config: BertConfig) -> dict[str, int]:
-    """Dynamic int8 quantisation (weights int8, activations quantised at run time) for the CPU.
-    Quantises the fused graph, so Attention becomes QAttention and the embeddings QEmbedLayerNormalization."""
+def quantize_int8(fp32_optimized: Path, dst: Path, config: BertConfig,
+                  calibration: Sequence[dict[str, np.ndarray]]) -> dict[str, int]:
+    """Dynamic int8 quantisation (weights int8 per output channel, activations quantised at run time)
+    for the CPU, of the fused graph: Attention becomes QAttention, the dense MatMuls MatMulInteger.
+    Before that, export.smoothing moves the activations' outlier channels into the weights, measured
+    on the `calibration` feeds. The recipe and what each part buys on all-MiniLM-L6-v2 are in
+    BENCHMARKS.md ("int8 recipe")."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    graph = onnx.load(str(fp32_optimized), load_external_data=False).graph
-    # The first layer's dense matmuls stay fp32: its errors travel through every later layer. Measured on
-    # all-MiniLM-L6-v2 (min pooled-vector cosine to fp32 on random padded batches): per-tensor scales
-    # 0.970, per-channel 0.989, per-channel with layer 0's dense matmuls kept 0.994 (gate: 0.99).
-    first_layer = [n.name for n in graph.node if n.op_type == "MatMul" and "/encoder/layer.0/" in n.name]
+    model = onnx.load(str(fp32_optimized))
+    # The first layer's FFN output matmul stays fp32: its input has the largest outlier of all (a GELU
+    # channel at 25 where the median channel reaches 1.4), and its error travels through every layer.
+    keep_fp32 = [n.name for n in model.graph.node
+                 if n.op_type == "MatMul" and "/encoder/layer.0/output/dense/" in n.name]
+    smooth_activations(model, calibration, exclude=keep_fp32)
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # quantize_dynamic logs a pre-processing advice meant for CNNs
     try:
         quantize_dynamic(
-            str(fp32_optimized), str(dst), weight_type=QuantType.QInt8,
+            model, str(dst), weight_type=QuantType.QInt8,
             per_channel=True,  # one scale per output channel
-            nodes_to_exclude=first_layer,
+            # The embedding tables stay fp32: a lookup gains no speed from int8, only error.
+            op_types_to_quantize=["MatMul", "Attention"],
+            nodes_to_exclude=keep_fp32,
             # ORT's contrib ops (SkipLayerNormalization, ...) defeat ONNX shape inference; they are float
             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
         )

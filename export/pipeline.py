@@ -28,7 +28,9 @@ from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
 from export.optimize import optimize_graph, quantize_int8
-from export.parity import DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs
+from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
+                           text_batches)
+from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
 
@@ -79,10 +81,10 @@ def export_artifact(
     served_length = _served_length(layout, loaded.config.max_position_embeddings, max_length)
 
     graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
-    special_ids = set(specials.values())
-    words = [i for i in tokenizer.get_vocab().values() if i not in special_ids and i < loaded.config.vocab_size]
-    batches = random_batches(words, specials[CLS], specials[SEP], specials[PAD],
-                             loaded.config.max_position_embeddings, parity_shapes, seed)
+    # Judged up to the served length: the server never feeds longer inputs, and positions past the trained
+    # length would skew int8's calibration.
+    batches, calibration = parity_feeds(tokenizer, specials, loaded.config.vocab_size, served_length,
+                                        parity_shapes, seed)
     references = [reference_outputs(graph, feed) for feed in batches]  # shared by every precision
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +97,7 @@ def export_artifact(
         graphs = {}
         for precision in precisions:
             graphs[precision] = _build_graph(precision, traced, tmp, loaded, graph, batches, references,
-                                             remove_padding)
+                                             remove_padding, calibration=calibration)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
         if padded_twin:
@@ -155,9 +157,27 @@ def _served_length(layout: CheckpointLayout, positions: int, requested: int | No
     return length
 
 
+def parity_feeds(tokenizer: Tokenizer, specials: dict[str, int], vocab_size: int, max_length: int,
+                 shapes=DEFAULT_SHAPES, seed: int = 0) -> tuple[list[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]:
+    """The gate's feeds (seeded random ids, then export.sentences.SENTENCES) and int8's calibration feeds
+    (CALIBRATION_SENTENCES, other sentences than the gate's, then random ids for the tails real text
+    misses); the same in every process."""
+    special_ids = set(specials.values())
+    # Sorted: get_vocab() is a Rust HashMap whose order changes from process to process, and with it
+    # which ids the seeded draws picked (the int8 verdict once changed from run to run).
+    words = sorted(i for i in tokenizer.get_vocab().values() if i not in special_ids and i < vocab_size)
+    cls_id, sep_id, pad_id = specials[CLS], specials[SEP], specials[PAD]
+    gate = (random_batches(words, cls_id, sep_id, pad_id, max_length, shapes, seed)
+            + text_batches(tokenizer, SENTENCES, max_length, pad_id))
+    calibration = (text_batches(tokenizer, CALIBRATION_SENTENCES, max_length, pad_id)
+                   + random_batches(words, cls_id, sep_id, pad_id, max_length, shapes, seed + 1))
+    return gate, calibration
+
+
 def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, graph: EmbeddingGraph,
                  batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
-                 remove_padding: bool, file: str | None = None) -> GraphInfo:
+                 remove_padding: bool, file: str | None = None,
+                 calibration: list[dict[str, np.ndarray]] | None = None) -> GraphInfo:
     path = tmp / (file or GRAPH_FILES[precision])
     if precision == "fp32":
         counts = optimize_graph(traced, path, loaded.config, use_gpu=False, float16=False)
@@ -165,7 +185,7 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
         counts = optimize_graph(traced, path, loaded.config, use_gpu=True, float16=True,
                                 remove_padding=remove_padding)
     else:
-        counts = quantize_int8(tmp / GRAPH_FILES["fp32"], path, loaded.config)
+        counts = quantize_int8(tmp / GRAPH_FILES["fp32"], path, loaded.config, calibration)
     device = "cuda" if precision == "fp16" else "cpu"
     figures = compare(create_session(path, device), graph, batches, references)
     check_parity(precision, figures)
