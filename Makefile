@@ -28,11 +28,11 @@ train: $(MODEL_DIR)/model.safetensors
 export: $(ARTIFACT_DIR)/manifest.json
 
 # File targets: the model is trained only when missing (an interrupted run resumes from its last
-# checkpoint), the artifact re-exported when the model changed.
+# checkpoint), the artifact re-exported when the model or the artifact format changed.
 $(MODEL_DIR)/model.safetensors: | install
 	$(BIN)/python -m training.pretrain --out $(MODEL_DIR) --resume
 
-$(ARTIFACT_DIR)/manifest.json: $(MODEL_DIR)/model.safetensors | install
+$(ARTIFACT_DIR)/manifest.json: $(MODEL_DIR)/model.safetensors artifact/manifest.py | install
 	$(BIN)/python -m export --model $(MODEL_DIR) --out $(ARTIFACT_DIR) $(EXPORT_FLAGS)
 
 serve: | install

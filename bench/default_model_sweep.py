@@ -54,6 +54,25 @@ CANDIDATES: dict[str, list[str]] = {
     "mini64-b32-lr5e-4": ["--max-seq-len", "64", "--batch-size", "32", "--vocab-size", "4096", "--preset", "mini",
                           "--lr", "5e-4"],
     "t64-b64-lr1e-3-v8k": ["--max-seq-len", "64", "--batch-size", "64", "--lr", "1e-3"],
+    # Larger batches left the plateau sooner: fewer, bigger steps in the same time.
+    "t64-b128-1400": ["--max-seq-len", "64", "--batch-size", "128", "--vocab-size", "4096", "--max-steps", "1400"],
+    "t64-b128-1600": ["--max-seq-len", "64", "--batch-size", "128", "--vocab-size", "4096", "--max-steps", "1600"],
+    "t64-b192-1000": ["--max-seq-len", "64", "--batch-size", "192", "--vocab-size", "4096", "--max-steps", "1000"],
+    "t64-b256-800": ["--max-seq-len", "64", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "800"],
+    "t64-b256-1000": ["--max-seq-len", "64", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "1000"],
+    "t64-b256-800-lr3e-3": ["--max-seq-len", "64", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "800",
+                            "--lr", "3e-3"],
+    "t64-b256-800-w20": ["--max-seq-len", "64", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "800",
+                         "--warmup-fraction", "0.2"],
+    "t64-b512-500": ["--max-seq-len", "64", "--batch-size", "512", "--vocab-size", "4096", "--max-steps", "500"],
+    "t48-b256-1000": ["--max-seq-len", "48", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "1000"],
+    "t48-b256-850": ["--max-seq-len", "48", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "850"],
+    "t48-b256-850-v2k": ["--max-seq-len", "48", "--batch-size", "256", "--vocab-size", "2048", "--max-steps", "850"],
+    "t40-b320-850": ["--max-seq-len", "40", "--batch-size", "320", "--vocab-size", "4096", "--max-steps", "850"],
+    "t32-b384-850": ["--max-seq-len", "32", "--batch-size", "384", "--vocab-size", "4096", "--max-steps", "850"],
+    "t48-b192-1100": ["--max-seq-len", "48", "--batch-size", "192", "--vocab-size", "4096", "--max-steps", "1100"],
+    "t48-b256-850-mp10": ["--max-seq-len", "48", "--batch-size", "256", "--vocab-size", "4096", "--max-steps", "850",
+                          "--max-predictions", "10"],
 }
 
 

@@ -77,7 +77,8 @@ def run_arm(args: argparse.Namespace) -> None:
 
     dist = setup_distributed(args.device)
     data = prepare_data(DataConfig(corpus=tuple(args.corpus), max_seq_len=args.max_seq_len,
-                                   cache_dir=args.cache_dir), show_progress=False)
+                                   heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir),
+                        show_progress=False)
     config = preset_config(args.preset, vocab_size=data.tokenizer.get_vocab_size())
     torch.manual_seed(args.seed)
     ours = BertForPreTraining(config)
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20000, help="the schedule's length (decay to 0 at this step)")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--heldout-fraction", type=float, default=0.05, help="documents held out for evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process

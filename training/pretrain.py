@@ -32,6 +32,16 @@ DEFAULT_PRESET = "tiny"
 INIT_FROM_LR = 1e-4
 DEFAULT_DROPOUT = 0.1  # a fresh model's (BERT's); --init-from keeps its folder's
 DEFAULT_VOCAB_SIZE = DataConfig.vocab_size
+# What a flag left out means. The tiny preset is the `make run` demonstration, which must finish in
+# about ten minutes on 2 CPU cores: short sequences in large batches and a small vocabulary reach the
+# best held-out accuracy in that time (bench/default_model_sweep.py, BENCHMARKS.md), and a short
+# second phase at 128 tokens trains the positions the server then accepts.
+SCHEDULE_DEFAULTS = {
+    "tiny": {"max_seq_len": 48, "batch_size": 192, "max_steps": 1000, "vocab_size": 4096,
+             "phase2_steps": 100, "phase2_seq_len": 128, "phase2_batch_size": 32},
+    "other": {"max_seq_len": 128, "batch_size": TrainConfig.batch_size, "max_steps": 1200,
+              "vocab_size": DEFAULT_VOCAB_SIZE, "phase2_steps": 0, "phase2_seq_len": 512, "phase2_batch_size": None},
+}
 # Every fresh model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
 
@@ -61,13 +71,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
                    help=".txt (one sentence/paragraph per line, blank line between documents) or .jsonl "
                         "(`text` field) files, folders or globs; none: the embedded default corpus")
-    g.add_argument("--max-seq-len", type=int, default=d.max_seq_len, help="tokens per training sequence")
-    g.add_argument("--max-predictions", type=int, default=d.max_predictions_per_seq,
-                   help="most masked tokens per sequence")
+    g.add_argument("--max-seq-len", type=int, default=None,
+                   help="tokens per training sequence (default: 48 with the tiny preset, 128 otherwise)")
+    g.add_argument("--max-predictions", type=int, default=None,
+                   help="most masked tokens per sequence (default: BERT's 20 per 128 tokens, rounded up)")
     g.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob, help="share of tokens masked")
     g.add_argument("--whole-word-masking", action="store_true", help="mask all pieces of a word together")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help=f"WordPiece vocabulary to train (default: {DEFAULT_VOCAB_SIZE})")
+                   help=f"WordPiece vocabulary to train (default: 4096 with the tiny preset, {DEFAULT_VOCAB_SIZE} "
+                        f"otherwise)")
     g.add_argument("--vocab-file", default=None, help="use this vocab.txt instead of training a tokenizer")
     g.add_argument("--no-lowercase", action="store_true", help="keep case (a cased model)")
     g.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
@@ -89,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the folder's)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-steps", type=int, default=1200, help="optimiser steps (of phase 1)")
-    g.add_argument("--batch-size", type=int, default=t.batch_size,
-                   help="sequences per micro-batch per process (the effective batch is this x --grad-accum "
-                        "x processes)")
+    g.add_argument("--max-steps", type=int, default=None,
+                   help="optimiser steps of phase 1 (default: 1000 with the tiny preset, 1200 otherwise)")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per micro-batch per process; the effective batch is this x --grad-accum x "
+                        f"processes (default: 192 with the tiny preset, {t.batch_size} otherwise)")
     g.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimiser step")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default per preset: "
@@ -106,11 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="AdamW weight decay (never on biases and LayerNorm weights)")
     g.add_argument("--clip-norm", type=float, default=t.clip_norm, help="gradient clipping norm; 0: off")
     g.add_argument("--seed", type=int, default=t.seed, help="seed of weights, data order, masks and dropout")
-    g.add_argument("--phase2-steps", type=int, default=0,
-                   help="steps of a second phase at --phase2-seq-len, as in the BERT paper; 0: none")
-    g.add_argument("--phase2-seq-len", type=int, default=512, help="sequence length of phase 2")
-    g.add_argument("--phase2-max-predictions", type=int, default=80, help="most masked tokens per sequence in phase 2")
-    g.add_argument("--phase2-batch-size", type=int, default=None, help="micro-batch of phase 2 (default: --batch-size)")
+    g.add_argument("--phase2-steps", type=int, default=None,
+                   help="steps of a second phase at --phase2-seq-len, as in the BERT paper; 0: none (default: "
+                        "100 with the tiny preset, 0 otherwise)")
+    g.add_argument("--phase2-seq-len", type=int, default=None,
+                   help="sequence length of phase 2 (default: 128 with the tiny preset, 512 otherwise)")
+    g.add_argument("--phase2-max-predictions", type=int, default=None,
+                   help="most masked tokens per sequence in phase 2 (default: 20 per 128 tokens, rounded up)")
+    g.add_argument("--phase2-batch-size", type=int, default=None,
+                   help="micro-batch of phase 2 (default: 32 with the tiny preset, --batch-size otherwise)")
 
     g = p.add_argument_group("run")
     g.add_argument("--out", default="models/default", help="model folder to write at the end")
@@ -408,8 +425,27 @@ def summary_line(summary: dict[str, Any], out: Path) -> str:
             f"NSP accuracy {h['nsp_accuracy']:.3f} (baseline {h['nsp_baseline_accuracy']:.3f}); model folder {out}")
 
 
+def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Give the flags left out their values: the tiny preset's schedule for a fresh tiny model (the
+    demonstration), the general one otherwise (SCHEDULE_DEFAULTS). --init-from keeps its tokenizer."""
+    demo = args.init_from is None and (args.preset or DEFAULT_PRESET) == "tiny"
+    for name, value in SCHEDULE_DEFAULTS["tiny" if demo else "other"].items():
+        if getattr(args, name) is None and not (name == "vocab_size" and args.init_from is not None):
+            setattr(args, name, value)
+    if args.max_predictions is None:
+        args.max_predictions = predictions_for(args.max_seq_len)
+    if args.phase2_max_predictions is None:
+        args.phase2_max_predictions = predictions_for(args.phase2_seq_len)
+    return args
+
+
+def predictions_for(seq_len: int) -> int:
+    """BERT's masked-position budget: 20 per 128 tokens (80 at 512), rounded up."""
+    return -(-seq_len * 20 // 128)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = fill_defaults(build_parser().parse_args(argv))
     dist = DistInfo()
     try:
         check_args(args)
