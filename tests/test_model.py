@@ -9,7 +9,7 @@ import transformers
 
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import load_model_folder, save_model_folder
-from training.trainer import gather_masked
+from training.model_inputs import gather_masked
 
 
 def padded_batch(vocab_size: int, lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:

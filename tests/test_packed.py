@@ -9,7 +9,7 @@ import torch
 from tests.test_model import padded_batch
 from training.model import BertForPreTraining, preset_config
 from training.packed import PackedSequences, QueryRows, pack, varlen_attention
-from training.trainer import model_inputs
+from training.model_inputs import model_inputs
 
 
 def without_dropout(model: BertForPreTraining) -> BertForPreTraining:
