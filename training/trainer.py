@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from training.batch_stream import BatchSource, BatchStream
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from training.model import BertForPreTraining
+from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
 
@@ -267,7 +267,7 @@ class Learner:
 
 @dataclass
 class WindowTotals:
-    """A log window summed over all processes; losses are means per micro-batch."""
+    """A log window over all processes: tokens summed, losses averaged over micro-batches and processes."""
 
     loss: float
     mlm_loss: float
@@ -289,7 +289,7 @@ class LogWindow:
         self.losses.zero_()
         self.tokens, self.micro_batches, self.data_wait_s, self.started = 0, 0, 0.0, time.perf_counter()
 
-    def add(self, out: Any, tokens: int, data_wait_s: float) -> None:
+    def add(self, out: PreTrainingOutput, tokens: int, data_wait_s: float) -> None:
         self.losses += torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach()])
         self.tokens += tokens
         self.micro_batches += 1
@@ -324,14 +324,13 @@ class RunLog:
     def start(self, **fields: Any) -> None:
         self.metrics.write("start", **fields)
 
-    def train(self, state: TrainState, phase: Phase, epoch: int, window: WindowTotals, lr: float,
-              grad_norm: torch.Tensor) -> None:
+    def train(self, state: TrainState, phase: Phase, window: WindowTotals, lr: float, grad_norm: torch.Tensor) -> None:
         """The log line of a window; a FloatingPointError (on every process) if its loss is not finite."""
         tokens_per_s = window.tokens / max(window.elapsed_s, 1e-9)
         if self.is_main:
             self.metrics.write("train", step=state.step, phase=phase.name, loss=window.loss, mlm_loss=window.mlm_loss,
                                nsp_loss=window.nsp_loss, lr=lr, grad_norm=float(grad_norm),
-                               tokens_per_s=tokens_per_s, tokens_seen=state.tokens_seen, epoch=epoch,
+                               tokens_per_s=tokens_per_s, tokens_seen=state.tokens_seen, epoch=state.epoch,
                                data_wait_s=window.data_wait_s, elapsed_s=state.wall_time_s)
             self.progress.set_postfix(loss=f"{window.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
                                       refresh=False)
@@ -405,12 +404,12 @@ def train(
             while state.step < phase_end:
                 lr, grad_norm = _optimizer_step(learner, stream, window, cfg, dist)
                 state.step += 1
-                state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
+                state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch  # after the batches taken
                 log.progress.update(1)
                 if state.step % cfg.log_every == 0 or state.step == phase_end:
                     totals = window.close(dist)
                     state.tokens_seen += totals.tokens
-                    log.train(state, phase, stream.epoch, totals, lr, grad_norm)
+                    log.train(state, phase, totals, lr, grad_norm)
                 if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step != total_steps:
                     evals.append(log.eval(state.step, phase, evaluate(model, phase.heldout, phase, cfg, dist,
                                                                       most_frequent)))
