@@ -111,7 +111,6 @@ def text_batches(tokenizer, texts: list[str], batch: int, count: int, seed: int 
 class TorchEngine:
     def __init__(self, model: BertForPreTraining, device: str, dtype: torch.dtype):
         self.graph = EmbeddingGraph(model, True, True).eval().to(device=device, dtype=dtype)
-        self.graph.bert.set_attention_kernel(use_sdpa=True)
         self.device = device
 
     def prepare(self, feed):

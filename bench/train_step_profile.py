@@ -17,8 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from bench.train_throughput import make_batch  # noqa: E402
 from training.model import BertForPreTraining, preset_config  # noqa: E402
+from training.model_inputs import model_inputs  # noqa: E402
 from training.optim import make_optimizer  # noqa: E402
-from training.trainer import autocast_context, model_inputs  # noqa: E402
+from training.trainer import autocast_context  # noqa: E402
 
 
 def main() -> None:

@@ -32,8 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from training.model import BertForPreTraining, preset_config  # noqa: E402
+from training.model_inputs import model_inputs  # noqa: E402
 from training.optim import make_optimizer  # noqa: E402
-from training.trainer import autocast_context, model_inputs  # noqa: E402
+from training.trainer import autocast_context  # noqa: E402
 
 # Dense bf16 tensor-core peak (no sparsity) by card; MFU is left out for cards not listed.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "GH200": 989e12}

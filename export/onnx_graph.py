@@ -66,8 +66,7 @@ def example_batch(vocab_size: int, batch: int = 2, seq_len: int = 16) -> tuple[t
 def trace_to_onnx(graph: EmbeddingGraph, path: Path) -> None:
     """fp32 ONNX graph at `path`, dynamic batch and sequence axes."""
     bert = graph.bert
-    bert.set_attention_kernel(use_sdpa=False)  # the matmul-softmax form ORT fuses into Attention
-    try:
+    with bert.matmul_softmax_attention():  # the form ORT fuses into Attention
         dynamic_axes = {name: {0: "batch", 1: "sequence"} for name in (*INPUT_NAMES, TOKEN_EMBEDDINGS)}
         dynamic_axes.update({name: {0: "batch"} for name in graph.outputs if name != TOKEN_EMBEDDINGS})
         with warnings.catch_warnings(), torch.no_grad():
@@ -83,5 +82,3 @@ def trace_to_onnx(graph: EmbeddingGraph, path: Path) -> None:
                 do_constant_folding=True,
                 dynamo=False,  # ORT's BERT fusions are written against the TorchScript exporter's patterns
             )
-    finally:
-        bert.set_attention_kernel(use_sdpa=True)

@@ -10,7 +10,7 @@ import torch
 
 from data_corpora import prepare, write_txt_corpus
 from training.batch_stream import BatchStream
-from training.trainer import cpu_inputs
+from training.model_inputs import cpu_inputs
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The one BERT definition against `transformers`: a model folder we write loads there with the same
 MLM and NSP logits and loss (fp32, padded batches); and the fixed-shape MLM gather the trainer uses
-gives what the boolean-mask path gives."""
+gives what the boolean-mask path gives; the attention form export traces gives what SDPA gives."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +9,7 @@ import transformers
 
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import load_model_folder, save_model_folder
-from training.trainer import gather_masked
+from training.model_inputs import gather_masked
 
 
 def padded_batch(vocab_size: int, lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -88,3 +88,19 @@ def test_fixed_shape_gather_matches_boolean_masking():
         model(**kwargs).loss.backward()
         grads.append(model.bert.embeddings.word_embeddings.weight.grad.clone())
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_matmul_softmax_attention_is_the_same_attention_and_only_inside_its_block():
+    """Export traces attention written out (the form ONNX Runtime fuses); it must compute what SDPA does,
+    and the model must be back on SDPA after the block."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(preset_config("tiny", vocab_size=300)).eval()
+    b = padded_batch(300, lengths=[30, 8, 17])
+    with torch.no_grad():
+        sdpa = model.bert(b["input_ids"], b["token_type_ids"], b["attention_mask"])
+        with model.bert.matmul_softmax_attention():
+            assert all(layer.attention.self.matmul_softmax for layer in model.bert.encoder.layer)
+            written_out = model.bert(b["input_ids"], b["token_type_ids"], b["attention_mask"])
+    assert not any(layer.attention.self.matmul_softmax for layer in model.bert.encoder.layer)
+    for ours, theirs in zip(written_out, sdpa):
+        assert torch.allclose(ours, theirs, atol=1e-5)

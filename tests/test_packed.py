@@ -9,7 +9,7 @@ import torch
 from tests.test_model import padded_batch
 from training.model import BertForPreTraining, preset_config
 from training.packed import PackedSequences, QueryRows, pack, varlen_attention
-from training.trainer import model_inputs
+from training.model_inputs import model_inputs
 
 
 def without_dropout(model: BertForPreTraining) -> BertForPreTraining:
@@ -52,8 +52,8 @@ def test_encoder_output_rows_are_those_rows_of_the_full_output():
     masked = torch.stack([starts + 3, starts + 1, starts + 4, starts])  # sequence 1 (5 tokens) in bounds
     rows = QueryRows.for_heads(packed, masked.T)
     encoder = model.bert.encoder
-    full = encoder(hidden, packed)
-    subset = encoder(hidden, packed, rows)
+    full = encoder.forward_packed(hidden, packed)
+    subset = encoder.forward_packed(hidden, packed, rows)
     assert subset.shape == (4 * 5, 256)
     assert torch.allclose(subset, full[rows.index], atol=1e-5)
 

@@ -18,7 +18,7 @@ from training.model import BertForPreTraining, preset_config
 from training.model_folder import load_model_folder
 from training.optim import WarmupLinearDecay, make_optimizer, param_groups
 from training.pretrain import main
-from training.trainer import gather_masked
+from training.model_inputs import gather_masked
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,9 @@ state dict moves between the two with no renaming (our checkpoints load there, t
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import NamedTuple
 
@@ -135,6 +137,9 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
+    """Multi-head self-attention: `forward` over a padded batch, `forward_packed` over a packed one
+    (training.packed)."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -143,9 +148,8 @@ class BertSelfAttention(nn.Module):
         self.key = nn.Linear(config.hidden_size, config.hidden_size)
         self.value = nn.Linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_probs_dropout_prob
-        # SDPA for training and PyTorch inference; the explicit matmul-softmax form for ONNX export,
-        # because that is the pattern ONNX Runtime fuses into its Attention kernel.
-        self.use_sdpa = True
+        # Padded attention runs SDPA, except inside BertModel.matmul_softmax_attention() (ONNX export).
+        self.matmul_softmax = False
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -160,36 +164,39 @@ class BertSelfAttention(nn.Module):
         bias = torch.cat([p.bias for p in projections])
         return F.linear(hidden, weight, bias).unflatten(-1, (len(projections), self.num_heads, self.head_size))
 
-    def _qkv(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.training and self.use_sdpa:
-            return self._fused_qkv(hidden).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, nh, S, hd]
-        return self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
-
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
-                queries: QueryRows | None = None) -> torch.Tensor:
-        """[B, S, H] with an additive [B, 1, 1, S] mask, or packed [T, H] with its PackedSequences
-        (-> [T, H], or the rows of `queries` only)."""
-        dropout_p = self.dropout_p if self.training else 0.0
-        if isinstance(attn_bias, PackedSequences):
-            if queries is None:
-                q, k, v = self._fused_qkv(hidden).unbind(1)  # 3 x [T, nh, hd], strided views: no copies
-            else:
-                q = self._fused_qkv(hidden.index_select(0, queries.index), self.query).squeeze(1)
-                k, v = self._fused_qkv(hidden, self.key, self.value).unbind(1)
-            return varlen_attention(q, k, v, attn_bias, dropout_p, queries).flatten(1)  # [T or rows, H]
-        assert queries is None, "query rows are a packed-batch feature"
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        """[B, S, H] with an additive [B, 1, 1, S] mask -> [B, S, H]."""
         b, s, h = hidden.shape
-        q, k, v = self._qkv(hidden)
-        if self.use_sdpa:
-            ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=dropout_p
-            )  # [B, nh, S, hd]
-        else:
-            scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)  # [B, nh, S, S]
-            probs = torch.softmax(scores + attn_bias, dim=-1)
-            probs = F.dropout(probs, dropout_p, self.training)
-            ctx = torch.matmul(probs, v)  # [B, nh, S, hd]
+        ctx = self._matmul_softmax(hidden, attn_bias) if self.matmul_softmax else self._sdpa(hidden, attn_bias)
         return ctx.transpose(1, 2).reshape(b, s, h)  # [B, S, H]
+
+    def _sdpa(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            q, k, v = self._fused_qkv(hidden).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x [B, nh, S, hd]
+        else:
+            q, k, v = self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
+        dropout_p = self.dropout_p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias.to(q.dtype), dropout_p=dropout_p)
+
+    def _matmul_softmax(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        """Attention written out, with separate projections: the pattern ONNX Runtime fuses into its
+        Attention kernel."""
+        q, k, v = self._heads(self.query(hidden)), self._heads(self.key(hidden)), self._heads(self.value(hidden))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.head_size)  # [B, nh, S, S]
+        probs = torch.softmax(scores + attn_bias, dim=-1)
+        probs = F.dropout(probs, self.dropout_p, self.training)
+        return torch.matmul(probs, v)  # [B, nh, S, hd]
+
+    def forward_packed(self, hidden: torch.Tensor, packed: PackedSequences,
+                       queries: QueryRows | None = None) -> torch.Tensor:
+        """Packed [T, H] with its PackedSequences -> [T, H], or the rows of `queries` only."""
+        if queries is None:
+            q, k, v = self._fused_qkv(hidden).unbind(1)  # 3 x [T, nh, hd], strided views: no copies
+        else:
+            q = self._fused_qkv(hidden.index_select(0, queries.index), self.query).squeeze(1)
+            k, v = self._fused_qkv(hidden, self.key, self.value).unbind(1)
+        dropout_p = self.dropout_p if self.training else 0.0
+        return varlen_attention(q, k, v, packed, dropout_p, queries).flatten(1)  # [T or rows, H]
 
 
 class BertResidualOutput(nn.Module):
@@ -211,10 +218,13 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config)
         self.output = BertResidualOutput(config, config.hidden_size)
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
-                queries: QueryRows | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(hidden, attn_bias), hidden)
+
+    def forward_packed(self, hidden: torch.Tensor, packed: PackedSequences,
+                       queries: QueryRows | None = None) -> torch.Tensor:
         residual = hidden if queries is None else hidden.index_select(0, queries.index)
-        return self.output(self.self(hidden, attn_bias, queries), residual)
+        return self.output(self.self.forward_packed(hidden, packed, queries), residual)
 
 
 class BertIntermediate(nn.Module):
@@ -233,10 +243,14 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config)
         self.output = BertResidualOutput(config, config.intermediate_size)
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
-                queries: QueryRows | None = None) -> torch.Tensor:
-        """Every row out, or with `queries` (packed) only theirs: from there on a layer is row-wise."""
-        attended = self.attention(hidden, attn_bias, queries)
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        attended = self.attention(hidden, attn_bias)
+        return self.output(self.intermediate(attended), attended)
+
+    def forward_packed(self, hidden: torch.Tensor, packed: PackedSequences,
+                       queries: QueryRows | None = None) -> torch.Tensor:
+        """Every row out, or with `queries` only theirs: from there on a layer is row-wise."""
+        attended = self.attention.forward_packed(hidden, packed, queries)
         return self.output(self.intermediate(attended), attended)
 
 
@@ -245,14 +259,19 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
 
-    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor | PackedSequences,
-                output_rows: QueryRows | None = None) -> torch.Tensor:
-        """Token vectors of every row, or (packed) of `output_rows` only: the last layer then computes
-        nothing else, since no later layer reads the other rows."""
+    def forward(self, hidden: torch.Tensor, attn_bias: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            hidden = layer(hidden, attn_bias)
+        return hidden
+
+    def forward_packed(self, hidden: torch.Tensor, packed: PackedSequences,
+                       output_rows: QueryRows | None = None) -> torch.Tensor:
+        """Token vectors of every row, or of `output_rows` only: the last layer then computes nothing
+        else, since no later layer reads the other rows."""
         *inner, last = self.layer
         for layer in inner:
-            hidden = layer(hidden, attn_bias)
-        return last(hidden, attn_bias, output_rows)
+            hidden = layer.forward_packed(hidden, packed)
+        return last.forward_packed(hidden, packed, output_rows)
 
 
 class BertPooler(nn.Module):
@@ -265,9 +284,8 @@ class BertPooler(nn.Module):
 
 
 class BertModel(nn.Module):
-    """Bare encoder: ids -> (token vectors [B, S, H], pooled [CLS] vector [B, H]). Packed (training):
-    ids [T] -> (token vectors [T, H], pooled [B, H]); with `output_rows` (QueryRows whose first row of
-    each sequence is its [CLS]), the token vectors of those rows only."""
+    """Bare encoder: ids -> (token vectors [B, S, H], pooled [CLS] vector [B, H]); packed (training),
+    `forward_packed`."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -276,24 +294,35 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(config)
         self.pooler = BertPooler(config)
 
-    def set_attention_kernel(self, use_sdpa: bool) -> None:
-        for layer in self.encoder.layer:
-            layer.attention.self.use_sdpa = use_sdpa
+    @contextlib.contextmanager
+    def matmul_softmax_attention(self) -> Iterator[None]:
+        """Within the block, padded attention is written out as matmul -> softmax -> matmul instead of
+        SDPA: the same result, in the form ONNX Runtime fuses into its Attention kernel (for an ONNX trace)."""
+        attentions = [layer.attention.self for layer in self.encoder.layer]
+        for attention in attentions:
+            attention.matmul_softmax = True
+        try:
+            yield
+        finally:
+            for attention in attentions:
+                attention.matmul_softmax = False
 
-    def forward(
-        self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-        packed: PackedSequences | None = None, output_rows: QueryRows | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if packed is not None:
-            hidden = self.embeddings(input_ids, token_type_ids, packed.position_ids)  # [T, H]
-            sequence_output = self.encoder(hidden, packed, output_rows)
-            if output_rows is None:
-                return sequence_output, self.pooler(sequence_output[packed.first_tokens])
-            return sequence_output, self.pooler(sequence_output[::output_rows.per_sequence])
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor,
+                attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.embeddings(input_ids, token_type_ids)  # [B, S, H]
         attn_bias = additive_attention_mask(attention_mask, hidden.dtype)  # [B, 1, 1, S]
         sequence_output = self.encoder(hidden, attn_bias)
         return sequence_output, self.pooler(sequence_output[:, 0])
+
+    def forward_packed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor, packed: PackedSequences,
+                       output_rows: QueryRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [T] -> (token vectors [T, H], pooled [B, H]); with `output_rows` (QueryRows whose first row
+        of each sequence is its [CLS]), the token vectors of those rows only."""
+        hidden = self.embeddings(input_ids, token_type_ids, packed.position_ids)  # [T, H]
+        sequence_output = self.encoder.forward_packed(hidden, packed, output_rows)
+        if output_rows is None:
+            return sequence_output, self.pooler(sequence_output[packed.first_tokens])
+        return sequence_output, self.pooler(sequence_output[::output_rows.per_sequence])
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -373,11 +402,13 @@ class BertForPreTraining(nn.Module):
 
         With `packed`, the batch comes without padding (training.packed): ids and token types are [T],
         `attention_mask` is unused, and `masked_positions` index the [T] packed tokens."""
-        # Packed with labels, the last layer computes [CLS] and the masked rows only (QueryRows.for_heads).
         output_rows = None
-        if packed is not None and mlm_labels is not None:
-            output_rows = QueryRows.for_heads(packed, masked_positions)
-        sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask, packed, output_rows)
+        if packed is None:
+            sequence_output, pooled = self.bert(input_ids, token_type_ids, attention_mask)
+        else:
+            if mlm_labels is not None:  # the last layer computes [CLS] and the masked rows only
+                output_rows = QueryRows.for_heads(packed, masked_positions)
+            sequence_output, pooled = self.bert.forward_packed(input_ids, token_type_ids, packed, output_rows)
         nsp_logits = self.cls.seq_relationship(pooled)  # [B, 2]
         if mlm_labels is None:
             return PreTrainingOutput(None, None, None, self.cls.predictions(sequence_output), nsp_logits)

@@ -13,7 +13,7 @@ import os
 import random
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from training.batch_stream import BatchSource, BatchStream, map_leaves
+from training.batch_stream import BatchSource, BatchStream
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from training.model import BertForPreTraining
+from training.model import BertForPreTraining, PreTrainingOutput
+from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
-from training.packed import pack
 
 
 @dataclass(frozen=True)
@@ -130,86 +130,6 @@ def barrier(dist: DistInfo) -> None:
         torch_dist.barrier()
 
 
-def gather_masked(mlm_labels: torch.Tensor, max_predictions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, S] labels (-100 = not predicted) -> ([B, P] positions, [B, P] labels), P = max_predictions.
-
-    Masked positions come first in sequence order; unused slots point at position 0 with label -100.
-    A fixed P keeps every batch the same shape, so torch.compile traces the model once."""
-    masked = mlm_labels != -100  # [B, S]
-    most = int(masked.sum(1).max()) if masked.numel() else 0
-    if most > max_predictions:
-        raise ValueError(f"a sequence has {most} masked positions, more than max_predictions {max_predictions}")
-    order = torch.sort(masked.to(torch.int32), dim=1, descending=True, stable=True).indices[:, :max_predictions]
-    labels = mlm_labels.gather(1, order)  # [B, P]
-    positions = torch.where(labels != -100, order, torch.zeros_like(order))
-    return positions, labels
-
-
-def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: torch.device,
-                 pad_to: int | None = None, unpad: bool = False) -> dict[str, Any]:
-    """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`."""
-    return inputs_to_device(cpu_inputs(batch, max_predictions, pad_to, unpad), device)
-
-
-def cpu_inputs(batch: dict[str, torch.Tensor], max_predictions: int, pad_to: int | None = None,
-               unpad: bool = False) -> dict[str, Any]:
-    """The CPU half of model_inputs (a data worker runs it).
-
-    The pipeline pads each batch to its longest row; `pad_to` pads further to a fixed length so that a
-    compiled model sees one shape (eager mode is better off without the extra padding). `unpad` then
-    removes all padding: the model runs on the real tokens only (training.packed)."""
-    if pad_to is not None and batch["input_ids"].shape[1] < pad_to:
-        extra = pad_to - batch["input_ids"].shape[1]
-        batch = {**batch, **{k: F.pad(batch[k], (0, extra), value=0) for k in
-                             ("input_ids", "token_type_ids", "attention_mask")},
-                 "mlm_labels": F.pad(batch["mlm_labels"], (0, extra), value=-100)}
-    if unpad:
-        return _packed_inputs(batch, max_predictions)
-    positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
-    return {
-        "input_ids": batch["input_ids"],
-        "token_type_ids": batch["token_type_ids"],
-        "attention_mask": batch["attention_mask"],
-        "mlm_labels": labels,
-        "nsp_labels": batch["nsp_labels"],
-        "masked_positions": positions,
-    }
-
-
-def inputs_to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """The device half of model_inputs (the training process runs it)."""
-    inputs = _on_device(inputs, device)
-    if inputs.get("packed") is not None:
-        # The token count changes every batch: compile for any count at once instead of for the first.
-        for tokens in (inputs["input_ids"], inputs["token_type_ids"], inputs["packed"].position_ids):
-            torch._dynamo.maybe_mark_dynamic(tokens, 0)
-    return inputs
-
-
-def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int) -> dict[str, Any]:
-    if bool(((batch["mlm_labels"] != -100) & (batch["attention_mask"] == 0)).any()):
-        raise ValueError("an MLM label sits on a padding position")
-    positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
-    token_index, packed = pack(batch["attention_mask"])
-    # Masked positions move to the packed rows; unused slots (label -100) point at their row's [CLS].
-    positions = positions + packed.cu_seqlens[:-1, None].long()
-    return {
-        "input_ids": batch["input_ids"].flatten()[token_index],  # [T]
-        "token_type_ids": batch["token_type_ids"].flatten()[token_index],
-        "attention_mask": None,
-        "mlm_labels": labels,
-        "nsp_labels": batch["nsp_labels"],
-        "masked_positions": positions,
-        "packed": packed,
-    }
-
-
-def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    if device.type == "cuda":
-        return map_leaves(lambda t: t.pin_memory().to(device, non_blocking=True), torch.Tensor, inputs)
-    return map_leaves(lambda t: t.to(device), torch.Tensor, inputs)
-
-
 def autocast_context(precision: str, device: torch.device):
     """bf16 autocast on GPU by default, plain fp32 on CPU (bf16 matmuls on CPUs are rarely faster)."""
     if precision == "auto":
@@ -307,6 +227,134 @@ class TrainResult:
     evals: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass
+class TrainState:
+    """Where a run stands: what a checkpoint records and a resume starts from."""
+
+    step: int = 0  # optimiser steps done
+    phase: int = 0  # index of the phase being trained
+    epoch: int = 0  # the phase's data position: the next batch is number batch_in_epoch of this epoch
+    batch_in_epoch: int = 0
+    tokens_seen: int = 0  # non-padding tokens, all processes
+    wall_before: float = 0.0  # training time of the runs this one resumes
+    clock_start: float = field(default_factory=time.perf_counter)
+
+    @property
+    def wall_time_s(self) -> float:
+        return self.wall_before + time.perf_counter() - self.clock_start
+
+    def record(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "tokens_seen": self.tokens_seen, "wall_time_s": self.wall_time_s}
+
+    @classmethod
+    def from_checkpoint(cls, state: dict[str, Any]) -> TrainState:
+        return cls(state["step"], state["phase"], state["epoch"], state["batch_in_epoch"], state["tokens_seen"],
+                   state["wall_time_s"])
+
+
+@dataclass
+class Learner:
+    """The model in the wrappings a step needs, and what updates it."""
+
+    model: BertForPreTraining  # bare: state dicts and evaluation
+    ddp_model: nn.Module  # DistributedDataParallel around it (no_sync while accumulating), or itself
+    step_model: nn.Module  # what a training step calls: ddp_model, compiled if asked
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupLinearDecay
+    params: list[nn.Parameter]  # those clipped, in model order
+
+
+@dataclass
+class WindowTotals:
+    """A log window over all processes: tokens summed, losses averaged over micro-batches and processes."""
+
+    loss: float
+    mlm_loss: float
+    nsp_loss: float
+    tokens: int
+    elapsed_s: float
+    data_wait_s: float  # this process's, getting the window's batches
+
+
+class LogWindow:
+    """The steps since the last log line. Loss sums stay on the device, so that only the log line waits
+    for the device (one host sync per line, not per step)."""
+
+    def __init__(self, device: torch.device):
+        self.losses = torch.zeros(3, device=device)  # loss, MLM loss, NSP loss, summed over micro-batches
+        self._reset()
+
+    def _reset(self) -> None:
+        self.losses.zero_()
+        self.tokens, self.micro_batches, self.data_wait_s, self.started = 0, 0, 0.0, time.perf_counter()
+
+    def add(self, out: PreTrainingOutput, tokens: int, data_wait_s: float) -> None:
+        self.losses += torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach()])
+        self.tokens += tokens
+        self.micro_batches += 1
+        self.data_wait_s += data_wait_s
+
+    def close(self, dist: DistInfo) -> WindowTotals:
+        """The window's totals over all processes; the next window starts now."""
+        tokens = torch.tensor([self.tokens], dtype=torch.int64, device=self.losses.device)
+        if dist.distributed:
+            torch_dist.all_reduce(self.losses)
+            torch_dist.all_reduce(tokens)
+            self.losses /= dist.world_size
+        elapsed = time.perf_counter() - self.started
+        loss, mlm_loss, nsp_loss = (self.losses / self.micro_batches).tolist()
+        totals = WindowTotals(loss, mlm_loss, nsp_loss, int(tokens), elapsed, self.data_wait_s)
+        self._reset()
+        return totals
+
+
+class RunLog:
+    """Everything a run reports, in one place: metrics.jsonl and the progress bar on a terminal (or
+    plain lines elsewhere), from the main process."""
+
+    def __init__(self, run_dir: Path, dist: DistInfo, total_steps: int, step: int, show_progress: bool):
+        self.is_main, self.total_steps = dist.is_main, total_steps
+        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl" if dist.is_main else None)
+        # disable=None: a bar on a terminal only; elsewhere (a log file) plain lines at each log step.
+        self.progress = tqdm(total=total_steps, initial=step, disable=None if show_progress and dist.is_main else True,
+                             unit="step", dynamic_ncols=True, desc="pretrain")
+        self.plain_lines = show_progress and dist.is_main and self.progress.disable
+
+    def start(self, **fields: Any) -> None:
+        self.metrics.write("start", **fields)
+
+    def train(self, state: TrainState, phase: Phase, window: WindowTotals, lr: float, grad_norm: torch.Tensor) -> None:
+        """The log line of a window; a FloatingPointError (on every process) if its loss is not finite."""
+        tokens_per_s = window.tokens / max(window.elapsed_s, 1e-9)
+        if self.is_main:
+            self.metrics.write("train", step=state.step, phase=phase.name, loss=window.loss, mlm_loss=window.mlm_loss,
+                               nsp_loss=window.nsp_loss, lr=lr, grad_norm=float(grad_norm),
+                               tokens_per_s=tokens_per_s, tokens_seen=state.tokens_seen, epoch=state.epoch,
+                               data_wait_s=window.data_wait_s, elapsed_s=state.wall_time_s)
+            self.progress.set_postfix(loss=f"{window.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
+                                      refresh=False)
+            if self.plain_lines:
+                print(f"step {state.step}/{self.total_steps}: loss {window.loss:.3f} (MLM {window.mlm_loss:.3f}, "
+                      f"NSP {window.nsp_loss:.3f}), lr {lr:.2e}, {tokens_per_s:,.0f} tokens/s", flush=True)
+        if not math.isfinite(window.loss):
+            raise FloatingPointError(f"loss is {window.loss} at step {state.step}; lower --lr or check the data")
+
+    def eval(self, step: int, phase: Phase, result: dict[str, float]) -> dict[str, Any]:
+        """The held-out result as a record of the run (returned) and a log line."""
+        record = {"step": step, "phase": phase.name, **result}
+        if self.is_main:
+            self.metrics.write("eval", **record)
+            self.progress.write(
+                f"step {step}: held-out MLM loss {result['mlm_loss']:.3f} acc {result['mlm_accuracy']:.3f} "
+                f"(most-frequent-token {result['mlm_baseline_accuracy']:.3f}), NSP loss {result['nsp_loss']:.3f} "
+                f"acc {result['nsp_accuracy']:.3f} (majority {result['nsp_baseline_accuracy']:.3f})")
+        return record
+
+    def end(self, state: TrainState, wall_time_s: float) -> None:
+        self.metrics.write("end", step=state.step, tokens_seen=state.tokens_seen, wall_time_s=wall_time_s)
+
+
 def train(
     model: BertForPreTraining,
     phases: list[Phase],
@@ -324,163 +372,133 @@ def train(
     `checkpoint_meta` (model / data / train configuration) goes into every checkpoint so that a
     resume can be checked against it; `resume_from` (and its already loaded `resume_state`, if the
     caller has it) continues from that checkpoint exactly."""
-    device = dist.device
     torch.backends.cuda.matmul.allow_tf32 = True  # only matters for fp32 on GPU
     torch.backends.cudnn.allow_tf32 = True
-    model.to(device).train()
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, device)
+    model.to(dist.device).train()
     total_steps = sum(p.steps for p in phases)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else round(cfg.warmup_fraction * total_steps)
     schedule = WarmupLinearDecay(optimizer, cfg.lr, min(warmup, total_steps), total_steps)
-
-    step, phase_idx, epoch, batch_in_epoch, tokens_seen, wall_before = 0, 0, 0, 0, 0, 0.0
-    evals: list[dict[str, Any]] = []
     if resume_from is not None:
-        state = resume_state if resume_state is not None else load_checkpoint(resume_from)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        step, phase_idx, epoch, batch_in_epoch = state["step"], state["phase"], state["epoch"], state["batch_in_epoch"]
-        tokens_seen, wall_before = state["tokens_seen"], state["wall_time_s"]
-        if len(state["rng"]) != dist.world_size:
-            raise ValueError(f"checkpoint {resume_from} was written by {len(state['rng'])} processes; "
-                             f"resume with the same number (now {dist.world_size})")
-        set_rng_state(state["rng"][dist.rank], device)
+        checkpoint = resume_state if resume_state is not None else load_checkpoint(resume_from)
+        state = _restore(checkpoint, resume_from, model, optimizer, schedule, dist)
     else:
-        # Same weights on every rank come from the seed; dropout differs per rank.
-        _seed_everything(cfg.seed + dist.rank)
+        state = TrainState()
+        _seed_everything(cfg.seed + dist.rank)  # same weights on every rank come from the seed; dropout differs
+    learner = _learner(model, optimizer, schedule, cfg, dist)
+    log = RunLog(run_dir, dist, total_steps, state.step, show_progress)
+    log.start(step=state.step, total_steps=total_steps, world_size=dist.world_size, device=str(dist.device),
+              resumed_from=str(resume_from) if resume_from else None,
+              effective_batch=phases[min(state.phase, len(phases) - 1)].batch_size * cfg.grad_accum * dist.world_size)
+    state.clock_start = time.perf_counter()
+    most_frequent = phases[0].train.most_frequent_token_id()
+    evals: list[dict[str, Any]] = []
 
+    for i, (phase, phase_end) in enumerate(zip(phases, itertools.accumulate(p.steps for p in phases))):
+        if state.step >= phase_end:
+            continue
+        if i != state.phase:  # entering a later phase than the checkpoint's: its data starts afresh
+            state.phase, state.epoch, state.batch_in_epoch = i, 0, 0
+        with _batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
+            window = LogWindow(dist.device)
+            while state.step < phase_end:
+                lr, grad_norm = _optimizer_step(learner, stream, window, cfg, dist)
+                state.step += 1
+                state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch  # after the batches taken
+                log.progress.update(1)
+                if state.step % cfg.log_every == 0 or state.step == phase_end:
+                    totals = window.close(dist)
+                    state.tokens_seen += totals.tokens
+                    log.train(state, phase, totals, lr, grad_norm)
+                if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step != total_steps:
+                    evals.append(log.eval(state.step, phase, evaluate(model, phase.heldout, phase, cfg, dist,
+                                                                      most_frequent)))
+                if (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end:
+                    _checkpoint(learner, state, run_dir, dist, checkpoint_meta, cfg.keep_checkpoints)
+    log.progress.close()
+    if not evals or evals[-1]["step"] != state.step:
+        evals.append(log.eval(state.step, phases[-1], evaluate(model, phases[-1].heldout, phases[-1], cfg, dist,
+                                                               most_frequent)))
+    wall = state.wall_time_s
+    log.end(state, wall)
+    final = {k: v for k, v in evals[-1].items() if k not in ("step", "phase")}
+    return TrainResult(state.step, state.tokens_seen, wall, final, evals)
+
+
+def _restore(checkpoint: dict[str, Any], path: Path, model: BertForPreTraining, optimizer: torch.optim.Optimizer,
+             schedule: WarmupLinearDecay, dist: DistInfo) -> TrainState:
+    """Weights, optimiser, schedule and this process's random state from `checkpoint` (read from `path`)."""
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    schedule.load_state_dict(checkpoint["schedule"])
+    if len(checkpoint["rng"]) != dist.world_size:
+        raise ValueError(f"checkpoint {path} was written by {len(checkpoint['rng'])} processes; "
+                         f"resume with the same number (now {dist.world_size})")
+    set_rng_state(checkpoint["rng"][dist.rank], dist.device)
+    return TrainState.from_checkpoint(checkpoint)
+
+
+def _learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, schedule: WarmupLinearDecay,
+             cfg: TrainConfig, dist: DistInfo) -> Learner:
+    """Wrapped for DDP when distributed (after a restore: DDP starts every rank from rank 0's weights) and
+    compiled when asked."""
     ddp_model: nn.Module = model
     if dist.distributed:
         ddp_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None)
+            model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
-
-    metrics = MetricsLog(Path(run_dir) / "metrics.jsonl" if dist.is_main else None)
-    if dist.is_main:
-        metrics.write("start", step=step, total_steps=total_steps, world_size=dist.world_size,
-                      device=str(device), resumed_from=str(resume_from) if resume_from else None,
-                      effective_batch=phases[min(phase_idx, len(phases) - 1)].batch_size * cfg.grad_accum * dist.world_size)
-
-    start_time = time.perf_counter()
-    most_frequent = phases[0].train.most_frequent_token_id()
-    # disable=None: a bar on a terminal only; elsewhere (a log file) plain lines at each log step.
-    progress = tqdm(total=total_steps, initial=step, disable=None if show_progress and dist.is_main else True,
-                    unit="step", dynamic_ncols=True, desc="pretrain")
-    plain_lines = show_progress and dist.is_main and progress.disable
-    last_eval: dict[str, Any] | None = None
-
-    def run_eval(phase: Phase) -> dict[str, Any]:
-        result = evaluate(model, phase.heldout, phase, cfg, dist, most_frequent)
-        record = {"step": step, "phase": phase.name, **result}
-        evals.append(record)
-        if dist.is_main:
-            metrics.write("eval", **record)
-            progress.write(
-                f"step {step}: held-out MLM loss {result['mlm_loss']:.3f} acc {result['mlm_accuracy']:.3f} "
-                f"(most-frequent-token {result['mlm_baseline_accuracy']:.3f}), NSP loss {result['nsp_loss']:.3f} "
-                f"acc {result['nsp_accuracy']:.3f} (majority {result['nsp_baseline_accuracy']:.3f})")
-        return record
-
-    def checkpoint(phase_i: int, stream: BatchStream) -> None:
-        rngs = [rng_state(device)]
-        if dist.distributed:
-            rngs = [None] * dist.world_size
-            torch_dist.all_gather_object(rngs, rng_state(device))
-        if dist.is_main:
-            save_checkpoint(run_dir, step, {
-                "format": FORMAT_VERSION, "step": step, "phase": phase_i, "epoch": stream.epoch,
-                "batch_in_epoch": stream.batch_in_epoch, "tokens_seen": tokens_seen,
-                "wall_time_s": wall_before + time.perf_counter() - start_time,
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "schedule": schedule.state_dict(), "rng": rngs, **checkpoint_meta,
-            }, keep=cfg.keep_checkpoints)
-        barrier(dist)
-
     params = [p for p in model.parameters() if p.requires_grad]
-    phase_start = 0
-    for i, phase in enumerate(phases):
-        phase_end = phase_start + phase.steps
-        if step >= phase_end:
-            phase_start = phase_end
-            continue
-        if i != phase_idx:  # entering a later phase than the checkpoint's: its data starts afresh
-            epoch, batch_in_epoch = 0, 0
-        fixed_len = phase.max_seq_len if cfg.compile else None
-        data_workers = cfg.data_workers if cfg.data_workers is not None else 4 if device.type == "cuda" else 2
-        prepare = functools.partial(cpu_inputs, max_predictions=phase.max_predictions, pad_to=fixed_len,
-                                    unpad=cfg.unpad)
-        stream = BatchStream(phase.train, phase.batch_size, cfg.seed, dist.rank, dist.world_size, epoch,
-                             batch_in_epoch, prepare=prepare, workers=data_workers)
-        with stream:  # stops its workers on every way out
-            # Running sums over the log window stay on the device: no host sync until a log line.
-            window = torch.zeros(3, device=device)  # loss, mlm loss, nsp loss (summed over micro-batches)
-            window_tokens, window_start, window_steps, window_wait = 0, time.perf_counter(), 0, 0.0
-            while step < phase_end:
-                for micro in range(cfg.grad_accum):
-                    waiting = time.perf_counter()
-                    batch = stream.next()
-                    window_wait += time.perf_counter() - waiting
-                    window_tokens += batch.tokens
-                    inputs = inputs_to_device(batch.inputs, device)
-                    sync = (ddp_model.no_sync() if dist.distributed and micro < cfg.grad_accum - 1
-                            else contextlib.nullcontext())
-                    with sync:
-                        with autocast_context(cfg.precision, device):
-                            out = step_model(**inputs)
-                        (out.loss / cfg.grad_accum).backward()
-                    window += torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach()])
-                grad_norm = (torch.nn.utils.clip_grad_norm_(params, cfg.clip_norm) if cfg.clip_norm > 0
-                             else torch.zeros((), device=device))
-                lr = schedule.lr
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                schedule.step()
-                step += 1
-                window_steps += 1
-                progress.update(1)
+    return Learner(model, ddp_model, step_model, optimizer, schedule, params)
 
-                if step % cfg.log_every == 0 or step == phase_end:
-                    tokens = torch.tensor([window_tokens], dtype=torch.int64, device=device)
-                    if dist.distributed:
-                        torch_dist.all_reduce(window)
-                        torch_dist.all_reduce(tokens)
-                        window /= dist.world_size
-                    elapsed = time.perf_counter() - window_start
-                    tokens_seen += int(tokens)
-                    loss, mlm_loss, nsp_loss = (window / (window_steps * cfg.grad_accum)).tolist()
-                    tokens_per_s = int(tokens) / max(elapsed, 1e-9)
-                    if dist.is_main:
-                        metrics.write("train", step=step, phase=phase.name, loss=loss, mlm_loss=mlm_loss,
-                                      nsp_loss=nsp_loss, lr=lr, grad_norm=float(grad_norm),
-                                      tokens_per_s=tokens_per_s, tokens_seen=tokens_seen, epoch=stream.epoch,
-                                      data_wait_s=window_wait,  # this process's, getting the window's batches
-                                      elapsed_s=wall_before + time.perf_counter() - start_time)
-                        progress.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", lr=f"{lr:.2e}",
-                                             refresh=False)
-                        if plain_lines:
-                            print(f"step {step}/{total_steps}: loss {loss:.3f} (MLM {mlm_loss:.3f}, "
-                                  f"NSP {nsp_loss:.3f}), lr {lr:.2e}, {tokens_per_s:,.0f} tokens/s", flush=True)
-                    if not math.isfinite(loss):
-                        raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr or check the data")
-                    window.zero_()
-                    window_tokens, window_start, window_steps, window_wait = 0, time.perf_counter(), 0, 0.0
 
-                at_end = step == total_steps
-                if cfg.eval_every and step % cfg.eval_every == 0 and not at_end:
-                    last_eval = run_eval(phase)
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == phase_end:
-                    checkpoint(i, stream)
-        phase_start = phase_end
-    progress.close()
-    last_phase = phases[-1]
-    if last_eval is None or last_eval["step"] != step:
-        last_eval = run_eval(last_phase)
-    wall = wall_before + time.perf_counter() - start_time
+def _batch_stream(phase: Phase, state: TrainState, cfg: TrainConfig, dist: DistInfo) -> BatchStream:
+    """The phase's training batches from the state's data position, as CPU model inputs. Compiled, every
+    batch is padded to the phase's length, so that the model sees one shape."""
+    fixed_len = phase.max_seq_len if cfg.compile else None
+    workers = cfg.data_workers if cfg.data_workers is not None else 4 if dist.device.type == "cuda" else 2
+    prepare = functools.partial(cpu_inputs, max_predictions=phase.max_predictions, pad_to=fixed_len, unpad=cfg.unpad)
+    return BatchStream(phase.train, phase.batch_size, cfg.seed, dist.rank, dist.world_size, state.epoch,
+                       state.batch_in_epoch, prepare=prepare, workers=workers)
+
+
+def _optimizer_step(learner: Learner, stream: BatchStream, window: LogWindow, cfg: TrainConfig,
+                    dist: DistInfo) -> tuple[float, torch.Tensor]:
+    """`cfg.grad_accum` micro-batches (DDP averages gradients over processes on the last one only), clipping
+    and one optimiser step -> (the step's learning rate, the gradient norm before clipping, on the device)."""
+    for micro in range(cfg.grad_accum):
+        waiting = time.perf_counter()
+        batch = stream.next()
+        data_wait = time.perf_counter() - waiting
+        inputs = inputs_to_device(batch.inputs, dist.device)
+        accumulating = dist.distributed and micro < cfg.grad_accum - 1
+        with learner.ddp_model.no_sync() if accumulating else contextlib.nullcontext():
+            with autocast_context(cfg.precision, dist.device):
+                out = learner.step_model(**inputs)
+            (out.loss / cfg.grad_accum).backward()
+        window.add(out, batch.tokens, data_wait)
+    grad_norm = (torch.nn.utils.clip_grad_norm_(learner.params, cfg.clip_norm) if cfg.clip_norm > 0
+                 else torch.zeros((), device=dist.device))
+    lr = learner.schedule.lr
+    learner.optimizer.step()
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.schedule.step()
+    return lr, grad_norm
+
+
+def _checkpoint(learner: Learner, state: TrainState, run_dir: Path, dist: DistInfo, meta: dict[str, Any],
+                keep: int) -> None:
+    """Every process's random state, gathered; the main process writes the checkpoint; all wait for it."""
+    rngs = [rng_state(dist.device)]
+    if dist.distributed:
+        rngs = [None] * dist.world_size
+        torch_dist.all_gather_object(rngs, rng_state(dist.device))
     if dist.is_main:
-        metrics.write("end", step=step, tokens_seen=tokens_seen, wall_time_s=wall)
-    return TrainResult(step, tokens_seen, wall, {k: v for k, v in last_eval.items() if k not in ("step", "phase")},
-                       evals)
+        save_checkpoint(run_dir, state.step, {
+            "format": FORMAT_VERSION, **state.record(),
+            "model": learner.model.state_dict(), "optimizer": learner.optimizer.state_dict(),
+            "schedule": learner.schedule.state_dict(), "rng": rngs, **meta,
+        }, keep=keep)
+    barrier(dist)
 
 
 def _seed_everything(seed: int) -> None:
