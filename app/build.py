@@ -31,8 +31,8 @@ def padding_limit(settings: Settings, device: str) -> float:
 
 def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]:
     """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
-    default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
-    (all-MiniLM-L6-v2, 2 cores, see BENCHMARKS.md): no thread hand-offs inside small matrix products."""
+    default. On the CPU one single-threaded batch per core beats one batch over every core (no thread
+    hand-offs inside small matrix products; bench/cpu_batch_layout.py, BENCHMARKS.md)."""
     if device == "cuda":  # two: one batch's copies and collation overlap the other's kernels
         return settings.inference_workers or 2, settings.intra_op_threads
     cores = usable_cores()

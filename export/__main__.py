@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                              "operator (custom_kernels/): auto when its library is built, on: required")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="with --device cuda, also write a padded copy of the fp16 graph (and of its custom-"
-                             "kernels variant) that the server replays as CUDA graphs for batches of up to 16 "
-                             "texts of up to 128 tokens: a lone short text about 1 ms sooner (BENCHMARKS.md)")
+                             "kernels variant) that the server replays as CUDA graphs for small batches: a lone "
+                             "short text is answered sooner (BENCHMARKS.md)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help="longest input served, in tokens (at most the model's position embeddings). Default: "
                              "the length the model was trained at: sentence_bert_config.json max_seq_length, "
