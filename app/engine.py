@@ -15,7 +15,7 @@ import onnxruntime as ort
 
 import custom_kernels
 from app.cuda_graphs import CudaGraphBuckets
-from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
+from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
                                GraphInfo, Manifest)
 
 log = logging.getLogger("app.engine")
@@ -100,8 +100,8 @@ class OrtEngine:
         else:
             providers = [CPU]
         library = kernels_library(graph, device, kernels)
-        path, self.session = self._open(folder, graph.file, graph.custom_kernels.get("file"), providers, library,
-                                        kernels == "on")
+        kernels_file = graph.custom_kernels.file if graph.custom_kernels else None
+        path, self.session = self._open(folder, graph.file, kernels_file, providers, library, kernels == "on")
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
@@ -112,14 +112,11 @@ class OrtEngine:
         if inputs != set(INPUT_NAMES):
             raise EngineError(f"{path} has inputs {sorted(inputs)}, expected {list(INPUT_NAMES)}")
         self.outputs = frozenset(o.name for o in self.session.get_outputs())
-        needed = {TOKEN_EMBEDDINGS, CLS_EMBEDDING}
-        needed |= {POOLED_EMBEDDING} if manifest.has_pooler else set()
-        needed |= {NSP_LOGITS} if manifest.has_nsp_head else set()
+        needed = set(graph.outputs)
         if not needed <= self.outputs:
             raise EngineError(f"{path} lacks the outputs {sorted(needed - self.outputs)} its manifest promises")
         self.hidden_size = manifest.hidden_size
-        # ORT's packing mode: the graph drops the padding itself, so padded tokens cost nothing.
-        self.packed = graph.fused_operators.get("RemovePadding", 0) > 0
+        self.packed = graph.packed
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
         self.graph_buckets = self._open_graph_buckets(folder, graph, library if self.custom_kernels else None,
                                                       cuda_graphs, manifest.max_length)
@@ -142,7 +139,8 @@ class OrtEngine:
                               "(python -m export --device cuda --cuda-graphs writes one)")
         providers = [(CUDA, {"device_id": self.cuda_device_id, "enable_cuda_graph": "1"})]
         try:
-            path, session = self._open(folder, graph.padded["file"], graph.padded["custom_kernels"].get("file"),
+            twin = graph.padded
+            path, session = self._open(folder, twin.file, twin.custom_kernels.file if twin.custom_kernels else None,
                                        providers, library, kernels_required=True)
             buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id)
             buckets.capture()

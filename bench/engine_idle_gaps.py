@@ -77,7 +77,7 @@ def main() -> int:
         print(f"{label}: {results[label]}", flush=True)
     if args.padded_artifact:
         graph = read_manifest(args.padded_artifact).graph("fp16")
-        engine = CudaGraphEngine(args.padded_artifact / graph.custom_kernels["file"], "cuda", cuda_graph=True,
+        engine = CudaGraphEngine(args.padded_artifact / graph.custom_kernels.file, "cuda", cuda_graph=True,
                                  kernels_library=custom_kernels.find_library())
         feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                 "token_type_ids": batch.token_type_ids}

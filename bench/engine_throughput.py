@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     def kernels_file(kind: str) -> Path | None:
         """The fp16 graph on custom_kernels' fused operator, when export made one (library built)."""
         variant = artifacts[kind].graph("fp16").custom_kernels
-        return work / kind / variant["file"] if variant else None
+        return work / kind / variant.file if variant else None
 
     library = custom_kernels.find_library()
     if cuda:
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
               "versions": next(iter(artifacts.values())).versions,
               "fused_operators": {k: g.fused_operators for k, g in graphs.items()},
               "parity": {k: g.parity for k, g in graphs.items()},
-              "custom_kernels_parity": {k: g.custom_kernels["parity"] for k, g in graphs.items() if g.custom_kernels},
+              "custom_kernels_parity": {k: g.custom_kernels.parity for k, g in graphs.items() if g.custom_kernels},
               "rows": rows}
     out = args.json or (os.path.join(os.environ["OUT"], "engine_throughput.json") if os.environ.get("OUT") else None)
     if out:

@@ -51,15 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
         print(f"{precision}: {args.out}/{info.file} on {info.device}; fused: {fused}; parity over "
               f"{int(info.parity['batches'])} batches: {worst}")
-        if info.custom_kernels:
-            ops = ", ".join(f"{k} {v}" for k, v in info.custom_kernels["operators"].items())
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in info.custom_kernels["parity"].items() if k != "batches")
-            print(f"{precision} with custom kernels: {args.out}/{info.custom_kernels['file']}; {ops}; parity: {worst}")
-        if info.padded:
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in info.padded["parity"].items() if k != "batches")
-            kernels = info.padded["custom_kernels"]
-            print(f"{precision} padded twin (CUDA graphs): {args.out}/{info.padded['file']}"
-                  + (f" and {kernels['file']}" if kernels else "") + f"; parity: {worst}")
+        if kernels := info.custom_kernels:
+            ops = ", ".join(f"{k} {v}" for k, v in kernels.operators.items())
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in kernels.parity.items() if k != "batches")
+            print(f"{precision} with custom kernels: {args.out}/{kernels.file}; {ops}; parity: {worst}")
+        if padded := info.padded:
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in padded.parity.items() if k != "batches")
+            print(f"{precision} padded twin (CUDA graphs): {args.out}/{padded.file}"
+                  + (f" and {padded.custom_kernels.file}" if padded.custom_kernels else "") + f"; parity: {worst}")
     return 0
 
 

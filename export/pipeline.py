@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 import custom_kernels
 from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
-                               PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, GraphInfo, Manifest)
+                               PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, Manifest,
+                               PaddedGraph)
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
@@ -107,8 +108,7 @@ def export_artifact(
                 if library is not None:
                     twin.custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references,
                                                                PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE)
-            graphs["fp16"].padded = {"file": twin.file, "fused_operators": twin.fused_operators,
-                                     "parity": twin.parity, "custom_kernels": twin.custom_kernels}
+            graphs["fp16"].padded = PaddedGraph(twin.file, twin.fused_operators, twin.parity, twin.custom_kernels)
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         manifest = Manifest(
@@ -130,7 +130,6 @@ def export_artifact(
             tokenizer_sha256=sha256_file(tmp / TOKENIZER_FILE),
             versions=versions(),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            source=str(model_dir.resolve()),
         )
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         _move_into_place(tmp, out_dir)
@@ -189,13 +188,13 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
     device = "cuda" if precision == "fp16" else "cpu"
     figures = compare(create_session(path, device), graph, batches, references)
     check_parity(precision, figures)
-    return GraphInfo(file=path.name, precision=precision, device=device, outputs=list(graph.outputs),
-                     fused_operators=counts, parity=figures)
+    return GraphInfo(file=path.name, device=device, outputs=list(graph.outputs), fused_operators=counts,
+                     parity=figures)
 
 
 def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
-                         file: str = KERNELS_GRAPH_FILE) -> dict:
+                         file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs on our fused operator, checked like the
     graph itself."""
     import onnx
@@ -216,8 +215,7 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                           f"or export with --custom-kernels off") from e
     figures = compare(session, graph, batches, references)
     check_parity("fp16", figures)
-    return {"file": path.name, "library": custom_kernels.LIBRARY_FILE, "operators": {MATMUL_BIAS_GELU: fused},
-            "parity": figures}
+    return CustomKernelsGraph(file=path.name, operators={MATMUL_BIAS_GELU: fused}, parity=figures)
 
 
 def create_session(path: Path, device: str, kernels_library: Path | None = None):

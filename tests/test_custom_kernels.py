@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 import custom_kernels
 from app.engine import EngineError, kernels_library
-from artifact.manifest import GraphInfo, ManifestError, read_manifest
+from artifact.manifest import CustomKernelsGraph, GraphInfo, ManifestError, read_manifest
 from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
 from export import ExportError
 from export.pipeline import export_artifact
@@ -117,10 +117,9 @@ def test_fusion_leaves_a_product_that_is_read_elsewhere():
 
 
 def test_server_chooses_the_custom_kernels_graph_only_when_it_can(tmp_path, monkeypatch):
-    plain = GraphInfo("model_fp16.onnx", "fp16", "cuda", [])
-    with_kernels = GraphInfo("model_fp16.onnx", "fp16", "cuda", [],
-                             custom_kernels={"file": "model_fp16_kernels.onnx", "library": custom_kernels.LIBRARY_FILE,
-                                             "operators": {MATMUL_BIAS_GELU: 12}, "parity": {}})
+    plain = GraphInfo("model_fp16.onnx", "cuda", [])
+    with_kernels = GraphInfo("model_fp16.onnx", "cuda", [],
+                             custom_kernels=CustomKernelsGraph("model_fp16_kernels.onnx", {MATMUL_BIAS_GELU: 12}, {}))
     library = tmp_path / custom_kernels.LIBRARY_FILE
     library.write_bytes(b"")
     monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(library))
@@ -152,11 +151,31 @@ def test_manifest_naming_a_missing_kernels_graph_is_refused(tiny_artifact_dir, t
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact_dir, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["graphs"]["fp32"]["custom_kernels"] = {"file": "model_kernels.onnx", "library": "x", "operators": {},
-                                                    "parity": {}}
+    manifest["graphs"]["fp32"]["custom_kernels"] = {"file": "model_kernels.onnx", "operators": {}, "parity": {}}
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="lacks model_kernels.onnx"):
         read_manifest(art)
+
+
+def test_manifest_graph_variants_are_types_that_survive_the_json(tiny_artifact_dir, tmp_path):
+    """packed / padded x plain / custom kernels, written as export writes them and read back as dataclasses;
+    a manifest with a key this version does not know asks for a re-export."""
+    from artifact.manifest import Manifest, PaddedGraph
+
+    manifest = read_manifest(tiny_artifact_dir)
+    graph = manifest.graph("fp32")
+    graph.custom_kernels = CustomKernelsGraph("k.onnx", {MATMUL_BIAS_GELU: 2}, {"batches": 1.0})
+    graph.padded = PaddedGraph("p.onnx", {"Attention": 2}, {"batches": 1.0},
+                               CustomKernelsGraph("pk.onnx", {MATMUL_BIAS_GELU: 2}, {}))
+    back = Manifest.from_dict(json.loads(manifest.to_json())).graph("fp32")
+    assert back == graph and isinstance(back.padded.custom_kernels, CustomKernelsGraph)
+    assert back.files() == [graph.file, "k.onnx", "p.onnx", "pk.onnx"] and not back.packed
+    assert manifest.graph("int8").custom_kernels is None and manifest.graph("int8").files() == ["model_int8.onnx"]
+
+    stale = json.loads(manifest.to_json())
+    stale["graphs"]["fp32"]["custom_kernels"]["library"] = custom_kernels.LIBRARY_FILE  # written before the types
+    with pytest.raises(ManifestError, match="malformed .*library.*re-export"):
+        Manifest.from_dict(stale)
 
 
 def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artifact_dir, hostref_library, tmp_path):
@@ -171,11 +190,11 @@ def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artif
     onnx.save(model, str(art / "model_kernels.onnx"))
     manifest = read_manifest(art)
     graph = manifest.graph("fp32")
-    graph.custom_kernels = {"file": "model_kernels.onnx", "library": "x", "operators": {}, "parity": {}}
+    graph.custom_kernels = CustomKernelsGraph("model_kernels.onnx", {}, {})
     engine = OrtEngine(art, manifest, "cpu", "fp32")
     providers = ["CPUExecutionProvider"]
 
-    kernels_file = graph.custom_kernels["file"]
+    kernels_file = graph.custom_kernels.file
     path, session = engine._open(art, graph.file, kernels_file, providers, hostref_library, kernels_required=True)
     assert path.name == "model_kernels.onnx"
     feed = _padded_feed(art)
