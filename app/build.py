@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 
 from app.batcher import DynamicBatcher
-from app.engine import CPU, EngineError, OrtEngine, resolve_device_precision
+from app.engine import EngineError, OrtEngine, resolve_device_precision
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tokenization import TextTokenizer
 from artifact.manifest import TOKENIZER_FILE, Manifest, read_manifest
+from artifact.session import CPU
 
 log = logging.getLogger("app")
 

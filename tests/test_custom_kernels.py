@@ -19,8 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer
 
 import custom_kernels
-from app.engine import EngineError, kernels_library
-from artifact.manifest import CustomKernelsGraph, GraphInfo, ManifestError, read_manifest
+from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
+from artifact.session import SessionError, kernels_library, open_graph
 from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
 from export import ExportError
 from export.pipeline import export_artifact
@@ -116,29 +116,25 @@ def test_fusion_leaves_a_product_that_is_read_elsewhere():
     assert [n.op_type for n in model.graph.node] == ["MatMul", "BiasGelu", "Identity"]
 
 
-def test_server_chooses_the_custom_kernels_graph_only_when_it_can(tmp_path, monkeypatch):
-    plain = GraphInfo("model_fp16.onnx", "cuda", [])
-    with_kernels = GraphInfo("model_fp16.onnx", "cuda", [],
-                             custom_kernels=CustomKernelsGraph("model_fp16_kernels.onnx", {MATMUL_BIAS_GELU: 12}, {}))
+def test_the_kernels_choice_is_read_in_one_place(tmp_path, monkeypatch):
+    """artifact.session.kernels_library, for export, server and benchmarks alike."""
     library = tmp_path / custom_kernels.LIBRARY_FILE
     library.write_bytes(b"")
     monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(library))
-    assert kernels_library(with_kernels, "cuda", "auto") == library
-    assert kernels_library(with_kernels, "cuda", "off") is None
-    assert kernels_library(plain, "cuda", "auto") is None
-    assert kernels_library(with_kernels, "cpu", "auto") is None
-    with pytest.raises(EngineError, match="no custom-kernels graph"):
-        kernels_library(plain, "cuda", "on")
-    with pytest.raises(EngineError, match="CUDA only"):
-        kernels_library(with_kernels, "cpu", "on")
+    assert kernels_library("auto", "cuda") == kernels_library("on", "cuda") == library
+    assert kernels_library("off", "cuda") is None and kernels_library("auto", "cpu") is None
+    with pytest.raises(SessionError, match="CUDA only"):
+        kernels_library("on", "cpu")
+    with pytest.raises(SessionError, match="must be one of"):
+        kernels_library("maybe", "cuda")
     monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(tmp_path / "missing.so"))
-    with pytest.raises(EngineError, match="does not exist"):
-        kernels_library(with_kernels, "cuda", "auto")
+    with pytest.raises(SessionError, match="does not exist"):
+        kernels_library("auto", "cuda")
     monkeypatch.delenv(custom_kernels.LIBRARY_ENV)
     monkeypatch.setattr(custom_kernels, "_BUILT_HERE", tmp_path / "not-built.so")
-    assert kernels_library(with_kernels, "cuda", "auto") is None
-    with pytest.raises(EngineError, match="was not found"):
-        kernels_library(with_kernels, "cuda", "on")
+    assert kernels_library("auto", "cuda") is None
+    with pytest.raises(SessionError, match="was not found"):
+        kernels_library("on", "cuda")
 
 
 def test_export_refuses_an_unknown_kernels_choice(tiny_model_dir, tmp_path):
@@ -178,11 +174,11 @@ def test_manifest_graph_variants_are_types_that_survive_the_json(tiny_artifact_d
         Manifest.from_dict(stale)
 
 
-def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artifact_dir, hostref_library, tmp_path):
-    """OrtEngine._open on the CPU: the custom-kernels graph with a library that loads; the plain graph,
-    with a warning, when the library does not load (an error when kernels are required)."""
-    from app.engine import OrtEngine
-
+def test_a_graph_opens_on_its_kernels_variant_or_falls_back_to_the_plain_one(tiny_artifact_dir, hostref_library,
+                                                                             tmp_path):
+    """artifact.session.open_graph on the CPU (the host-reference library): the custom-kernels graph with a
+    library that loads; the plain graph, with a warning, when the library does not load; an error when
+    kernels are required and the library does not load or the artifact has no kernels graph."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact_dir, art)
     model = onnx.load(str(art / "model.onnx"))
@@ -191,20 +187,26 @@ def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artif
     manifest = read_manifest(art)
     graph = manifest.graph("fp32")
     graph.custom_kernels = CustomKernelsGraph("model_kernels.onnx", {}, {})
-    engine = OrtEngine(art, manifest, "cpu", "fp32")
-    providers = ["CPUExecutionProvider"]
+    plain = ort.InferenceSession(str(art / graph.file), providers=["CPUExecutionProvider"])
 
-    kernels_file = graph.custom_kernels.file
-    path, session = engine._open(art, graph.file, kernels_file, providers, hostref_library, kernels_required=True)
+    path, session = open_graph(art, graph, "cpu", library=hostref_library, kernels_required=True)
     assert path.name == "model_kernels.onnx"
     feed = _padded_feed(art)
     names = [o.name for o in session.get_outputs()]
-    for got, want in zip(session.run(names, feed), engine.session.run(names, feed)):
+    for got, want in zip(session.run(names, feed), plain.run(names, feed)):
         np.testing.assert_allclose(got, want, atol=2e-5)
 
     not_a_library = tmp_path / "libbroken.so"
     not_a_library.write_bytes(b"not an ELF file")
-    path, session = engine._open(art, graph.file, kernels_file, providers, not_a_library, kernels_required=False)
+    path, session = open_graph(art, graph, "cpu", library=not_a_library, kernels_required=False)
     assert path.name == graph.file
-    with pytest.raises(EngineError, match="could not run model_kernels.onnx"):
-        engine._open(art, graph.file, kernels_file, providers, not_a_library, kernels_required=True)
+    with pytest.raises(SessionError, match="could not load model_kernels.onnx"):
+        open_graph(art, graph, "cpu", library=not_a_library, kernels_required=True)
+    graph.custom_kernels = None
+    with pytest.raises(SessionError, match="no custom-kernels graph"):
+        open_graph(art, graph, "cpu", library=hostref_library, kernels_required=True)
+
+    from app.engine import EngineError, OrtEngine  # the server says the same, as its own error
+
+    with pytest.raises(EngineError, match="CUDA only"):
+        OrtEngine(art, manifest, "cpu", "fp32", kernels="on")

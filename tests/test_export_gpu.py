@@ -9,10 +9,11 @@ import torch
 from tokenizers import Tokenizer
 
 from artifact.manifest import CLS_EMBEDDING, GRAPH_FILES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, read_manifest
+from artifact.session import open_session
 from export.__main__ import main
 from export.onnx_graph import EmbeddingGraph
 from export.parity import reference_outputs
-from export.pipeline import create_session, export_artifact
+from export.pipeline import export_artifact
 from tests.feeds import padded_feed
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import load_model_folder, save_model_folder
@@ -36,7 +37,7 @@ def test_fp16_graph_built_and_checked_on_cuda(tiny_model_dir, tmp_path):
     assert fp16.fused_operators["PackedAttention"] == m.num_layers  # padding removed by default
     assert fp16.parity["token_embeddings_min_cosine"] >= 0.999 and fp16.parity["nsp_prob_max_diff"] <= 0.01
 
-    session = create_session(out / fp16.file, "cuda")
+    session = open_session(out / fp16.file, "cuda")
     assert session.get_providers()[0] == "CUDAExecutionProvider"
     # keep_io_types: the server feeds int64 and reads float32, no casts of its own
     assert [i.type for i in session.get_inputs()] == ["tensor(int64)"] * 3
