@@ -6,11 +6,12 @@ import os
 from pathlib import Path
 
 from app.batcher import DynamicBatcher
-from app.engine import CPU, EngineError, OrtEngine, resolve_device_precision
+from app.engine import EngineError, OrtEngine, resolve_device_precision
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tokenization import TextTokenizer
 from artifact.manifest import TOKENIZER_FILE, Manifest, read_manifest
+from artifact.session import CPU
 
 log = logging.getLogger("app")
 
@@ -31,8 +32,8 @@ def padding_limit(settings: Settings, device: str) -> float:
 
 def inference_threads(settings: Settings, device: str) -> tuple[int, int | None]:
     """(batches at once, ONNX Runtime threads per batch): the configured values, else the device's
-    default. On the CPU one single-threaded batch per core beat one batch over both cores by about 20%
-    (all-MiniLM-L6-v2, 2 cores, see BENCHMARKS.md): no thread hand-offs inside small matrix products."""
+    default. On the CPU one single-threaded batch per core beats one batch over every core (no thread
+    hand-offs inside small matrix products; bench/cpu_batch_layout.py, BENCHMARKS.md)."""
     if device == "cuda":  # two: one batch's copies and collation overlap the other's kernels
         return settings.inference_workers or 2, settings.intra_op_threads
     cores = usable_cores()

@@ -1,16 +1,15 @@
 """Small batches replayed as CUDA graphs (opt-in: `python -m export --device cuda --cuda-graphs`).
 
 A batch of a few short texts costs ONNX Runtime about as much CPU time as a large one: it launches
-every kernel of the graph one by one, from a thread that has often just woken up. One short text run
-as the batcher runs it (a worker thread, after 2 ms idle) takes 1.6 ms that way on an H200, and 0.75 ms
-as a replayed CUDA graph (bench/engine_idle_gaps.py; BENCHMARKS.md). A CUDA graph needs fixed shapes
+every kernel of the graph one by one, from a thread that has often just woken up. A replayed CUDA graph
+launches them all at once (what that saves: bench/engine_idle_gaps.py, BENCHMARKS.md). A CUDA graph needs fixed shapes
 and fixed addresses, which the packed graph (its shapes follow the data) cannot give, so small batches
 run on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
 input and output buffers on the device, the batch padded up to the smallest bucket that holds it.
 
-Known cost: under saturating single-text load the p99 latency doubled (61-83 ms against 34-38 ms),
-likely because update_inplace / numpy() copy synchronously on CUDA's default stream and so wait for
-the packed graph's batches running beside them; that is why export makes the twin only when asked.
+Known cost: under saturating single-text load the tail latency grows (BENCHMARKS.md), likely because
+update_inplace / numpy() copy synchronously on CUDA's default stream and so wait for the packed graph's
+batches running beside them; that is why export makes the twin only when asked.
 """
 from __future__ import annotations
 

@@ -13,13 +13,11 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-import custom_kernels
 from app.cuda_graphs import CudaGraphBuckets
-from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
-                               GraphInfo, Manifest)
+from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo, Manifest
+from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
 log = logging.getLogger("app.engine")
-CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
 
 
 class EngineError(RuntimeError):
@@ -54,35 +52,6 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
     return device, precision
 
 
-def _session_options(intra_op_threads: int | None) -> ort.SessionOptions:
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    if intra_op_threads:
-        opts.intra_op_num_threads = intra_op_threads
-    # Idle intra-op threads otherwise spin, taking CPU from the event loop and the tokenizer.
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.log_severity_level = 3
-    return opts
-
-
-def kernels_library(graph: GraphInfo, device: str, choice: str) -> Path | None:
-    """The custom_kernels library to run the graph's custom-kernels variant with, or None for the plain
-    graph. choice "auto": when the artifact has that variant (export proved its parity) and the library
-    is found; "on": both are required; "off": never."""
-    if choice == "on" and device != "cuda":
-        raise EngineError("custom_kernels on: our operators run on CUDA only")
-    if choice == "on" and not graph.custom_kernels:
-        raise EngineError("custom_kernels on, but this artifact has no custom-kernels graph: export it on "
-                          "the GPU with the library built (bash custom_kernels/build.sh)")
-    if device != "cuda" or not graph.custom_kernels:
-        return None
-    try:
-        return custom_kernels.library_for(choice)
-    except custom_kernels.KernelsUnavailable as e:
-        raise EngineError(str(e)) from e
-
-
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
@@ -90,36 +59,24 @@ class OrtEngine:
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
-        if device == "cuda":
-            if hasattr(ort, "preload_dlls"):  # finds the CUDA / cuDNN libraries pip packages ship
-                try:
-                    ort.preload_dlls()
-                except Exception as e:  # noqa: BLE001 - best effort; the session below says what failed
-                    log.warning("onnxruntime.preload_dlls() failed: %s", e)
-            providers: list = [(CUDA, {"device_id": cuda_device_id}), CPU]
-        else:
-            providers = [CPU]
-        library = kernels_library(graph, device, kernels)
-        path, self.session = self._open(folder, graph.file, graph.custom_kernels.get("file"), providers, library,
-                                        kernels == "on")
+        try:
+            library = kernels_library(kernels, device)
+            path, self.session = open_graph(folder, graph, device, library=library, kernels_required=kernels == "on",
+                                            device_id=cuda_device_id, intra_op_threads=intra_op_threads)
+        except SessionError as e:
+            raise EngineError(str(e)) from e
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
-        if device == "cuda" and self.provider != CUDA:
-            raise EngineError(f"onnxruntime fell back to {self.provider}: the CUDA provider did not start "
-                              f"(CUDA / cuDNN libraries missing?)")
         inputs = {i.name for i in self.session.get_inputs()}
         if inputs != set(INPUT_NAMES):
             raise EngineError(f"{path} has inputs {sorted(inputs)}, expected {list(INPUT_NAMES)}")
         self.outputs = frozenset(o.name for o in self.session.get_outputs())
-        needed = {TOKEN_EMBEDDINGS, CLS_EMBEDDING}
-        needed |= {POOLED_EMBEDDING} if manifest.has_pooler else set()
-        needed |= {NSP_LOGITS} if manifest.has_nsp_head else set()
-        if not needed <= self.outputs:
-            raise EngineError(f"{path} lacks the outputs {sorted(needed - self.outputs)} its manifest promises")
+        if not set(graph.outputs) <= self.outputs:
+            raise EngineError(f"{path} lacks the outputs {sorted(set(graph.outputs) - self.outputs)} its manifest "
+                              f"promises")
         self.hidden_size = manifest.hidden_size
-        # ORT's packing mode: the graph drops the padding itself, so padded tokens cost nothing.
-        self.packed = graph.fused_operators.get("RemovePadding", 0) > 0
+        self.packed = graph.packed  # padded tokens cost nothing: the batcher packs by tokens, not rows
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
         self.graph_buckets = self._open_graph_buckets(folder, graph, library if self.custom_kernels else None,
                                                       cuda_graphs, manifest.max_length)
@@ -132,18 +89,18 @@ class OrtEngine:
                             max_length: int) -> CudaGraphBuckets | None:
         """Small batches on the padded twin as CUDA graphs (app/cuda_graphs.py), captured now. choice
         "auto": when on CUDA and the artifact has the twin; "on": both required; "off": never. With the
-        custom kernels running, the twin's kernels variant."""
+        custom kernels running (`library`), the twin's kernels variant."""
         if choice not in ("auto", "on", "off"):
             raise EngineError(f"cuda_graphs must be auto, on or off, not {choice!r}")
-        if choice == "off" or (choice == "auto" and (self.device != "cuda" or not graph.padded)):
+        if choice == "off" or (choice == "auto" and (self.device != "cuda" or graph.padded is None)):
             return None
-        if self.device != "cuda" or not graph.padded:
+        if self.device != "cuda" or graph.padded is None:
             raise EngineError("cuda_graphs on needs CUDA and an artifact with a padded twin of its fp16 graph "
                               "(python -m export --device cuda --cuda-graphs writes one)")
-        providers = [(CUDA, {"device_id": self.cuda_device_id, "enable_cuda_graph": "1"})]
         try:
-            path, session = self._open(folder, graph.padded["file"], graph.padded["custom_kernels"].get("file"),
-                                       providers, library, kernels_required=True)
+            path, session = open_graph(folder, graph.padded, self.device, library=library,
+                                       kernels_required=library is not None, device_id=self.cuda_device_id,
+                                       cuda_graph=True, intra_op_threads=self.intra_op_threads)
             buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id)
             buckets.capture()
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
@@ -154,26 +111,6 @@ class OrtEngine:
         log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
                  buckets.lengths[-1], path.name)
         return buckets
-
-    def _open(self, folder: Path, file: str, kernels_file: str | None, providers: list, library: Path | None,
-              kernels_required: bool) -> tuple[Path, ort.InferenceSession]:
-        """The custom-kernels graph `kernels_file` with its library when there are both, else (or when
-        that fails and they are not required) the plain graph `file`."""
-        if library is not None and kernels_file:
-            path = folder / kernels_file
-            try:
-                opts = _session_options(self.intra_op_threads)
-                opts.register_custom_ops_library(str(library))
-                return path, ort.InferenceSession(str(path), opts, providers=providers)
-            except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-                if kernels_required:
-                    raise EngineError(f"onnxruntime could not run {path.name} with {library}: {e}") from e
-                log.warning("custom kernels did not load (%s); running the plain %s graph", e, file)
-        path = folder / file
-        try:
-            return path, ort.InferenceSession(str(path), _session_options(self.intra_op_threads), providers=providers)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-            raise EngineError(f"onnxruntime could not load {path} on {self.device}: {e}") from e
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """Small batches replay CUDA graphs when there are any; the rest run on the session's graph."""

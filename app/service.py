@@ -24,13 +24,12 @@ from artifact.manifest import Manifest
 _INLINE_TOKENIZE_CHARS = 4096
 # An HTTP worker of a multi-process server tokenises on its event loop any request of up to this many
 # characters in all (a few ms of tokenising): its processes are its parallelism, and the hop to a thread
-# and back cost 0.1-0.2 ms of CPU per 16- or 64-text request (create_app_from_env also turns off the
+# and back costs more CPU than it saves (bench/http_worker_load.py; create_app_from_env also turns off the
 # tokenizer's own threads, which cost more still when called from the event loop).
 _WORKER_INLINE_TOKENIZE_CHARS = 16384
 # A request still waiting after this long starts watching for its client going away. Watching costs a
-# task per request (about a quarter of a one-text /embed's event-loop time, in-process on a 2-core CPU
-# box), and many answers come sooner; a client that leaves is noticed this much later, and its queued
-# work is still dropped before inference.
+# task per request (a large share of a one-text /embed's event-loop time), and many answers come sooner;
+# a client that leaves is noticed this much later, and its queued work is still dropped before inference.
 _WATCH_AFTER_S = 0.02
 
 

@@ -1,4 +1,5 @@
-"""Every server setting, read from `python -m app` flags and BERTSERVE_* environment variables."""
+"""Every server setting, read from `python -m app` flags and BERTSERVE_* environment variables (the
+internal ones, INTERNAL_SETTINGS, from the environment only)."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from artifact.manifest import POOLINGS
 
 ENV_PREFIX = "BERTSERVE_"
+# Settings a process of the server sets for the processes it starts: not flags, not in --help.
+INTERNAL_SETTINGS = frozenset({"engine_socket"})
 
 
 class Settings(BaseSettings):
@@ -30,14 +33,14 @@ class Settings(BaseSettings):
     cuda_device_id: int = Field(0, ge=0)
     custom_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: run the artifact's fp16 graph on our fused GEMM + bias + GELU operator "
-        "(custom_kernels/; about 10% faster at large batches, BENCHMARKS.md). auto: when the artifact has "
+        "(custom_kernels/; its speed-up: BENCHMARKS.md). auto: when the artifact has "
         "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
         "built in the checkout), else the plain graph; on: fail without them; off: never")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="CUDA: batches of up to 16 texts of up to 128 tokens replay CUDA graphs of the "
-        "artifact's padded fp16 twin (python -m export --cuda-graphs), captured at start: a lone short text "
-        "about 1 ms sooner; under saturating single-text load the p99 doubled (BENCHMARKS.md). auto: when "
-        "the artifact has the twin; on: fail without it; off: never")
+        "auto", description="CUDA: small batches replay CUDA graphs of the artifact's padded fp16 twin "
+        "(python -m export --cuda-graphs), captured at start: a lone short text is answered sooner, but the "
+        "tail latency under saturating load grows (BENCHMARKS.md). auto: when the artifact has the twin; on: "
+        "fail without it; off: never")
     workers: int = Field(1, ge=1, le=64, description="HTTP server processes, handed the port's connections in "
                          "turn. Above 1 they tokenise and answer around one engine process that holds the session and the batcher, "
                          "metrics summed over all: on a GPU one Python process cannot keep it busy (see "
@@ -47,8 +50,7 @@ class Settings(BaseSettings):
                                          "batch over all cores), ONNX Runtime's own choice on CUDA")
     inference_workers: int | None = Field(None, ge=1, le=256, description="batches run at the same time on the "
                                           "one session. Default: one per usable core on the CPU, 2 on CUDA (while "
-                                          "one batch is copied and collated the other runs: +25% texts/s over HTTP, "
-                                          "see BENCHMARKS.md)")
+                                          "one batch is copied and collated the other runs; BENCHMARKS.md)")
     max_batch_tokens: int | None = Field(None, ge=1, description="token budget of a batch, counted padded: "
                                          "batch size x its longest sequence; the real limit on a batch, since the "
                                          "engine's time and memory follow padded tokens. Default: 16384 on CUDA "
@@ -60,9 +62,9 @@ class Settings(BaseSettings):
                                       "`export --keep-padding`): a batch stops growing once more than this "
                                       "fraction of its padded tokens would be padding. Default: 0.1 on the CPU, "
                                       "where padding costs compute and small batches lose little; no limit on CUDA")
-    max_batch_size: int = Field(256, ge=1, description="most sequences in one batch; a cap for short texts "
-                                "only (on CUDA, 256 x 64 tokens = max_batch_tokens); at 64, GPU batches of ~26-token texts "
-                                "stopped at the cap while more work waited")
+    max_batch_size: int = Field(256, ge=1, description="most sequences in one batch: a cap that only batches of "
+                                "short texts reach (max_batch_tokens limits the others); set too low, GPU batches "
+                                "stop at it while more work waits")
     max_wait_ms: float = Field(0.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
                                "before running a batch that is not full (work that queued behind a running "
                                "batch never waits); 0: a lone request runs at once")
@@ -78,8 +80,9 @@ class Settings(BaseSettings):
                                                      "`pooling`); default: the model's (GET /info `default_pooling`)")
     openai_normalize: bool | None = Field(None, description="L2-normalise /v1/embeddings vectors (OpenAI's are); "
                                           "default: the model's (GET /info `default_normalize`)")
-    engine_socket: Path | None = Field(None, description="internal, set by `workers` > 1 for its worker "
-                                       "processes: the Unix socket of the engine process")
+    # Internal (INTERNAL_SETTINGS): set by the `workers` > 1 launcher, through BERTSERVE_ENGINE_SOCKET, for
+    # the HTTP worker processes it starts: the Unix socket of its engine process.
+    engine_socket: Path | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 

@@ -10,11 +10,12 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-FORMAT_VERSION = 2  # 2: max_length is the trained length; max_position_embeddings, default pooling
+FORMAT_VERSION = 2  # 2: the trained max_length, max_position_embeddings, default pooling, typed graph variants
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 
-# Graph inputs, all int64 [batch, sequence].
+# Graph inputs, all int64 [batch, sequence], padded on the right only: the fused attention reads each
+# row's mask as a length (ORT's mask index).
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Graph outputs, all float32 (fp16 graphs keep float32 at their boundary).
 TOKEN_EMBEDDINGS = "token_embeddings"  # [batch, sequence, hidden]: last hidden state
@@ -39,25 +40,55 @@ class ManifestError(ValueError):
 
 
 @dataclass
+class CustomKernelsGraph:
+    """A graph again, with custom_kernels' operators in place of ONNX Runtime's (custom_kernels/fusion.py),
+    gated on parity like every graph. It runs only with their library registered (artifact/session.py)."""
+    file: str
+    operators: dict[str, int]  # our operator -> how many of the graph's nodes it replaced
+    parity: dict[str, float]
+
+
+@dataclass
+class PaddedGraph:
+    """A packed graph's padded twin: the same model with its padding kept, so that its shapes are fixed and
+    small batches can replay it as CUDA graphs (app/cuda_graphs.py). A padded graph is its own twin."""
+    file: str
+    fused_operators: dict[str, int]
+    parity: dict[str, float]
+    custom_kernels: CustomKernelsGraph | None = None
+
+
+@dataclass
 class GraphInfo:
+    """A precision's graph as export built and checked it, and its variants: packed (ORT drops the padding
+    itself) or padded, each with or without our custom kernels."""
     file: str  # relative to the artifact folder
-    precision: str  # "fp32" | "fp16" | "int8"
     device: str  # what it was built and checked for: "cpu" | "cuda"
     outputs: list[str]
     fused_operators: dict[str, int] = field(default_factory=dict)
     parity: dict[str, float] = field(default_factory=dict)  # measured against PyTorch fp32 at export
-    # The same graph with custom_kernels' operators: {"file", "library", "operators", "parity"}; empty
-    # when export did not make one. A server without the library runs `file` above instead.
-    custom_kernels: dict = field(default_factory=dict)
-    # A packed graph's padded twin for CUDA-graph replay: {"file", "fused_operators", "parity",
-    # "custom_kernels"} (the last as above); empty when export did not make one.
-    padded: dict = field(default_factory=dict)
+    custom_kernels: CustomKernelsGraph | None = None  # a server without their library runs `file`
+    padded: PaddedGraph | None = None  # made only when export is asked (--cuda-graphs)
+
+    @property
+    def packed(self) -> bool:
+        """ORT's packing mode: the graph drops the padding itself, so padded tokens cost nothing."""
+        return self.fused_operators.get("RemovePadding", 0) > 0
 
     def files(self) -> list[str]:
         """Every graph file this entry names."""
-        named = [self.file, self.custom_kernels.get("file"), self.padded.get("file"),
-                 self.padded.get("custom_kernels", {}).get("file")]
-        return [f for f in named if f]
+        variants = [self, self.custom_kernels, self.padded, self.padded and self.padded.custom_kernels]
+        return [v.file for v in variants if v]
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GraphInfo":
+        def kernels(k: dict | None) -> CustomKernelsGraph | None:
+            return CustomKernelsGraph(**k) if k else None
+
+        padded = d.get("padded")
+        if padded:
+            padded = PaddedGraph(**{**padded, "custom_kernels": kernels(padded.get("custom_kernels"))})
+        return cls(**{**d, "custom_kernels": kernels(d.get("custom_kernels")), "padded": padded or None})
 
 
 @dataclass
@@ -82,11 +113,7 @@ class Manifest:
     tokenizer_sha256: str
     versions: dict[str, str]
     created_at: str
-    source: str = ""  # the model folder it came from
     format_version: int = FORMAT_VERSION
-    input_names: list[str] = field(default_factory=lambda: list(INPUT_NAMES))
-    # The fused attention reads each row's mask as a length (ORT's mask index): pad on the right only.
-    padding_side: str = "right"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
@@ -98,10 +125,11 @@ class Manifest:
             raise ManifestError(f"manifest format_version {version!r} is not {FORMAT_VERSION}: re-export the "
                                 f"model with this version of `python -m export`")
         try:
-            graphs = {k: GraphInfo(**g) for k, g in d["graphs"].items()}
+            graphs = {k: GraphInfo.from_dict(g) for k, g in d["graphs"].items()}
             manifest = cls(**{**d, "graphs": graphs})
         except (KeyError, TypeError) as e:
-            raise ManifestError(f"manifest is incomplete or malformed: {e}") from e
+            raise ManifestError(f"manifest is incomplete or malformed ({e}): re-export the model with this "
+                                f"version of `python -m export`") from e
         if manifest.default_pooling not in POOLINGS:
             raise ManifestError(f"manifest default_pooling {manifest.default_pooling!r} is not one of {', '.join(POOLINGS)}")
         if not 0 < manifest.max_length <= manifest.max_position_embeddings:

@@ -50,12 +50,12 @@ def main() -> int:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
-    import custom_kernels
     from app.batcher import collate
     from app.engine import OrtEngine
     from app.tokenization import TextTokenizer
     from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, read_manifest
-    from bench.engine_throughput import OrtEngine as CudaGraphEngine
+    from artifact.session import kernels_library
+    from bench.engine_throughput import DeviceBoundSession
 
     manifest = read_manifest(args.artifact)
     tokenizer = TextTokenizer(args.artifact / TOKENIZER_FILE, manifest.max_length, 10**6, manifest.special_tokens)
@@ -77,8 +77,8 @@ def main() -> int:
         print(f"{label}: {results[label]}", flush=True)
     if args.padded_artifact:
         graph = read_manifest(args.padded_artifact).graph("fp16")
-        engine = CudaGraphEngine(args.padded_artifact / graph.custom_kernels["file"], "cuda", cuda_graph=True,
-                                 kernels_library=custom_kernels.find_library())
+        engine = DeviceBoundSession(args.padded_artifact / graph.custom_kernels.file, "cuda", cuda_graph=True,
+                                    kernels_library=kernels_library("on", "cuda"))
         feed = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                 "token_type_ids": batch.token_type_ids}
         prepared = engine.prepare(feed)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.engine_throughput import OrtEngine, TorchEngine, build, fixed_batch, stdlib_docstrings  # noqa: E402
+from bench.engine_throughput import DeviceBoundSession, TorchEngine, build, fixed_batch, stdlib_docstrings  # noqa: E402
 
 # First match wins: attention and LayerNorm kernels before the generic product names.
 KINDS = [("attention", r"fmha|flash|attention|Attention|softmax"),
@@ -55,14 +55,12 @@ def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter
 
 
 def main() -> None:
-    import onnxruntime as ort
-    ort.preload_dlls()
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     work = Path(tempfile.mkdtemp())
     _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000))
     engines = {"torch sdpa": TorchEngine(model, "cuda", torch.float16),
-               "ort padded": OrtEngine(work / "padded" / artifacts["padded"].graph("fp16").file, "cuda"),
-               "ort packed": OrtEngine(work / "packed" / artifacts["packed"].graph("fp16").file, "cuda")}
+               "ort padded": DeviceBoundSession(work / "padded" / artifacts["padded"].graph("fp16").file, "cuda"),
+               "ort packed": DeviceBoundSession(work / "packed" / artifacts["packed"].graph("fp16").file, "cuda")}
     feed = fixed_batch(batch, 128, np.random.default_rng(0))
     product_flops = 2 * 12 * (12 * 768 * 768) * batch * 128  # the encoder's Q/K/V, output and FFN products
     for name, engine in engines.items():

@@ -31,9 +31,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from artifact.manifest import INPUT_NAMES  # noqa: E402
+from artifact.session import kernels_library, open_session, require_cuda  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.onnx_graph import EmbeddingGraph  # noqa: E402
-import custom_kernels  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model import BertForPreTraining, preset_config  # noqa: E402
 from training.model_folder import save_model_folder  # noqa: E402
@@ -125,25 +125,19 @@ class TorchEngine:
             torch.cuda.synchronize()
 
 
-class OrtEngine:
-    """IO binding: inputs already on the device, outputs left there (as a server that copies back
-    only what it returns would do)."""
+class DeviceBoundSession:
+    """One graph file in a session as the server opens it (artifact.session), timed with IO binding:
+    inputs already on the device, outputs left there (as a server that copies back only what it returns
+    would do). Not the server's OrtEngine, which also copies the batch in and the outputs out."""
 
     def __init__(self, path: Path, device: str, threads: int | None = None, cuda_graph: bool = False,
                  kernels_library: Path | None = None):
         import onnxruntime as ort
 
         self.ort, self.device, self.cuda_graph = ort, device, cuda_graph
-        so = ort.SessionOptions()
-        if kernels_library is not None:  # custom_kernels' operators (the *_kernels.onnx graphs)
-            so.register_custom_ops_library(str(kernels_library))
-        if device == "cuda":
-            providers = [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})]
-            self.session = ort.InferenceSession(str(path), so, providers=providers)
-        else:
-            if threads:
-                so.intra_op_num_threads = threads
-            self.session = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        # kernels_library: custom_kernels' operators, for the *_kernels.onnx graphs
+        self.session = open_session(path, device, library=kernels_library, cuda_graph=cuda_graph,
+                                    intra_op_threads=threads)
         self.outputs = [o.name for o in self.session.get_outputs()]
 
     def prepare(self, feed):
@@ -205,8 +199,7 @@ def main(argv=None) -> int:
     cuda = args.device == "cuda"
 
     if cuda:
-        import onnxruntime as ort
-        ort.preload_dlls()
+        require_cuda()
         card = torch.cuda.get_device_name()
     else:
         torch.set_num_threads(args.threads)
@@ -221,24 +214,24 @@ def main(argv=None) -> int:
     def kernels_file(kind: str) -> Path | None:
         """The fp16 graph on custom_kernels' fused operator, when export made one (library built)."""
         variant = artifacts[kind].graph("fp16").custom_kernels
-        return work / kind / variant["file"] if variant else None
+        return work / kind / variant.file if variant else None
 
-    library = custom_kernels.find_library()
+    library = kernels_library("auto", args.device)
     if cuda:
         engines = {"torch fp16 sdpa": lambda: TorchEngine(model, "cuda", torch.float16)}
         if "packed" in artifacts:
-            engines["ort fp16 packed"] = lambda: OrtEngine(graph_file("packed", "fp16"), "cuda")
-        engines["ort fp16 padded"] = lambda: OrtEngine(graph_file("padded", "fp16"), "cuda")
+            engines["ort fp16 packed"] = lambda: DeviceBoundSession(graph_file("packed", "fp16"), "cuda")
+        engines["ort fp16 padded"] = lambda: DeviceBoundSession(graph_file("padded", "fp16"), "cuda")
         for kind in ("packed", "padded"):
             if kind in artifacts and kernels_file(kind):
                 engines[f"ort fp16 {kind}+kernels"] = (
-                    lambda kind=kind: OrtEngine(kernels_file(kind), "cuda", kernels_library=library))
+                    lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))
         baseline = "torch fp16 sdpa"
     else:
         engines = {
             "torch fp32": lambda: TorchEngine(model, "cpu", torch.float32),
-            "ort fp32": lambda: OrtEngine(graph_file("cpu", "fp32"), "cpu", args.threads),
-            "ort int8": lambda: OrtEngine(graph_file("cpu", "int8"), "cpu", args.threads),
+            "ort fp32": lambda: DeviceBoundSession(graph_file("cpu", "fp32"), "cpu", args.threads),
+            "ort int8": lambda: DeviceBoundSession(graph_file("cpu", "int8"), "cpu", args.threads),
         }
         baseline = "torch fp32"
     built = {name: make() for name, make in engines.items()}
@@ -264,7 +257,7 @@ def main(argv=None) -> int:
             graphs["ort fp16 padded+kernels+cudagraph"] = (kernels_file("padded"), library)
         for name, (path, kernels) in graphs.items() if not args.no_cuda_graph else ():
             try:
-                engine = OrtEngine(path, "cuda", cuda_graph=True, kernels_library=kernels)
+                engine = DeviceBoundSession(path, "cuda", cuda_graph=True, kernels_library=kernels)
                 record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
                 del engine
             except Exception as e:  # report, do not hide: the table says why the row is missing
@@ -289,7 +282,7 @@ def main(argv=None) -> int:
               "versions": next(iter(artifacts.values())).versions,
               "fused_operators": {k: g.fused_operators for k, g in graphs.items()},
               "parity": {k: g.parity for k, g in graphs.items()},
-              "custom_kernels_parity": {k: g.custom_kernels["parity"] for k, g in graphs.items() if g.custom_kernels},
+              "custom_kernels_parity": {k: g.custom_kernels.parity for k, g in graphs.items() if g.custom_kernels},
               "rows": rows}
     out = args.json or (os.path.join(os.environ["OUT"], "engine_throughput.json") if os.environ.get("OUT") else None)
     if out:

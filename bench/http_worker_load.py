@@ -59,7 +59,7 @@ def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
     tokenizer = train_wordpiece(texts, vocab_size=2000, min_frequency=1)
     save_tokenizer(tokenizer, out)
     (out / "model.onnx").write_bytes(b"")
-    graph = GraphInfo("model.onnx", "fp16", "cuda", ["cls_embedding", "pooled_embedding", "token_embeddings"])
+    graph = GraphInfo("model.onnx", "cuda", ["cls_embedding", "pooled_embedding", "token_embeddings"])
     manifest = Manifest(model_name="stand-in", hidden_size=hidden, num_layers=12, num_heads=12,
                         vocab_size=tokenizer.get_vocab_size(), max_length=512, max_position_embeddings=512, has_pooler=True,
                         has_nsp_head=False, lowercase=True,

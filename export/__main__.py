@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
                              "operator (custom_kernels/): auto when its library is built, on: required")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="with --device cuda, also write a padded copy of the fp16 graph (and of its custom-"
-                             "kernels variant) that the server replays as CUDA graphs for batches of up to 16 "
-                             "texts of up to 128 tokens: a lone short text about 1 ms sooner (BENCHMARKS.md)")
+                             "kernels variant) that the server replays as CUDA graphs for small batches: a lone "
+                             "short text is answered sooner (BENCHMARKS.md)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help="longest input served, in tokens (at most the model's position embeddings). Default: "
                              "the length the model was trained at: sentence_bert_config.json max_seq_length, "
@@ -51,15 +51,14 @@ def main(argv: list[str] | None = None) -> int:
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
         print(f"{precision}: {args.out}/{info.file} on {info.device}; fused: {fused}; parity over "
               f"{int(info.parity['batches'])} batches: {worst}")
-        if info.custom_kernels:
-            ops = ", ".join(f"{k} {v}" for k, v in info.custom_kernels["operators"].items())
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in info.custom_kernels["parity"].items() if k != "batches")
-            print(f"{precision} with custom kernels: {args.out}/{info.custom_kernels['file']}; {ops}; parity: {worst}")
-        if info.padded:
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in info.padded["parity"].items() if k != "batches")
-            kernels = info.padded["custom_kernels"]
-            print(f"{precision} padded twin (CUDA graphs): {args.out}/{info.padded['file']}"
-                  + (f" and {kernels['file']}" if kernels else "") + f"; parity: {worst}")
+        if kernels := info.custom_kernels:
+            ops = ", ".join(f"{k} {v}" for k, v in kernels.operators.items())
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in kernels.parity.items() if k != "batches")
+            print(f"{precision} with custom kernels: {args.out}/{kernels.file}; {ops}; parity: {worst}")
+        if padded := info.padded:
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in padded.parity.items() if k != "batches")
+            print(f"{precision} padded twin (CUDA graphs): {args.out}/{padded.file}"
+                  + (f" and {padded.custom_kernels.file}" if padded.custom_kernels else "") + f"; parity: {worst}")
     return 0
 
 

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-import custom_kernels
 from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
-                               PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, GraphInfo, Manifest)
+                               PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, Manifest,
+                               PaddedGraph)
+from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
@@ -61,16 +62,14 @@ def export_artifact(
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
     if padded_twin and device != "cuda":
         raise ExportError("CUDA graphs replay the fp16 graph: --cuda-graphs needs --device cuda")
-    if kernels not in custom_kernels.CHOICES:
-        raise ExportError(f"custom kernels must be one of {', '.join(custom_kernels.CHOICES)}, not {kernels!r}")
     try:
-        library = custom_kernels.library_for(kernels) if device == "cuda" else None
-    except custom_kernels.KernelsUnavailable as e:
+        library = kernels_library(kernels, device)  # None on the CPU
+        if device == "cuda":
+            require_cuda()
+    except SessionError as e:
         raise ExportError(str(e)) from e
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_out_dir(out_dir, model_dir)
-    if device == "cuda":
-        _require_cuda_provider()
     layout = read_layout(model_dir)
     loaded = load_model_folder(layout.encoder_dir)
     tokenizer = _load_tokenizer(layout.encoder_dir, loaded.config.vocab_size)
@@ -107,8 +106,7 @@ def export_artifact(
                 if library is not None:
                     twin.custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references,
                                                                PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE)
-            graphs["fp16"].padded = {"file": twin.file, "fused_operators": twin.fused_operators,
-                                     "parity": twin.parity, "custom_kernels": twin.custom_kernels}
+            graphs["fp16"].padded = PaddedGraph(twin.file, twin.fused_operators, twin.parity, twin.custom_kernels)
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         manifest = Manifest(
@@ -130,7 +128,6 @@ def export_artifact(
             tokenizer_sha256=sha256_file(tmp / TOKENIZER_FILE),
             versions=versions(),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            source=str(model_dir.resolve()),
         )
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         _move_into_place(tmp, out_dir)
@@ -187,15 +184,15 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
     else:
         counts = quantize_int8(tmp / GRAPH_FILES["fp32"], path, loaded.config, calibration)
     device = "cuda" if precision == "fp16" else "cpu"
-    figures = compare(create_session(path, device), graph, batches, references)
+    figures = compare(_session(path, device), graph, batches, references)
     check_parity(precision, figures)
-    return GraphInfo(file=path.name, precision=precision, device=device, outputs=list(graph.outputs),
-                     fused_operators=counts, parity=figures)
+    return GraphInfo(file=path.name, device=device, outputs=list(graph.outputs), fused_operators=counts,
+                     parity=figures)
 
 
 def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
-                         file: str = KERNELS_GRAPH_FILE) -> dict:
+                         file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs on our fused operator, checked like the
     graph itself."""
     import onnx
@@ -210,41 +207,21 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     path = tmp / file
     onnx.save(model, str(path))
     try:
-        session = create_session(path, "cuda", library)
-    except Exception as e:  # noqa: BLE001 - ORT raises its own types for a library it cannot load
-        raise ExportError(f"{library} did not load into onnxruntime: {e}; rebuild it (custom_kernels/build.sh) "
-                          f"or export with --custom-kernels off") from e
+        session = open_session(path, "cuda", library=library)
+    except SessionError as e:
+        raise ExportError(f"{e}; rebuild the library (custom_kernels/build.sh) or export with --custom-kernels "
+                          f"off") from e
     figures = compare(session, graph, batches, references)
     check_parity("fp16", figures)
-    return {"file": path.name, "library": custom_kernels.LIBRARY_FILE, "operators": {MATMUL_BIAS_GELU: fused},
-            "parity": figures}
+    return CustomKernelsGraph(file=path.name, operators={MATMUL_BIAS_GELU: fused}, parity=figures)
 
 
-def create_session(path: Path, device: str, kernels_library: Path | None = None):
-    """An ORT session on `device` (with our operator library registered when given); refuses to fall
-    back silently from CUDA to the CPU."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if kernels_library is not None:
-        options.register_custom_ops_library(str(kernels_library))
-    if device == "cuda":
-        _require_cuda_provider()
-        session = ort.InferenceSession(str(path), options, providers=["CUDAExecutionProvider"])
-        if session.get_providers()[0] != "CUDAExecutionProvider":
-            raise ExportError(f"ONNX Runtime ran {path.name} on {session.get_providers()[0]}, not CUDA")
-        return session
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-
-
-def _require_cuda_provider() -> None:
-    import onnxruntime as ort
-
-    if hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()  # finds the CUDA / cuDNN libraries that torch ships
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise ExportError(f"--device cuda needs onnxruntime-gpu with a CUDA device; this onnxruntime "
-                          f"{ort.__version__} offers {', '.join(ort.get_available_providers())}")
+def _session(path: Path, device: str):
+    """artifact.session's session, its errors as ExportError."""
+    try:
+        return open_session(path, device)
+    except SessionError as e:
+        raise ExportError(str(e)) from e
 
 
 def _check_out_dir(out_dir: Path, model_dir: Path) -> None:

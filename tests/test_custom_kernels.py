@@ -19,8 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer
 
 import custom_kernels
-from app.engine import EngineError, kernels_library
-from artifact.manifest import GraphInfo, ManifestError, read_manifest
+from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
+from artifact.session import SessionError, kernels_library, open_graph
 from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
 from export import ExportError
 from export.pipeline import export_artifact
@@ -116,30 +116,25 @@ def test_fusion_leaves_a_product_that_is_read_elsewhere():
     assert [n.op_type for n in model.graph.node] == ["MatMul", "BiasGelu", "Identity"]
 
 
-def test_server_chooses_the_custom_kernels_graph_only_when_it_can(tmp_path, monkeypatch):
-    plain = GraphInfo("model_fp16.onnx", "fp16", "cuda", [])
-    with_kernels = GraphInfo("model_fp16.onnx", "fp16", "cuda", [],
-                             custom_kernels={"file": "model_fp16_kernels.onnx", "library": custom_kernels.LIBRARY_FILE,
-                                             "operators": {MATMUL_BIAS_GELU: 12}, "parity": {}})
+def test_the_kernels_choice_is_read_in_one_place(tmp_path, monkeypatch):
+    """artifact.session.kernels_library, for export, server and benchmarks alike."""
     library = tmp_path / custom_kernels.LIBRARY_FILE
     library.write_bytes(b"")
     monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(library))
-    assert kernels_library(with_kernels, "cuda", "auto") == library
-    assert kernels_library(with_kernels, "cuda", "off") is None
-    assert kernels_library(plain, "cuda", "auto") is None
-    assert kernels_library(with_kernels, "cpu", "auto") is None
-    with pytest.raises(EngineError, match="no custom-kernels graph"):
-        kernels_library(plain, "cuda", "on")
-    with pytest.raises(EngineError, match="CUDA only"):
-        kernels_library(with_kernels, "cpu", "on")
+    assert kernels_library("auto", "cuda") == kernels_library("on", "cuda") == library
+    assert kernels_library("off", "cuda") is None and kernels_library("auto", "cpu") is None
+    with pytest.raises(SessionError, match="CUDA only"):
+        kernels_library("on", "cpu")
+    with pytest.raises(SessionError, match="must be one of"):
+        kernels_library("maybe", "cuda")
     monkeypatch.setenv(custom_kernels.LIBRARY_ENV, str(tmp_path / "missing.so"))
-    with pytest.raises(EngineError, match="does not exist"):
-        kernels_library(with_kernels, "cuda", "auto")
+    with pytest.raises(SessionError, match="does not exist"):
+        kernels_library("auto", "cuda")
     monkeypatch.delenv(custom_kernels.LIBRARY_ENV)
     monkeypatch.setattr(custom_kernels, "_BUILT_HERE", tmp_path / "not-built.so")
-    assert kernels_library(with_kernels, "cuda", "auto") is None
-    with pytest.raises(EngineError, match="was not found"):
-        kernels_library(with_kernels, "cuda", "on")
+    assert kernels_library("auto", "cuda") is None
+    with pytest.raises(SessionError, match="was not found"):
+        kernels_library("on", "cuda")
 
 
 def test_export_refuses_an_unknown_kernels_choice(tiny_model_dir, tmp_path):
@@ -152,18 +147,38 @@ def test_manifest_naming_a_missing_kernels_graph_is_refused(tiny_artifact_dir, t
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact_dir, art)
     manifest = json.loads((art / "manifest.json").read_text())
-    manifest["graphs"]["fp32"]["custom_kernels"] = {"file": "model_kernels.onnx", "library": "x", "operators": {},
-                                                    "parity": {}}
+    manifest["graphs"]["fp32"]["custom_kernels"] = {"file": "model_kernels.onnx", "operators": {}, "parity": {}}
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ManifestError, match="lacks model_kernels.onnx"):
         read_manifest(art)
 
 
-def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artifact_dir, hostref_library, tmp_path):
-    """OrtEngine._open on the CPU: the custom-kernels graph with a library that loads; the plain graph,
-    with a warning, when the library does not load (an error when kernels are required)."""
-    from app.engine import OrtEngine
+def test_manifest_graph_variants_are_types_that_survive_the_json(tiny_artifact_dir, tmp_path):
+    """packed / padded x plain / custom kernels, written as export writes them and read back as dataclasses;
+    a manifest with a key this version does not know asks for a re-export."""
+    from artifact.manifest import Manifest, PaddedGraph
 
+    manifest = read_manifest(tiny_artifact_dir)
+    graph = manifest.graph("fp32")
+    graph.custom_kernels = CustomKernelsGraph("k.onnx", {MATMUL_BIAS_GELU: 2}, {"batches": 1.0})
+    graph.padded = PaddedGraph("p.onnx", {"Attention": 2}, {"batches": 1.0},
+                               CustomKernelsGraph("pk.onnx", {MATMUL_BIAS_GELU: 2}, {}))
+    back = Manifest.from_dict(json.loads(manifest.to_json())).graph("fp32")
+    assert back == graph and isinstance(back.padded.custom_kernels, CustomKernelsGraph)
+    assert back.files() == [graph.file, "k.onnx", "p.onnx", "pk.onnx"] and not back.packed
+    assert manifest.graph("int8").custom_kernels is None and manifest.graph("int8").files() == ["model_int8.onnx"]
+
+    stale = json.loads(manifest.to_json())
+    stale["graphs"]["fp32"]["custom_kernels"]["library"] = custom_kernels.LIBRARY_FILE  # written before the types
+    with pytest.raises(ManifestError, match="malformed .*library.*re-export"):
+        Manifest.from_dict(stale)
+
+
+def test_a_graph_opens_on_its_kernels_variant_or_falls_back_to_the_plain_one(tiny_artifact_dir, hostref_library,
+                                                                             tmp_path):
+    """artifact.session.open_graph on the CPU (the host-reference library): the custom-kernels graph with a
+    library that loads; the plain graph, with a warning, when the library does not load; an error when
+    kernels are required and the library does not load or the artifact has no kernels graph."""
     art = tmp_path / "art"
     shutil.copytree(tiny_artifact_dir, art)
     model = onnx.load(str(art / "model.onnx"))
@@ -171,21 +186,27 @@ def test_engine_runs_the_kernels_graph_or_falls_back_to_the_plain_one(tiny_artif
     onnx.save(model, str(art / "model_kernels.onnx"))
     manifest = read_manifest(art)
     graph = manifest.graph("fp32")
-    graph.custom_kernels = {"file": "model_kernels.onnx", "library": "x", "operators": {}, "parity": {}}
-    engine = OrtEngine(art, manifest, "cpu", "fp32")
-    providers = ["CPUExecutionProvider"]
+    graph.custom_kernels = CustomKernelsGraph("model_kernels.onnx", {}, {})
+    plain = ort.InferenceSession(str(art / graph.file), providers=["CPUExecutionProvider"])
 
-    kernels_file = graph.custom_kernels["file"]
-    path, session = engine._open(art, graph.file, kernels_file, providers, hostref_library, kernels_required=True)
+    path, session = open_graph(art, graph, "cpu", library=hostref_library, kernels_required=True)
     assert path.name == "model_kernels.onnx"
     feed = _padded_feed(art)
     names = [o.name for o in session.get_outputs()]
-    for got, want in zip(session.run(names, feed), engine.session.run(names, feed)):
+    for got, want in zip(session.run(names, feed), plain.run(names, feed)):
         np.testing.assert_allclose(got, want, atol=2e-5)
 
     not_a_library = tmp_path / "libbroken.so"
     not_a_library.write_bytes(b"not an ELF file")
-    path, session = engine._open(art, graph.file, kernels_file, providers, not_a_library, kernels_required=False)
+    path, session = open_graph(art, graph, "cpu", library=not_a_library, kernels_required=False)
     assert path.name == graph.file
-    with pytest.raises(EngineError, match="could not run model_kernels.onnx"):
-        engine._open(art, graph.file, kernels_file, providers, not_a_library, kernels_required=True)
+    with pytest.raises(SessionError, match="could not load model_kernels.onnx"):
+        open_graph(art, graph, "cpu", library=not_a_library, kernels_required=True)
+    graph.custom_kernels = None
+    with pytest.raises(SessionError, match="no custom-kernels graph"):
+        open_graph(art, graph, "cpu", library=hostref_library, kernels_required=True)
+
+    from app.engine import EngineError, OrtEngine  # the server says the same, as its own error
+
+    with pytest.raises(EngineError, match="CUDA only"):
+        OrtEngine(art, manifest, "cpu", "fp32", kernels="on")

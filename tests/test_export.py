@@ -278,7 +278,7 @@ def test_re_export_replaces_an_artifact_but_not_other_folders(tiny_model_dir, ti
 def test_cuda_without_gpu_provider_is_a_clear_error(tiny_model_dir, tmp_path):
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has CUDA")
-    with pytest.raises(ExportError, match="--device cuda needs onnxruntime-gpu"):
+    with pytest.raises(ExportError, match="device cuda needs onnxruntime-gpu"):
         export_artifact(tiny_model_dir, tmp_path / "art", device="cuda")
     assert no_leftovers(tmp_path / "art")
 

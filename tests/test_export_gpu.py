@@ -9,10 +9,11 @@ import torch
 from tokenizers import Tokenizer
 
 from artifact.manifest import CLS_EMBEDDING, GRAPH_FILES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, read_manifest
+from artifact.session import open_session
 from export.__main__ import main
 from export.onnx_graph import EmbeddingGraph
 from export.parity import reference_outputs
-from export.pipeline import create_session, export_artifact
+from export.pipeline import export_artifact
 from tests.feeds import padded_feed
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import load_model_folder, save_model_folder
@@ -36,7 +37,7 @@ def test_fp16_graph_built_and_checked_on_cuda(tiny_model_dir, tmp_path):
     assert fp16.fused_operators["PackedAttention"] == m.num_layers  # padding removed by default
     assert fp16.parity["token_embeddings_min_cosine"] >= 0.999 and fp16.parity["nsp_prob_max_diff"] <= 0.01
 
-    session = create_session(out / fp16.file, "cuda")
+    session = open_session(out / fp16.file, "cuda")
     assert session.get_providers()[0] == "CUDAExecutionProvider"
     # keep_io_types: the server feeds int64 and reads float32, no casts of its own
     assert [i.type for i in session.get_inputs()] == ["tensor(int64)"] * 3
@@ -86,13 +87,13 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert main(argv + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     kernels = m.graph("fp16").custom_kernels
-    assert kernels["operators"] == {MATMUL_BIAS_GELU: m.num_layers}
-    assert kernels["parity"]["token_embeddings_min_cosine"] >= 0.999
-    assert kernels["parity"]["nsp_prob_max_diff"] <= 0.01
+    assert kernels.operators == {MATMUL_BIAS_GELU: m.num_layers}
+    assert kernels.parity["token_embeddings_min_cosine"] >= 0.999
+    assert kernels.parity["nsp_prob_max_diff"] <= 0.01
 
     fused = OrtEngine(out, m, "cuda", "fp16", kernels="on")
     plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
-    assert fused.custom_kernels and fused.graph_file == kernels["file"] and not plain.custom_kernels
+    assert fused.custom_kernels and fused.graph_file == kernels.file and not plain.custom_kernels
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     feed = padded_feed([tok.encode("a short one"),
                         tok.encode("a much longer sentence with more words in it", "and a pair")] * 9)
@@ -119,9 +120,9 @@ def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp
                  "--cuda-graphs"] + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     padded = m.graph("fp16").padded
-    assert padded["file"] == (GRAPH_FILES["fp16"] if keep_padding else PADDED_GRAPH_FILE)
-    assert "PackedAttention" not in padded["fused_operators"]
-    assert padded["parity"]["cls_embedding_min_cosine"] >= 0.999 and bool(padded["custom_kernels"]) == (kernels == "on")
+    assert padded.file == (GRAPH_FILES["fp16"] if keep_padding else PADDED_GRAPH_FILE)
+    assert "PackedAttention" not in padded.fused_operators
+    assert padded.parity["cls_embedding_min_cosine"] >= 0.999 and bool(padded.custom_kernels) == (kernels == "on")
     replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on")
     packed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="off")
     assert replayed.cuda_graphs and not packed.cuda_graphs

@@ -299,6 +299,19 @@ def test_bad_settings_stop_the_server_at_once(tiny_artifact_dir, args, env, word
     assert r.returncode == 2 and words in r.stderr, r.stderr
 
 
+def test_help_lists_every_public_setting_and_no_internal_one():
+    from app.settings import INTERNAL_SETTINGS, Settings
+
+    r = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    flags = {name: "--" + name.replace("_", "-") for name in Settings.model_fields}
+    assert all(flags[name] in r.stdout for name in flags.keys() - INTERNAL_SETTINGS), r.stdout
+    assert "engine_socket" in INTERNAL_SETTINGS and "--engine-socket" not in r.stdout
+    r = subprocess.run([sys.executable, "-m", "app", "--engine-socket", "/tmp/x"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "unrecognized arguments: --engine-socket" in r.stderr, r.stderr
+
+
 def test_a_folder_that_is_not_an_artifact_is_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)

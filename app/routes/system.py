@@ -40,6 +40,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "default_pooling": m.default_pooling,  # what /embed does without `pooling`
         "default_normalize": m.default_normalize,
         "num_layers": m.num_layers,
+        "num_heads": m.num_heads,
         "vocab_size": m.vocab_size,
         "lowercase": m.lowercase,
         "has_pooler": m.has_pooler,
@@ -51,7 +52,8 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "custom_kernels": e.custom_kernels,  # the fp16 graph on our fused operators (custom_kernels/)
         "cuda_graphs": e.cuda_graphs,  # small batches replay CUDA graphs (app/cuda_graphs.py)
         "artifact": {"format_version": m.format_version, "created_at": m.created_at,
-                     "weights_sha256": m.weights_sha256, "versions": m.versions},
+                     "weights_sha256": m.weights_sha256, "tokenizer_sha256": m.tokenizer_sha256,
+                     "versions": m.versions},
         "limits": {
             "max_batch_tokens": service.batcher.max_batch_tokens, "max_batch_size": s.max_batch_size,
             "max_wait_ms": s.max_wait_ms, "max_queued_sequences": s.max_queued_sequences,
