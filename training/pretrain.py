@@ -32,13 +32,13 @@ DEFAULT_PRESET = "tiny"
 INIT_FROM_LR = 1e-4
 DEFAULT_DROPOUT = 0.1  # a fresh model's (BERT's); --init-from keeps its folder's
 DEFAULT_VOCAB_SIZE = DataConfig.vocab_size
-# What a flag left out means. The tiny preset is the `make run` demonstration, which must finish in
-# about ten minutes on 2 CPU cores: short sequences in large batches and a small vocabulary reach the
-# best held-out accuracy in that time (bench/default_model_sweep.py, BENCHMARKS.md), and a short
-# second phase at 128 tokens trains the positions the server then accepts.
+# What a flag left out means. A run on the embedded corpus with the tiny preset is the `make run`
+# demonstration, which must finish in about ten minutes on 2 CPU cores: short sequences in large batches
+# and a small vocabulary reach the best held-out accuracy in that time (bench/default_model_sweep.py,
+# BENCHMARKS.md), and a second phase at 128 tokens trains the positions the server then accepts.
 SCHEDULE_DEFAULTS = {
-    "tiny": {"max_seq_len": 48, "batch_size": 192, "max_steps": 1000, "vocab_size": 4096,
-             "phase2_steps": 100, "phase2_seq_len": 128, "phase2_batch_size": 32},
+    "demo": {"max_seq_len": 48, "batch_size": 192, "max_steps": 1200, "vocab_size": 4096,
+             "phase2_steps": 600, "phase2_seq_len": 128},
     "other": {"max_seq_len": 128, "batch_size": TrainConfig.batch_size, "max_steps": 1200,
               "vocab_size": DEFAULT_VOCAB_SIZE, "phase2_steps": 0, "phase2_seq_len": 512, "phase2_batch_size": None},
 }
@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m training.pretrain",
         description="Pretrain BERT (masked LM + next-sentence prediction) on your text and write a model "
                     "folder (config.json, model.safetensors, tokenizer files) that `python -m export` and "
-                    "transformers read. With no arguments: the tiny preset on the embedded default corpus, "
-                    "about ten minutes on 2 CPU cores.",
+                    "transformers read. *The demonstration: with no --corpus, --preset or --init-from, the tiny "
+                    "preset on the embedded default corpus with a schedule that fits about ten minutes on 2 CPU "
+                    "cores (what `make run` trains).",
         formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("data")
@@ -72,14 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".txt (one sentence/paragraph per line, blank line between documents) or .jsonl "
                         "(`text` field) files, folders or globs; none: the embedded default corpus")
     g.add_argument("--max-seq-len", type=int, default=None,
-                   help="tokens per training sequence (default: 48 with the tiny preset, 128 otherwise)")
+                   help="tokens per training sequence (default: 48 for the demonstration*, 128 otherwise)")
     g.add_argument("--max-predictions", type=int, default=None,
                    help="most masked tokens per sequence (default: BERT's 20 per 128 tokens, rounded up)")
     g.add_argument("--masked-lm-prob", type=float, default=d.masked_lm_prob, help="share of tokens masked")
     g.add_argument("--whole-word-masking", action="store_true", help="mask all pieces of a word together")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help=f"WordPiece vocabulary to train (default: 4096 with the tiny preset, {DEFAULT_VOCAB_SIZE} "
-                        f"otherwise)")
+                   help=f"WordPiece vocabulary to train (default: 4096 for the demonstration*, "
+                        f"{DEFAULT_VOCAB_SIZE} otherwise)")
     g.add_argument("--vocab-file", default=None, help="use this vocab.txt instead of training a tokenizer")
     g.add_argument("--no-lowercase", action="store_true", help="keep case (a cased model)")
     g.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
@@ -102,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("optimisation")
     g.add_argument("--max-steps", type=int, default=None,
-                   help="optimiser steps of phase 1 (default: 1000 with the tiny preset, 1200 otherwise)")
+                   help="optimiser steps of phase 1 (default: 1200)")
     g.add_argument("--batch-size", type=int, default=None,
                    help="sequences per micro-batch per process; the effective batch is this x --grad-accum x "
-                        f"processes (default: 192 with the tiny preset, {t.batch_size} otherwise)")
+                        f"processes (default: 192 for the demonstration*, {t.batch_size} otherwise)")
     g.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimiser step")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (default per preset: "
@@ -121,13 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=t.seed, help="seed of weights, data order, masks and dropout")
     g.add_argument("--phase2-steps", type=int, default=None,
                    help="steps of a second phase at --phase2-seq-len, as in the BERT paper; 0: none (default: "
-                        "100 with the tiny preset, 0 otherwise)")
+                        "600 for the demonstration*, 0 otherwise)")
     g.add_argument("--phase2-seq-len", type=int, default=None,
-                   help="sequence length of phase 2 (default: 128 with the tiny preset, 512 otherwise)")
+                   help="sequence length of phase 2 (default: 128 for the demonstration*, 512 otherwise)")
     g.add_argument("--phase2-max-predictions", type=int, default=None,
                    help="most masked tokens per sequence in phase 2 (default: 20 per 128 tokens, rounded up)")
     g.add_argument("--phase2-batch-size", type=int, default=None,
-                   help="micro-batch of phase 2 (default: 32 with the tiny preset, --batch-size otherwise)")
+                   help="micro-batch of phase 2 (default: --batch-size; at most 32 for the demonstration*)")
 
     g = p.add_argument_group("run")
     g.add_argument("--out", default="models/default", help="model folder to write at the end")
@@ -426,12 +427,14 @@ def summary_line(summary: dict[str, Any], out: Path) -> str:
 
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Give the flags left out their values: the tiny preset's schedule for a fresh tiny model (the
-    demonstration), the general one otherwise (SCHEDULE_DEFAULTS). --init-from keeps its tokenizer."""
-    demo = args.init_from is None and (args.preset or DEFAULT_PRESET) == "tiny"
-    for name, value in SCHEDULE_DEFAULTS["tiny" if demo else "other"].items():
+    """Give the flags left out their values: the demonstration's schedule for a fresh tiny model on the
+    embedded corpus, the general one otherwise (SCHEDULE_DEFAULTS). --init-from keeps its tokenizer."""
+    demo = not args.corpus and args.init_from is None and (args.preset or DEFAULT_PRESET) == "tiny"
+    for name, value in SCHEDULE_DEFAULTS["demo" if demo else "other"].items():
         if getattr(args, name) is None and not (name == "vocab_size" and args.init_from is not None):
             setattr(args, name, value)
+    if args.phase2_batch_size is None and demo:
+        args.phase2_batch_size = min(32, args.batch_size)  # 32 sequences of 128: phase 1's tokens per step / 2
     if args.max_predictions is None:
         args.max_predictions = predictions_for(args.max_seq_len)
     if args.phase2_max_predictions is None:
