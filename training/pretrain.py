@@ -37,10 +37,10 @@ DEFAULT_VOCAB_SIZE = DataConfig.vocab_size
 # and a small vocabulary reach the best held-out accuracy in that time (bench/default_model_sweep.py,
 # BENCHMARKS.md), and a second phase at 128 tokens trains the positions the server then accepts.
 SCHEDULE_DEFAULTS = {
-    "demo": {"max_seq_len": 48, "batch_size": 192, "max_steps": 1200, "vocab_size": 4096,
+    "demo": {"max_seq_len": 48, "batch_size": 192, "vocab_size": 4096,
              "phase2_steps": 600, "phase2_seq_len": 128},
-    "other": {"max_seq_len": 128, "batch_size": TrainConfig.batch_size, "max_steps": 1200,
-              "vocab_size": DEFAULT_VOCAB_SIZE, "phase2_steps": 0, "phase2_seq_len": 512, "phase2_batch_size": None},
+    "other": {"max_seq_len": 128, "batch_size": TrainConfig.batch_size, "vocab_size": DEFAULT_VOCAB_SIZE,
+              "phase2_steps": 0, "phase2_seq_len": 512},
 }
 # Every fresh model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
@@ -102,8 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the folder's)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-steps", type=int, default=None,
-                   help="optimiser steps of phase 1 (default: 1200)")
+    g.add_argument("--max-steps", type=int, default=1200, help="optimiser steps of phase 1")
     g.add_argument("--batch-size", type=int, default=None,
                    help="sequences per micro-batch per process; the effective batch is this x --grad-accum x "
                         f"processes (default: 192 for the demonstration*, {t.batch_size} otherwise)")
