@@ -141,3 +141,18 @@ def test_help_lists_every_knob():
                  "--device", "--precision", "--phase2-seq-len", "--phase2-steps", "--cache-dir", "--run-dir",
                  "--init-from"):
         assert flag in done.stdout, flag
+
+
+def test_flags_left_out_give_the_demonstration_only_on_the_embedded_corpus():
+    from training.pretrain import SCHEDULE_DEFAULTS, build_parser, fill_defaults
+
+    demo = fill_defaults(build_parser().parse_args([]))
+    assert (demo.max_seq_len, demo.batch_size, demo.vocab_size, demo.phase2_steps, demo.phase2_seq_len,
+            demo.phase2_batch_size) == (48, 192, 4096, 600, 128, 32)
+    assert (demo.max_predictions, demo.phase2_max_predictions) == (8, 20)  # BERT's 20 per 128 tokens
+    own = fill_defaults(build_parser().parse_args(["--corpus", "notes.txt"]))
+    assert {k: getattr(own, k) for k in SCHEDULE_DEFAULTS["other"]} == SCHEDULE_DEFAULTS["other"]
+    assert own.phase2_batch_size is None and own.max_predictions == 20
+    small = fill_defaults(build_parser().parse_args(["--batch-size", "8"]))
+    assert small.phase2_batch_size == 8  # phase 2 never takes larger batches than asked for
+    assert fill_defaults(build_parser().parse_args(["--preset", "mini"])).phase2_steps == 0
