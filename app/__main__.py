@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     from app.main import create_app
     from artifact.manifest import ManifestError, read_manifest
 
-    try:  # fail fast with one line, before uvicorn starts, when the folder is not an artifact
-        read_manifest(settings.model_dir)
+    try:  # fail fast with one line, before uvicorn starts, when the folder is not an artifact or a file
+        # differs from what export wrote (hashed once here, for every process the server starts)
+        manifest = read_manifest(settings.model_dir)
+        manifest.verify(settings.model_dir, manifest.files_sha256)
     except ManifestError as e:
         print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,9 @@ incompatible change and make the reader refuse versions it does not know.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -109,8 +111,9 @@ class Manifest:
     default_pooling: str  # one of POOLINGS
     default_normalize: bool
     graphs: dict[str, GraphInfo]  # precision -> graph
-    weights_sha256: str
-    tokenizer_sha256: str
+    weights_sha256: str  # of the model folder's weights the export read (provenance; the server never opens them)
+    # sha256 of every file the server opens (tokenizer.json and each graph file), checked before it opens one.
+    files_sha256: dict[str, str]
     versions: dict[str, str]
     created_at: str
     format_version: int = FORMAT_VERSION
@@ -137,11 +140,37 @@ class Manifest:
                                 f"{manifest.max_position_embeddings} positions")
         return manifest
 
+    def verify(self, folder: Path | str, names: Iterable[str]) -> dict[str, str]:
+        """Check `names` (files of the artifact at `folder`) against their recorded sha256; the verified
+        digests by name. A file changed or damaged since export is a ManifestError naming it."""
+        folder, verified = Path(folder), {}
+        for name in names:
+            expected = self.files_sha256.get(name)
+            if expected is None:
+                raise ManifestError(f"{folder / name} has no sha256 in the manifest: re-export the model")
+            try:
+                actual = sha256_file(folder / name)
+            except OSError as e:
+                raise ManifestError(f"{folder / name} cannot be read ({e.strerror}): re-export the model") from e
+            if actual != expected:
+                raise ManifestError(f"{folder / name} is not the file export wrote (sha256 {actual[:16]}..., "
+                                    f"the manifest says {expected[:16]}...): it was changed or damaged; re-export")
+            verified[name] = actual
+        return verified
+
     def graph(self, precision: str) -> GraphInfo:
         if precision not in self.graphs:
             raise ManifestError(f"this artifact has no {precision} graph (it has {', '.join(self.graphs)}); "
                                 f"export one with `python -m export`")
         return self.graphs[precision]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_manifest(folder: Path | str) -> Manifest:

@@ -65,7 +65,7 @@ def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
                         has_nsp_head=False, lowercase=True,
                         special_tokens={t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS},
                         default_pooling="cls", default_normalize=False,
-                        graphs={"fp16": graph}, weights_sha256="", tokenizer_sha256="", versions={}, created_at="")
+                        graphs={"fp16": graph}, weights_sha256="", files_sha256={}, versions={}, created_at="")
     (out / "manifest.json").write_text(manifest.to_json())
     return out
 

@@ -6,7 +6,6 @@ leaves nothing behind and a reader never sees a half-written artifact.
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -22,7 +21,7 @@ from tokenizers import Tokenizer
 
 from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
                                PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, Manifest,
-                               PaddedGraph)
+                               PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
@@ -125,7 +124,8 @@ def export_artifact(
             default_normalize=layout.normalize,
             graphs=graphs,
             weights_sha256=sha256_file(_weights_file(layout.encoder_dir)),
-            tokenizer_sha256=sha256_file(tmp / TOKENIZER_FILE),
+            files_sha256={name: sha256_file(tmp / name)
+                          for name in [TOKENIZER_FILE, *(f for g in graphs.values() for f in g.files())]},
             versions=versions(),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
@@ -283,14 +283,6 @@ def is_lowercase(tokenizer: Tokenizer) -> bool:
 def _weights_file(model_dir: Path) -> Path:
     st = model_dir / WEIGHTS_FILE
     return st if st.is_file() else model_dir / TORCH_WEIGHTS_FILE  # the file load_model_folder read
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def versions() -> dict[str, str]:

@@ -567,7 +567,7 @@ def test_info_and_int8(artifact):
     assert info["precision"] == "int8" and info["device"] == "cpu" and info["dimensions"] == 128
     manifest = read_manifest(artifact)  # what the artifact says of itself
     assert (info["num_layers"], info["num_heads"]) == (manifest.num_layers, manifest.num_heads)
-    assert info["artifact"]["tokenizer_sha256"] == manifest.tokenizer_sha256
+    assert info["artifact"]["files_sha256"] == manifest.files_sha256
     # The CPU defaults: small batches, one single-threaded batch per usable core.
     assert info["has_nsp_head"] is True and info["limits"]["max_batch_tokens"] == 512
     assert info["limits"]["inference_workers"] == usable_cores() and info["limits"]["intra_op_threads"] == 1

@@ -61,7 +61,8 @@ def test_tiny_artifact_manifest(tiny_artifact_dir, tiny_model_dir):
     assert set(m.graphs) == {"fp32", "int8"}
     assert m.special_tokens == {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4}
     assert m.weights_sha256 == sha256_file(tiny_model_dir / "model.safetensors")
-    assert m.tokenizer_sha256 == sha256_file(tiny_artifact_dir / "tokenizer.json")
+    assert m.files_sha256 == {name: sha256_file(tiny_artifact_dir / name)
+                              for name in ["tokenizer.json", *(f for g in m.graphs.values() for f in g.files())]}
     assert {"torch", "onnx", "onnxruntime"} <= m.versions.keys()
     fp32 = m.graph("fp32")
     assert fp32.outputs == ALL_OUTPUTS and fp32.device == "cpu"

@@ -316,3 +316,22 @@ def test_a_folder_that_is_not_an_artifact_is_refused(tmp_path):
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(tmp_path)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "manifest.json" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["model.onnx", "tokenizer.json"])
+def test_a_file_changed_since_export_is_refused(tiny_artifact_dir, tmp_path, name):
+    """Bytes overwritten in place (same size, the manifest untouched): the server must not start on them."""
+    import shutil
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact_dir, artifact)
+    with open(artifact / name, "r+b") as f:
+        f.seek((artifact / name).stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port())],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    err = r.stderr.strip()
+    assert "\n" not in err and str(artifact / name) in err and "changed or damaged" in err, err

@@ -52,7 +52,9 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "custom_kernels": e.custom_kernels,  # the fp16 graph on our fused operators (custom_kernels/)
         "cuda_graphs": e.cuda_graphs,  # small batches replay CUDA graphs (app/cuda_graphs.py)
         "artifact": {"format_version": m.format_version, "created_at": m.created_at,
-                     "weights_sha256": m.weights_sha256, "tokenizer_sha256": m.tokenizer_sha256,
+                     "weights_sha256": m.weights_sha256,
+                     # `python -m app` checks every one before it starts and refuses to start on a difference
+                     "files_sha256": m.files_sha256,
                      "versions": m.versions},
         "limits": {
             "max_batch_tokens": service.batcher.max_batch_tokens, "max_batch_size": s.max_batch_size,
