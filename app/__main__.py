@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         # differs from what export wrote (hashed once here, for every process the server starts)
         manifest = read_manifest(settings.model_dir)
         manifest.verify(settings.model_dir, manifest.files_sha256)
+        if settings.precision != "auto":
+            manifest.graph(settings.precision)  # one the artifact lacks is named now, not in a traceback later
     except ManifestError as e:
         print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
         return 2

@@ -123,6 +123,8 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError(f"manifest is a JSON {type(d).__name__}, not an object: re-export the model")
         version = d.get("format_version")
         if version != FORMAT_VERSION:
             raise ManifestError(f"manifest format_version {version!r} is not {FORMAT_VERSION}: re-export the "
@@ -133,6 +135,8 @@ class Manifest:
         except (KeyError, TypeError) as e:
             raise ManifestError(f"manifest is incomplete or malformed ({e}): re-export the model with this "
                                 f"version of `python -m export`") from e
+        if not manifest.graphs:
+            raise ManifestError("manifest names no graph: re-export the model")
         if manifest.default_pooling not in POOLINGS:
             raise ManifestError(f"manifest default_pooling {manifest.default_pooling!r} is not one of {', '.join(POOLINGS)}")
         if not 0 < manifest.max_length <= manifest.max_position_embeddings:

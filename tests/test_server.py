@@ -335,3 +335,26 @@ def test_a_file_changed_since_export_is_refused(tiny_artifact_dir, tmp_path, nam
     assert r.returncode == 2, r.stderr
     err = r.stderr.strip()
     assert "\n" not in err and str(artifact / name) in err and "changed or damaged" in err, err
+
+
+@pytest.mark.parametrize("case,words", [
+    ("list", "manifest is a JSON list"),
+    ("no_graphs", "manifest names no graph"),
+    ("bad_length", "max_length -5"),
+    ("no_int8", "no int8 graph"),
+])
+def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_path, case, words):
+    import json
+    import shutil
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact_dir, artifact)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    edited = {"list": [], "no_graphs": {**manifest, "graphs": {}}, "bad_length": {**manifest, "max_length": -5},
+              "no_int8": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "int8"}}}[case]
+    (artifact / "manifest.json").write_text(json.dumps(edited))
+    flags = ["--precision", "int8", "--device", "cpu"] if case == "no_int8" else []
+    r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()), *flags],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err and words in err, err
