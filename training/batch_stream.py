@@ -5,7 +5,12 @@ Workers are processes, not threads: building a batch is mostly Python (pairs, ma
 thread would take turns at the GIL with the training loop, whose kernel launches are Python too."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import multiprocessing
+import os
+import signal
+import sys
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -97,7 +102,19 @@ class BatchStream:
             num_workers=self._workers, prefetch_factor=self._prefetch, multiprocessing_context=context,
             # Worker seeds come from this generator instead of the global RNG, which holds the
             # training's dropout state (a resumed run must draw the same masks as a straight one).
-            generator=torch.Generator().manual_seed(0))
+            generator=torch.Generator().manual_seed(0),
+            worker_init_fn=functools.partial(_end_with_trainer, os.getpid()))
+
+
+def _end_with_trainer(trainer_pid: int, worker_id: int) -> None:
+    """Have the kernel kill this worker when the trainer dies, however it dies. DataLoader's own check of
+    its parent is not enough: a worker that finds the trainer gone cannot exit while a batch it queued
+    (larger than a pipe's buffer) waits in the pipe, so a `kill -9` of the trainer left its workers running."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != trainer_pid:  # the trainer died before the line above took effect
+        os._exit(1)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from training.writes import write_failed
+
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
+_TEMPORARY = re.compile(r"^\.ckpt-\d{8,}\.pt\.tmp-(\d+)$")  # a write in progress, by that process
 
 
 class CheckpointError(ValueError):
@@ -47,13 +50,39 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        failure = write_failed(path, e) if isinstance(e, (OSError, RuntimeError)) else None
         tmp.unlink(missing_ok=True)
+        if failure is not None:
+            raise failure from e
         raise
     _fsync_dir(run_dir)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         old.unlink(missing_ok=True)
     return path
+
+
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete what interrupted checkpoint writes left (`.ckpt-*.pt.tmp-PID`), except a live process's:
+    another run may be writing into the same folder."""
+    run_dir = Path(run_dir)
+    stale = [p for p in (run_dir.iterdir() if run_dir.is_dir() else [])
+             if (m := _TEMPORARY.match(p.name)) and not _alive(int(m.group(1)))]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():  # an earlier process that had our number: we have written nothing yet
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from artifact.source_folder import CONFIG_FILE, TOKENIZER_CONFIG_FILE, transformer_folder
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
 from training.model import BertConfig, BertForPreTraining
+from training.writes import write_failed
 
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
@@ -69,8 +70,11 @@ def save_model_folder(
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
         _replace_dir(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
+        failure = write_failed(out_dir, e) if isinstance(e, (OSError, RuntimeError, SafetensorError)) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if failure is not None:
+            raise failure from e
         raise
     return out_dir
 

@@ -17,13 +17,15 @@ from typing import Any
 import torch
 
 from artifact.source_folder import trained_max_length
-from training.checkpoint import CheckpointError, check_compatible, list_checkpoints, load_checkpoint
+from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
+                                 remove_stale_temporaries)
 from training.corpus import CorpusError
 from training.data import DataConfig, prepare_data
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
 from training.model_folder import LoadedModel, ModelFolderError, load_model_folder, save_model_folder
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, setup_distributed, teardown_distributed,
                               train)
+from training.writes import WriteError, check_writable
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
@@ -317,15 +319,19 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     cfg = train_config(args, source.default_lr)
     dcfgs = data_configs(args, source.folder)
 
-    # Decide how the run starts before spending time on data: a wrong checkpoint fails fast.
+    # Decide how the run starts before spending time on data: a wrong checkpoint or a folder that
+    # cannot be written fails fast.
+    check_writable(out, "--out", replaced_whole=True)  # on every rank: one refused alone would leave the others waiting
+    check_writable(run_dir, "--run-dir")
+    if dist.is_main:
+        remove_stale_temporaries(run_dir)
     existing = list_checkpoints(run_dir)
     if existing and not args.resume and not args.fresh:
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
                               f"pass --resume to continue it, --fresh to start over, or another --run-dir")
     if args.fresh and dist.is_main:
         for path in existing:
-            path.unlink()
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+            path.unlink()  # and metrics.jsonl starts over with step 0 (MetricsLog)
     barrier(dist)
     resume_from = existing[-1] if args.resume and existing else None
     resume_state = load_checkpoint(resume_from) if resume_from is not None else None
@@ -457,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(args, dist)
     except _RankZeroFailed:
         return 2  # rank 0 printed it
-    except (CorpusError, ModelFolderError, CheckpointError, ValueError) as e:
+    except (CorpusError, ModelFolderError, CheckpointError, WriteError, ValueError) as e:
         print(f"error: {e}" if not dist.distributed else f"error (rank {dist.rank}): {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -29,6 +29,7 @@ from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save
 from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
+from training.writes import write_failed
 
 
 @dataclass(frozen=True)
@@ -206,16 +207,43 @@ def pretraining_metrics(sums: torch.Tensor, when_empty: str) -> dict[str, float]
 class MetricsLog:
     """One JSON object per line in `metrics.jsonl` (main process only); appended to on resume."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, step: int = 0):
+        """`step`: where the run starts (the checkpoint's). Records of later steps, from an attempt that
+        ended before its next checkpoint, are dropped (all of them when starting at 0): the steps they
+        describe are about to be trained again."""
         self.path = path
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists():
+                self._keep_until(step)
 
     def write(self, event: str, **fields: Any) -> None:
         if self.path is None:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                os.write(fd, line.encode())  # one write: a line a reader sees is whole
+            except OSError as e:
+                os.ftruncate(fd, end)  # nor half a line after a failure
+                raise write_failed(self.path, e) from e
+        finally:
+            os.close(fd)
+
+    def _keep_until(self, step: int) -> None:
+        kept = []
+        if step > 0:
+            for line in self.path.read_text(encoding="utf-8").splitlines(keepends=True):
+                try:
+                    if json.loads(line).get("step", 0) <= step:
+                        kept.append(line)
+                except json.JSONDecodeError:  # cut off by a kill
+                    pass
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, self.path)
 
 
 @dataclass
@@ -315,7 +343,7 @@ class RunLog:
 
     def __init__(self, run_dir: Path, dist: DistInfo, total_steps: int, step: int, show_progress: bool):
         self.is_main, self.total_steps = dist.is_main, total_steps
-        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl" if dist.is_main else None)
+        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl" if dist.is_main else None, step)
         # disable=None: a bar on a terminal only; elsewhere (a log file) plain lines at each log step.
         self.progress = tqdm(total=total_steps, initial=step, disable=None if show_progress and dist.is_main else True,
                              unit="step", dynamic_ncols=True, desc="pretrain")

@@ -1,0 +1,188 @@
+"""`python -m training.pretrain` when things go wrong around it: the trainer killed, its folders
+unwritable, the disk full, an earlier attempt's leftovers. Each ends in one line or cleans up after itself."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_trainer import REPO, read_metrics, small_args, write_corpus
+
+from training.checkpoint import list_checkpoints
+from training.pretrain import main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "topics.txt", n_docs=80, seed=3)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("cache")
+
+
+def _fails(capsys, argv: list[str], *expected: str) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def _mount_tmpfs(folder: Path, options: str) -> None:
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip() or 'not root'}): "
+                    f"a full or read-only disk cannot be made without it")
+
+
+@pytest.fixture
+def mounts():
+    made: list[Path] = []
+    yield made
+    for folder in made:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc to find the workers")
+def test_data_workers_end_with_a_killed_trainer(cache_dir, tmp_path):
+    """Batches larger than a pipe's buffer (64 KiB): a worker that finds its trainer gone cannot exit while
+    a batch it queued is stuck in the pipe (DataLoader's own check); the kernel must end it."""
+    corpus, run_dir = write_corpus(tmp_path / "corpus.txt", n_docs=400, seed=4), tmp_path / "run"
+    cmd = [sys.executable, "-m", "training.pretrain",
+           *small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "100000", "--log-every", "1",
+                       "--eval-every", "0", "--checkpoint-every", "0", "--data-workers", "2",
+                       "--batch-size", "64", "--max-seq-len", "64", "--max-predictions", "10",
+                       "--heldout-fraction", "0.3")]
+    trainer = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):  # training, workers busy
+            assert trainer.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        workers = _descendants(trainer.pid)
+        assert len(workers) >= 2, workers
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 5
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in workers if _running(p)], "data workers outlived the trainer"
+    finally:
+        trainer.kill()
+        for pid in workers:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("flag", ["--out", "--run-dir"])
+@pytest.mark.parametrize("how", ["read_only", "file_in_the_way"])
+def test_an_unwritable_folder_fails_before_training(corpus, cache_dir, tmp_path, capsys, mounts, flag, how):
+    if how == "read_only":
+        folder = tmp_path / "read_only"
+        if os.geteuid() == 0:  # root writes through permission bits: only a read-only mount stops it
+            _mount_tmpfs(folder, "ro,size=64k")
+            mounts.append(folder)
+        else:
+            folder.mkdir(mode=0o555)
+    else:
+        folder = tmp_path / "a_file"
+        folder.write_text("not a folder")
+    paths = {"--out": tmp_path / "model", "--run-dir": tmp_path / "run", flag: folder / "inside"}
+    started = time.perf_counter()
+    _fails(capsys, small_args(corpus, cache_dir, paths["--out"], paths["--run-dir"], "--max-steps", "2"),
+           f"{flag} {folder / 'inside'}", "cannot write")
+    assert time.perf_counter() - started < 5  # before data preparation and training
+    assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(corpus, cache_dir, tmp_path,
+                                                                                 capsys, mounts):
+    run_dir = tmp_path / "small_disk"
+    _mount_tmpfs(run_dir, "size=256k")  # metrics.jsonl fits, a checkpoint does not
+    mounts.append(run_dir)
+    ckpt = run_dir / "ckpt-00000002.pt"
+    _fails(capsys, small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "4",
+                              "--checkpoint-every", "2"), f"no space left on device writing {ckpt}")
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
+    assert not (tmp_path / "model").exists()
+
+
+def test_a_full_disk_while_writing_the_model_is_one_line_and_leaves_no_partial_folder(corpus, cache_dir, tmp_path,
+                                                                                      capsys, mounts):
+    disk = tmp_path / "small_disk"
+    _mount_tmpfs(disk, "size=256k")
+    mounts.append(disk)
+    _fails(capsys, small_args(corpus, cache_dir, disk / "model", tmp_path / "run", "--max-steps", "2"),
+           f"no space left on device writing {disk / 'model'}")
+    assert list(disk.iterdir()) == []
+    assert list_checkpoints(tmp_path / "run")  # the run itself is kept: --resume after making room
+
+
+def test_temporaries_of_interrupted_checkpoint_writes_are_removed_unless_their_writer_lives(corpus, cache_dir,
+                                                                                           tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        (run_dir / f".ckpt-00000400.pt.tmp-{gone.pid}").write_bytes(b"half a checkpoint")
+        (run_dir / f".ckpt-00000400.pt.tmp-{alive.pid}").write_bytes(b"being written")
+        assert main(small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "2")) == 0
+        assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith(".")) == \
+            [f".ckpt-00000400.pt.tmp-{alive.pid}"]
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_restart_does_not_repeat_metrics(corpus, cache_dir, tmp_path):
+    """Killed before its first checkpoint, a run restarts with fresh metrics; resumed from a checkpoint,
+    it drops the records of steps after it, which it trains again."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    earlier = [{"event": "start", "step": 0}, *({"event": "train", "step": s} for s in (1, 2, 3))]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier) + '{"event": "tr')
+    args = small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "4", "--log-every", "1",
+                      "--checkpoint-every", "2", "--eval-every", "0")
+    assert main([*args, "--resume"]) == 0  # no checkpoint yet: starts over
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert len(read_metrics(run_dir, "start")) == 1
+
+    list_checkpoints(run_dir)[-1].unlink()  # as if killed after step 4's log line, before its checkpoint
+    assert main([*args, "--resume"]) == 0  # from step 2
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(run_dir, "start")] == [0, 2]

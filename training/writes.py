@@ -1,0 +1,52 @@
+"""The run's output folders checked before training starts, and a failed write told in one line that
+names the file (a full disk as such) instead of torch's `[enforce fail at inline_container.cc]`."""
+from __future__ import annotations
+
+import errno
+import shutil
+import tempfile
+from pathlib import Path
+
+
+class WriteError(Exception):
+    """A file of the run could not be written; the message names it and says why."""
+
+
+def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> None:
+    """Fail now, not after hours of training, when `folder` (the value of `flag`) cannot be written: its
+    parent when it is `replaced_whole` (a model folder is written next to it, then renamed). Probes the
+    nearest folder that exists, with a temporary file, so that a run refused later leaves nothing behind."""
+    existing = Path(folder).absolute().parent if replaced_whole else Path(folder).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(existing))
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise WriteError(f"{flag} {folder}: cannot write in {existing} ({e.strerror or e}); "
+                         f"choose a writable folder") from e
+
+
+def write_failed(path: Path, error: BaseException) -> WriteError:
+    """`error`, raised while writing `path`, as one line. torch.save reports a full disk as a RuntimeError
+    (the OSError is its context, or lost), safetensors in its message: all are looked at."""
+    reason = None
+    seen: BaseException | None = error
+    while seen is not None and reason is None:
+        if getattr(seen, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in str(seen):
+            reason = "no space left on device"
+        elif isinstance(seen, OSError) and seen.strerror:
+            reason = seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    if reason is None:
+        reason = "no space left on device" if _almost_full(Path(path).parent) else str(error).splitlines()[0]
+    return WriteError(f"{reason} writing {path}")
+
+
+def _almost_full(folder: Path) -> bool:
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
