@@ -219,4 +219,6 @@ def read_manifest(folder: Path | str) -> Manifest:
     for needed in [TOKENIZER_FILE, *files]:
         if not (folder / needed).is_file():
             raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")
+        if needed not in manifest.files_sha256:  # else verify() would pass over it
+            raise ManifestError(f"{path} has no sha256 of {needed}; re-export the model")
     return manifest

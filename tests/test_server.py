@@ -368,6 +368,7 @@ def test_a_damaged_or_missing_file_is_one_line_naming_it(tiny_artifact_dir, tmp_
     ("no_int8", "no int8 graph"),
     ("length_text", "max_length is 'abc', not int"),
     ("graphs_list", "malformed"),
+    ("unhashed", "has no sha256 of model.onnx"),
 ])
 def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_path, case, words):
     import json
@@ -378,7 +379,8 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
     manifest = json.loads((artifact / "manifest.json").read_text())
     edited = {"list": [], "no_graphs": {**manifest, "graphs": {}}, "bad_length": {**manifest, "max_length": -5},
               "no_int8": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "int8"}},
-              "length_text": {**manifest, "max_length": "abc"}, "graphs_list": {**manifest, "graphs": []}}[case]
+              "length_text": {**manifest, "max_length": "abc"}, "graphs_list": {**manifest, "graphs": []},
+              "unhashed": {**manifest, "files_sha256": {"tokenizer.json": manifest["files_sha256"]["tokenizer.json"]}}}[case]
     (artifact / "manifest.json").write_text(json.dumps(edited))
     flags = ["--precision", "int8", "--device", "cpu"] if case == "no_int8" else []
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()), *flags],
