@@ -1,7 +1,7 @@
 """`python -m app --model-dir DIR [--host H] [--port P] [--workers N] [...]`: serve an artifact folder.
 
 One process (`--workers 1`, the default) has one ONNX Runtime session and one batcher; with more, see
-app/workers.py. Every public Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
+app/multiprocess/. Every public Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import sys
 
 from pydantic import ValidationError
 
-from app.settings import ENV_PREFIX, INTERNAL_SETTINGS, Settings, configure_logging
+from app.settings import ENV_PREFIX, Settings, configure_logging
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, str]:
@@ -18,8 +18,6 @@ def parse_args(argv: list[str] | None = None) -> dict[str, str]:
                                      epilog=f"Each flag can also be given as an environment variable, e.g. "
                                             f"{ENV_PREFIX}MODEL_DIR, {ENV_PREFIX}MAX_BATCH_TOKENS.")
     for name, field in Settings.model_fields.items():
-        if name in INTERNAL_SETTINGS:
-            continue
         text = (field.description or "").replace("%", "%%")  # argparse %-formats help strings
         parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.split("_")[-1].upper(), help=text)
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
@@ -54,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers == 1:
         uvicorn.run(create_app(settings), workers=1, **options)
         return 0
-    from app.workers import serve_with_workers
+    from app.multiprocess.launcher import serve_with_workers
 
     return serve_with_workers(settings, flags, options)
 

@@ -148,8 +148,10 @@ class Entry:
 
 
 class DynamicBatcher:
+    """The in-process Batcher (app.backend): batches run on this process's engine, in worker threads."""
+
     def __init__(self, run: Callable[[Batch], dict[str, np.ndarray]], *, pad_id: int, max_batch_tokens: int,
-                 max_batch_size: int, max_wait_ms: float, max_queued: int, workers: int = 1,
+                 max_batch_size: int, max_wait_ms: float, max_queued: int, inference_workers: int = 1,
                  packed: bool = False, max_padding: float = 1.0, metrics: Metrics | None = None):
         self._run = run
         self.pad_id = pad_id
@@ -157,12 +159,12 @@ class DynamicBatcher:
         self.max_wait_s, self.max_queued = max_wait_ms / 1000, max_queued
         self.packed = packed
         self.max_padding = max_padding  # padded graphs: most of a batch's padded tokens that may be padding
-        self.workers = workers
+        self.inference_workers = inference_workers  # batches run at once, each in its own thread
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
         self._queued_rows = 0  # sequences in _queue
         self._wakeup = asyncio.Event()
-        self._slots = asyncio.Semaphore(workers)
+        self._slots = asyncio.Semaphore(inference_workers)
         self._executor: ThreadPoolExecutor | None = None
         self._loop_task: asyncio.Task | None = None
         self._running: set[asyncio.Future] = set()  # one per batch in a worker thread
@@ -176,7 +178,7 @@ class DynamicBatcher:
     def start(self) -> None:
         self._closed = False
         self._loop_ref = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="inference")
+        self._executor = ThreadPoolExecutor(self.inference_workers, thread_name_prefix="inference")
         self._loop_task = asyncio.create_task(self._loop(), name="batcher")
 
     async def stop(self) -> None:

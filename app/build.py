@@ -1,10 +1,12 @@
-"""Settings -> tokenizer, ONNX Runtime engine and batcher, with the defaults that depend on the device."""
+"""Settings -> tokenizer, ONNX Runtime engine and batcher, with the defaults that depend on the device;
+`start_in_process`: the one-process deployment's Backend."""
 from __future__ import annotations
 
 import logging
 import os
 from pathlib import Path
 
+from app.backend import Backend, EngineInfo, InlineTokenizing
 from app.batcher import DynamicBatcher
 from app.engine import EngineError, OrtEngine, resolve_device_precision
 from app.metrics import Metrics
@@ -83,7 +85,20 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     engine.health(probe.ids, probe.type_ids)
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
-                             max_queued=settings.max_queued_sequences, workers=workers,
+                             max_queued=settings.max_queued_sequences, inference_workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device), metrics=metrics)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher
+
+
+# One text below this many characters is tokenised on the event loop: a thread hop costs more. Several
+# texts go to a thread, where encode_batch runs without the GIL on the tokenizer's own threads.
+IN_PROCESS_INLINE_TOKENIZING = InlineTokenizing(max_texts=1, max_chars=4096)
+
+
+async def start_in_process(settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, metrics: Metrics,
+                           on_lost=None) -> Backend:
+    """The one-process deployment: this process's engine and batcher (the engine cannot be lost)."""
+    engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
+    batcher.start()
+    return Backend(batcher, EngineInfo.of(engine, batcher), IN_PROCESS_INLINE_TOKENIZING)

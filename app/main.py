@@ -1,17 +1,16 @@
-"""`create_app(settings)` assembles the FastAPI app; its lifespan loads the artifact, runs a real forward
-pass, starts the batcher (or, in a worker of a multi-process server, connects to the engine process),
-and on shutdown drains it. Nothing happens at import time."""
+"""`create_app(settings, start_backend)` assembles the FastAPI app; its lifespan loads the tokenizer, starts
+the deployment mode's Backend (by default this process's engine and batcher, after a real forward pass;
+app.multiprocess hands its own) and on shutdown drains it. Nothing happens at import time."""
 from __future__ import annotations
 
 import gc
 import logging
-import os
 from contextlib import asynccontextmanager, contextmanager
 
 from fastapi import FastAPI
 
-from app.build import build_engine, load_tokenizer
-from app.engine_link import EngineClient
+from app.backend import StartBackend
+from app.build import load_tokenizer, start_in_process
 from app.errors import register_error_handlers
 from app.metrics import Metrics
 from app.middleware import ServingMiddleware
@@ -20,22 +19,6 @@ from app.service import InferenceService
 from app.settings import Settings, configure_logging
 
 log = logging.getLogger("app")
-
-
-def build_service(settings: Settings, metrics: Metrics) -> InferenceService:
-    """This process's own engine and batcher (one server process)."""
-    manifest, tokenizer = load_tokenizer(settings)
-    engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
-    batcher.start()
-    return InferenceService(settings, manifest, tokenizer, engine, batcher, metrics)
-
-
-async def connect_service(settings: Settings, metrics: Metrics, on_lost) -> InferenceService:
-    """One of several server processes: the batcher is the engine process's, reached over its socket."""
-    manifest, tokenizer = load_tokenizer(settings)
-    client = EngineClient(str(settings.engine_socket), on_lost)
-    info = await client.connect()
-    return InferenceService(settings, manifest, tokenizer, info, client, metrics)
 
 
 # Young-generation GC threshold while serving (Python's default: 700 allocations). Each request makes a
@@ -77,26 +60,16 @@ class ServingApp(FastAPI):
             await super().__call__(scope, receive, send)
 
 
-def create_app_from_env() -> FastAPI:
-    """The app of one of several worker processes: settings from BERTSERVE_* variables (see __main__)."""
-    # The processes are a worker's parallelism. The tokenizers' own thread pool only adds CPU per request
-    # here (a hand-off to it and back, its threads spinning after each batch), and more of it once the
-    # event loop tokenises a request itself (service.py).
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    settings = Settings()
-    configure_logging(settings)
-    return create_app(settings)
-
-
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, start_backend: StartBackend = start_in_process) -> FastAPI:
+    """The app; `start_backend`: the deployment mode (default: the engine and batcher in this process)."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if settings.engine_socket is None:
-            service = build_service(settings, metrics)
-        else:
-            service = await connect_service(settings, metrics, on_lost=lambda: setattr(app.state, "service", None))
+        manifest, tokenizer = load_tokenizer(settings)
+        backend = await start_backend(settings, manifest, tokenizer, metrics,
+                                      lambda: setattr(app.state, "service", None))  # engine lost: 503
+        service = InferenceService(settings, manifest, tokenizer, backend, metrics)
         e = service.engine
         metrics.model.labels(service.model_name, e.precision, e.provider).set(1)
         log.info("serving %s (%s, %s on %s) from %s", service.model_name, e.precision, e.provider, e.device,

@@ -10,23 +10,14 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from app.batcher import DynamicBatcher, GroupResult
-from app.engine import OrtEngine
-from app.engine_link import EngineClient, EngineInfo
+from app.backend import Backend
+from app.batcher import GroupResult
 from app.errors import ClientClosed, InvalidInput, Overloaded, TooManyInputs
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
 from artifact.manifest import Manifest
 
-# One text below this many characters is tokenised on the event loop: a thread hop costs more. Several
-# texts go to a thread, where encode_batch runs without the GIL on the tokenizer's own threads.
-_INLINE_TOKENIZE_CHARS = 4096
-# An HTTP worker of a multi-process server tokenises on its event loop any request of up to this many
-# characters in all (a few ms of tokenising): its processes are its parallelism, and the hop to a thread
-# and back costs more CPU than it saves (bench/http_worker_load.py; create_app_from_env also turns off the
-# tokenizer's own threads, which cost more still when called from the event loop).
-_WORKER_INLINE_TOKENIZE_CHARS = 16384
 # A request still waiting after this long starts watching for its client going away. Watching costs a
 # task per request (a large share of a one-text /embed's event-loop time), and many answers come sooner;
 # a client that leaves is noticed this much later, and its queued work is still dropped before inference.
@@ -61,17 +52,17 @@ class Inference:
 
 
 class InferenceService:
-    def __init__(self, settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, engine: OrtEngine | EngineInfo,
-                 batcher: DynamicBatcher | EngineClient, metrics: Metrics):
-        self.settings, self.manifest, self.tokenizer = settings, manifest, tokenizer
-        self.engine, self.batcher, self.metrics = engine, batcher, metrics
+    def __init__(self, settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, backend: Backend,
+                 metrics: Metrics):
+        self.settings, self.manifest, self.tokenizer, self.metrics = settings, manifest, tokenizer, metrics
+        self.engine, self.batcher = backend.engine, backend.batcher
+        self._inline = backend.inline_tokenizing.applies  # tokenise on the event loop, else in a thread
         self.model_name = settings.model_name or manifest.model_name
         # /v1/embeddings: the settings' pooling and normalisation, else the model's defaults.
         self.openai_pooling = settings.openai_pooling or manifest.default_pooling
         self.openai_normalize = (manifest.default_normalize if settings.openai_normalize is None
                                  else settings.openai_normalize)
         self._inflight = 0
-        self._worker = isinstance(batcher, EngineClient)  # one of several HTTP worker processes
 
     @contextlib.contextmanager
     def admitted(self):
@@ -103,12 +94,6 @@ class InferenceService:
         seconds = time.perf_counter() - started
         self.metrics.tokenize_seconds.observe(seconds)
         return tokenized, seconds
-
-    def _inline(self, items: Sequence[Item]) -> bool:
-        """Whether to tokenise on the event loop (_INLINE_TOKENIZE_CHARS, _WORKER_INLINE_TOKENIZE_CHARS)."""
-        if self._worker:
-            return _at_most(items, _WORKER_INLINE_TOKENIZE_CHARS)
-        return len(items) == 1 and _at_most(items, _INLINE_TOKENIZE_CHARS)
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool,
                     outputs: frozenset[str], field: str, offsets: bool = False) -> Inference:
@@ -159,15 +144,6 @@ class InferenceService:
             if watcher is not None:
                 watcher.cancel()
             future.cancel()
-
-
-def _at_most(items: Sequence[Item], chars: int) -> bool:
-    """Whether the texts have at most `chars` characters in all (counting stops past it)."""
-    for item in items:
-        chars -= len(item) if isinstance(item, str) else len(item[0]) + len(item[1])
-        if chars < 0:
-            return False
-    return True
 
 
 async def _disconnect(request: Request) -> None:

@@ -1,5 +1,4 @@
-"""Every server setting, read from `python -m app` flags and BERTSERVE_* environment variables (the
-internal ones, INTERNAL_SETTINGS, from the environment only)."""
+"""Every server setting, read from `python -m app` flags and BERTSERVE_* environment variables."""
 from __future__ import annotations
 
 import logging
@@ -12,8 +11,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from artifact.manifest import POOLINGS
 
 ENV_PREFIX = "BERTSERVE_"
-# Settings a process of the server sets for the processes it starts: not flags, not in --help.
-INTERNAL_SETTINGS = frozenset({"engine_socket"})
 
 
 class Settings(BaseSettings):
@@ -41,16 +38,19 @@ class Settings(BaseSettings):
         "(python -m export --cuda-graphs), captured at start: a lone short text is answered sooner, but the "
         "tail latency under saturating load grows (BENCHMARKS.md). auto: when the artifact has the twin; on: "
         "fail without it; off: never")
-    workers: int = Field(1, ge=1, le=64, description="HTTP server processes, handed the port's connections in "
-                         "turn. Above 1 they tokenise and answer around one engine process that holds the session and the batcher, "
-                         "metrics summed over all: on a GPU one Python process cannot keep it busy (see "
-                         "BENCHMARKS.md); on the CPU keep 1: inference_workers already use every core")
+    workers: int = Field(1, ge=1, le=64, description="HTTP worker processes (not inference_workers), handed the "
+                         "port's connections in turn. Above 1 they parse, tokenise and answer around one engine "
+                         "process that holds the session and the batcher (app/multiprocess/), metrics summed over "
+                         "all: on a GPU one Python process cannot keep it busy (see BENCHMARKS.md); on the CPU "
+                         "keep 1: inference_workers already use every core")
     intra_op_threads: int | None = Field(None, ge=1, description="ONNX Runtime threads per batch. Default: one "
                                          "on the CPU (batches run side by side, one per core: faster than one "
                                          "batch over all cores), ONNX Runtime's own choice on CUDA")
     inference_workers: int | None = Field(None, ge=1, le=256, description="batches run at the same time on the "
-                                          "one session. Default: one per usable core on the CPU, 2 on CUDA (while "
-                                          "one batch is copied and collated the other runs; BENCHMARKS.md)")
+                                          "one ONNX Runtime session, each in its own thread of the process that holds "
+                                          "it (not HTTP processes: see workers). Default: one per usable core on the "
+                                          "CPU, 2 on CUDA (while one batch is copied and collated the other runs; "
+                                          "BENCHMARKS.md)")
     max_batch_tokens: int | None = Field(None, ge=1, description="token budget of a batch, counted padded: "
                                          "batch size x its longest sequence; the real limit on a batch, since the "
                                          "engine's time and memory follow padded tokens. Default: 16384 on CUDA "
@@ -80,9 +80,6 @@ class Settings(BaseSettings):
                                                      "`pooling`); default: the model's (GET /info `default_pooling`)")
     openai_normalize: bool | None = Field(None, description="L2-normalise /v1/embeddings vectors (OpenAI's are); "
                                           "default: the model's (GET /info `default_normalize`)")
-    # Internal (INTERNAL_SETTINGS): set by the `workers` > 1 launcher, through BERTSERVE_ENGINE_SOCKET, for
-    # the HTTP worker processes it starts: the Unix socket of its engine process.
-    engine_socket: Path | None = None
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 

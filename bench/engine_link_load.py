@@ -1,6 +1,6 @@
 """CPU cost of the engine process of a multi-process server, per sequence, without a GPU.
 
-On a GPU the engine process (app.engine_process: the link, the batcher, collation, answers) must keep up
+On a GPU the engine process (app/multiprocess/engine_process.py: the link, the batcher, collation, answers) must keep up
 with the GPU (in session 2 it capped HTTP throughput), and the GPU is not needed to measure what it
 costs. This runs the real `serve_workers` and DynamicBatcher over a stand-in engine that returns zero
 vectors after sleeping as long as the GPU would (--gpu-us-per-token; the GIL is released, as ORT
@@ -45,7 +45,8 @@ def _engine(socket_path: str, core: int, gpu_us_per_token: float, batches_at_onc
     os.sched_setaffinity(0, {core})
     _fast_loop()
     from app.batcher import DynamicBatcher
-    from app.engine_link import EngineInfo, serve_workers
+    from app.backend import EngineInfo
+    from app.multiprocess.engine_link import serve_workers
 
     gpu = threading.Lock()  # one GPU: batches in flight overlap their host work, not their kernels
 
@@ -56,7 +57,7 @@ def _engine(socket_path: str, core: int, gpu_us_per_token: float, batches_at_onc
 
     async def serve():
         batcher = DynamicBatcher(run, pad_id=0, max_batch_tokens=16384, max_batch_size=256, max_wait_ms=0,
-                                 max_queued=1 << 20, workers=batches_at_once, packed=True)
+                                 max_queued=1 << 20, inference_workers=batches_at_once, packed=True)
         batcher.start()
         info = EngineInfo("cuda", "fp16", "stand-in", None, batches_at_once, 16384, os.getpid())
         server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=socket_path)
@@ -71,7 +72,7 @@ def _client(socket_path: str, cores: set[int], texts: int, in_flight: int, durat
     os.sched_setaffinity(0, cores)
     _fast_loop()
     from app.batcher import Sequences
-    from app.engine_link import EngineClient
+    from app.multiprocess.engine_link import EngineClient
 
     rng = np.random.default_rng(seed)
     requests = []

@@ -46,8 +46,11 @@ from bench.engine_link_load import _cpu_seconds  # noqa: E402
 from bench.http_load import _fast_loop, make_texts, open_connections  # noqa: E402
 
 # The worker as `python -m app --workers N` runs each of its processes (uvicorn, app.main's factory).
-_WORKER = ("import sys, uvicorn; from app.__main__ import _fast_protocols; "
-           "uvicorn.run('app.main:create_app_from_env', factory=True, host='127.0.0.1', port=int(sys.argv[1]), "
+# The factory's place differs in trees from before app/multiprocess/ (--app-roots may name one).
+_WORKER = ("import sys, importlib.util, uvicorn; from app.__main__ import _fast_protocols; "
+           "app = ('app.multiprocess.http_workers:create_worker_app' if importlib.util.find_spec('app.multiprocess') "
+           "else 'app.main:create_app_from_env'); "
+           "uvicorn.run(app, factory=True, host='127.0.0.1', port=int(sys.argv[1]), "
            "log_level='warning', access_log=False, timeout_graceful_shutdown=10, **_fast_protocols())")
 
 
@@ -76,7 +79,8 @@ def _engine(socket_path: str, core: int, hidden: int) -> None:
     os.sched_setaffinity(0, {core})
     _fast_loop()
     from app.batcher import DynamicBatcher
-    from app.engine_link import EngineInfo, serve_workers
+    from app.backend import EngineInfo
+    from app.multiprocess.engine_link import serve_workers
 
     rows = np.random.default_rng(0).standard_normal((256, hidden), dtype=np.float32)
 
@@ -85,7 +89,7 @@ def _engine(socket_path: str, core: int, hidden: int) -> None:
 
     async def serve():
         batcher = DynamicBatcher(run, pad_id=0, max_batch_tokens=16384, max_batch_size=256, max_wait_ms=0,
-                                 max_queued=1 << 20, workers=1, packed=True)
+                                 max_queued=1 << 20, inference_workers=1, packed=True)
         batcher.start()
         info = EngineInfo("cuda", "fp16", "stand-in", None, 1, 16384, os.getpid(), False)
         server = await asyncio.get_running_loop().create_unix_server(serve_workers(batcher, info), path=socket_path)

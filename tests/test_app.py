@@ -593,14 +593,15 @@ def test_settings_fail_on_bad_values(artifact, tmp_path, monkeypatch):
 def test_worker_app_turns_the_tokenizers_threads_off(artifact, monkeypatch):
     """An HTTP worker's parallelism is its processes: the tokenizers' own thread pool is off there,
     unless TOKENIZERS_PARALLELISM says otherwise."""
-    from app.main import create_app_from_env
+    from app.multiprocess.http_workers import create_worker_app
 
     monkeypatch.setenv("BERTSERVE_MODEL_DIR", str(artifact))
+    monkeypatch.setenv("BERTSERVE_ENGINE_SOCKET", "/nonexistent/engine.sock")  # the app is built, not started
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    create_app_from_env()
+    create_worker_app()
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
-    create_app_from_env()
+    create_worker_app()
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
 
 
@@ -759,7 +760,7 @@ def test_app_never_imports_torch(artifact):
     code = f"""
 import asyncio, sys
 import httpx
-import app.main, app.__main__, app.workers, app.engine_process
+import app.main, app.__main__
 from app.main import create_app
 from app.settings import Settings
 async def go():
@@ -769,6 +770,9 @@ async def go():
             assert (await c.post("/embed", json={{"inputs": "x", "return_tokens": True}})).status_code == 200
 asyncio.run(go())
 assert "torch" not in sys.modules, "app imported torch"
+assert not [m for m in sys.modules if m.startswith("app.multiprocess")], "the serving core imported app.multiprocess"
+import app.multiprocess.launcher, app.multiprocess.engine_process
+assert "torch" not in sys.modules, "app.multiprocess imported torch"
 assert "transformers" not in sys.modules and "training" not in sys.modules and "export" not in sys.modules
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

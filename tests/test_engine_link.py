@@ -1,4 +1,4 @@
-"""The engine link (app.engine_link) in one process: the real tokenizer, OrtEngine and DynamicBatcher of
+"""The engine link (app/multiprocess/engine_link.py) in one process: the real tokenizer, OrtEngine and DynamicBatcher of
 the tiny artifact behind a real Unix socket, EngineClient on the other end. What crosses must equal what
 the batcher answers directly, for every output, small frames and frames larger than the read buffer."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 from app import errors
 from app.batcher import Sequences
 from app.build import build_engine, load_tokenizer
-from app import engine_link
-from app.engine_link import EngineClient, EngineInfo, serve_workers
+from app.backend import EngineInfo
+from app.multiprocess import engine_link
+from app.multiprocess.engine_link import EngineClient, serve_workers
 from app.metrics import Metrics
 from app.settings import Settings
 from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS

@@ -61,13 +61,13 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
             "max_wait_ms": s.max_wait_ms, "max_queued_sequences": s.max_queued_sequences,
             "max_concurrent_requests": s.max_concurrent_requests,
             "max_inputs_per_request": s.max_inputs_per_request, "max_input_chars": s.max_input_chars,
-            "max_request_bytes": s.max_request_bytes, "inference_workers": service.batcher.workers,
+            "max_request_bytes": s.max_request_bytes, "inference_workers": service.batcher.inference_workers,
             "intra_op_threads": e.intra_op_threads, "workers": s.workers,
         },
         "openai": {"pooling": service.openai_pooling, "normalize": service.openai_normalize},
         "auth": s.api_key is not None,
-        "pid": os.getpid(),  # which of `workers` processes answered
-        "engine_pid": getattr(e, "pid", os.getpid()),  # the process that holds the session
+        "pid": os.getpid(),  # which of the HTTP worker processes answered
+        "engine_pid": e.pid,  # the process that holds the session
     })
 
 

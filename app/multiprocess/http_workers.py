@@ -17,14 +17,22 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import os
 import selectors
 import socket
 import threading
 import time
 
 import uvicorn
+from fastapi import FastAPI
+
+from app.main import create_app
+from app.multiprocess.engine_link import connect_to_engine
+from app.settings import ENV_PREFIX, Settings, configure_logging
 
 log = logging.getLogger("app")
+WORKER_APP = "app.multiprocess.http_workers:create_worker_app"  # what uvicorn runs in each HTTP worker
+ENGINE_SOCKET_VAR = ENV_PREFIX + "ENGINE_SOCKET"  # set by the launcher: the engine process's Unix socket
 
 _READY = b"ready"
 _CONNECTION = b"c"
@@ -155,6 +163,18 @@ class _Worker:
 
 
 # -- inside a worker process ------------------------------------------------------------------------------
+def create_worker_app() -> FastAPI:
+    """The app of one HTTP worker process: settings from BERTSERVE_* variables (set by the launcher), its
+    batcher the engine process's."""
+    # The processes are a worker's parallelism. The tokenizers' own thread pool only adds CPU per request
+    # here (a hand-off to it and back, its threads spinning after each batch), and more of it once the
+    # event loop tokenises a request itself (WORKER_INLINE_TOKENIZING).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    settings = Settings()
+    configure_logging(settings)
+    return create_app(settings, connect_to_engine(os.environ[ENGINE_SOCKET_VAR]))
+
+
 def run_worker(channel: socket.socket, app: str, options: dict) -> None:
     # uvicorn finishes the requests in flight on SIGINT / SIGTERM, then raises the signal again: Ctrl-C's
     # KeyboardInterrupt is then an orderly end, not a traceback.

@@ -22,17 +22,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import pickle
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from app import errors
+from app.backend import Backend, EngineInfo, InlineTokenizing
 from app.batcher import DynamicBatcher, GroupResult, Sequences
-from app.engine import OrtEngine
 from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
@@ -49,28 +47,6 @@ _OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i &
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
 _HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before it stops reading its work
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What a worker reports about the engine it uses (/info, metrics): OrtEngine's device, precision,
-    provider, threads, whether it runs our custom kernels and CUDA graphs, the batcher's limits, and the engine
-    process id."""
-    device: str
-    precision: str
-    provider: str
-    intra_op_threads: int | None
-    inference_workers: int
-    max_batch_tokens: int
-    pid: int
-    custom_kernels: bool = False  # a stand-in engine (bench/) need not say
-    cuda_graphs: bool = False
-
-    @classmethod
-    def of(cls, engine: OrtEngine, batcher: DynamicBatcher) -> "EngineInfo":
-        """This process's engine and batcher."""
-        return cls(engine.device, engine.precision, engine.provider, engine.intra_op_threads, batcher.workers,
-                   batcher.max_batch_tokens, os.getpid(), engine.custom_kernels, engine.cuda_graphs)
 
 
 class _Framed(asyncio.BufferedProtocol):
@@ -270,8 +246,8 @@ def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
 
 
 class EngineClient:
-    """Stands where DynamicBatcher stands in a single process: `submit_group()` returns a future of the
-    group's GroupResult; cancelling it drops the work in the engine process too."""
+    """The Batcher (app.backend) of an HTTP worker process: `submit_group()` sends the work to the engine
+    process and returns a future of the group's GroupResult; cancelling it drops the work there too."""
 
     def __init__(self, socket_path: str, on_lost: Callable[[], None] | None = None):
         self.socket_path, self.on_lost = socket_path, on_lost
@@ -287,7 +263,7 @@ class EngineClient:
         return self.info.max_batch_tokens
 
     @property
-    def workers(self) -> int:
+    def inference_workers(self) -> int:
         return self.info.inference_workers
 
     async def connect(self) -> EngineInfo:
@@ -355,4 +331,23 @@ class EngineClient:
         self._pending.clear()
 
 
-__all__ = ["EngineClient", "EngineInfo", "GroupResult", "serve_workers"]
+# An HTTP worker tokenises on its event loop any request of up to this many characters in all (a few ms of
+# tokenising): its processes are its parallelism, and the hop to a thread and back costs more CPU than it
+# saves (bench/http_worker_load.py; create_worker_app also turns off the tokenizer's own threads, which
+# cost more still when called from the event loop).
+WORKER_INLINE_TOKENIZING = InlineTokenizing(max_texts=None, max_chars=16384)
+
+
+def connect_to_engine(socket_path: str):
+    """The deployment mode of an HTTP worker process (app.backend.StartBackend): its batcher is the engine
+    process's, reached over `socket_path`."""
+
+    async def start(settings, manifest, tokenizer, metrics, on_lost) -> Backend:
+        client = EngineClient(socket_path, on_lost)
+        info = await client.connect()
+        return Backend(client, info, WORKER_INLINE_TOKENIZING)
+
+    return start
+
+
+__all__ = ["EngineClient", "EngineInfo", "GroupResult", "connect_to_engine", "serve_workers"]

@@ -1,7 +1,7 @@
 """`python -m app --workers N` (N > 1): one engine process and N HTTP worker processes on one port.
 
-The engine process (app.engine_process) owns the ONNX Runtime session and the batcher; this process
-binds the port and hands each connection to the next HTTP worker (app.http_workers), which tokenise,
+The engine process (engine_process.py) owns the ONNX Runtime session and the batcher; this process
+binds the port and hands each connection to the next HTTP worker (http_workers.py), which tokenise,
 encode answers and reach the engine over a Unix socket. Python's per-request work is what limits one
 process; the GPU wants large batches on one CUDA context. Metrics of every process are summed (prometheus_client's multiprocess mode)."""
 from __future__ import annotations
@@ -17,13 +17,12 @@ import threading
 import time
 from pathlib import Path
 
-from app.engine_process import run as run_engine
-from app.http_workers import HttpWorkers
 from app.metrics import MULTIPROC_DIR_VAR
+from app.multiprocess.engine_process import run as run_engine
+from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, WORKER_APP, HttpWorkers
 from app.settings import ENV_PREFIX, Settings
 
 log = logging.getLogger("app")
-_APP = "app.main:create_app_from_env"  # each HTTP worker's app, its settings from the environment
 _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass can take minutes
 
 
@@ -34,7 +33,7 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_option
     os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
     with run_folder() as folder:
         socket_path = str(folder / "engine.sock")
-        os.environ[ENV_PREFIX + "ENGINE_SOCKET"] = socket_path
+        os.environ[ENGINE_SOCKET_VAR] = socket_path
         engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(socket_path,),
                                                               name="bertserve-engine")
         engine.start()
@@ -51,11 +50,11 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_option
         threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stopping.set())
-        config = uvicorn.Config(_APP, factory=True, **uvicorn_options)
+        config = uvicorn.Config(WORKER_APP, factory=True, **uvicorn_options)
         try:
             with config.bind_socket() as listener:
                 listener.listen(config.backlog)
-                HttpWorkers(settings.workers, _APP, uvicorn_options).serve(listener, stopping)
+                HttpWorkers(settings.workers, WORKER_APP, uvicorn_options).serve(listener, stopping)
         finally:
             stopping.set()
             if engine.is_alive():

@@ -1,6 +1,6 @@
 """The engine process of a multi-process server (`workers` > 1): it owns the one ONNX Runtime session
-and the batcher, so batches are formed from every worker's requests on one CUDA context, and serves the
-worker processes over a Unix socket (app.engine_link). Started and stopped by `python -m app`."""
+and the batcher, so batches are formed from every HTTP worker's requests on one CUDA context, and serves
+the HTTP worker processes over a Unix socket (engine_link). Started and stopped by the launcher."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,10 @@ import logging
 import os
 import signal
 
+from app.backend import EngineInfo
 from app.build import build_engine, load_tokenizer
-from app.engine_link import EngineInfo, serve_workers
 from app.metrics import Metrics
+from app.multiprocess.engine_link import serve_workers
 from app.settings import Settings, configure_logging
 
 log = logging.getLogger("app.engine_process")
