@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 FORMAT_VERSION = 2  # 2: the trained max_length, max_position_embeddings, default pooling, typed graph variants
@@ -130,9 +132,9 @@ class Manifest:
             raise ManifestError(f"manifest format_version {version!r} is not {FORMAT_VERSION}: re-export the "
                                 f"model with this version of `python -m export`")
         try:
-            graphs = {k: GraphInfo.from_dict(g) for k, g in d["graphs"].items()}
-            manifest = cls(**{**d, "graphs": graphs})
-        except (KeyError, TypeError) as e:
+            graphs = {k: _typed(GraphInfo.from_dict(g)) for k, g in d["graphs"].items()}
+            manifest = _typed(cls(**{**d, "graphs": graphs}))
+        except (KeyError, TypeError, AttributeError) as e:
             raise ManifestError(f"manifest is incomplete or malformed ({e}): re-export the model with this "
                                 f"version of `python -m export`") from e
         if not manifest.graphs:
@@ -147,8 +149,9 @@ class Manifest:
     def verify(self, folder: Path | str, names: Iterable[str]) -> dict[str, str]:
         """Check `names` (files of the artifact at `folder`) against their recorded sha256; the verified
         digests by name. A file changed or damaged since export is a ManifestError naming it."""
-        folder, verified = Path(folder), {}
-        for name in names:
+        folder, names = Path(folder), list(names)
+
+        def check(name: str) -> str:
             expected = self.files_sha256.get(name)
             if expected is None:
                 raise ManifestError(f"{folder / name} has no sha256 in the manifest: re-export the model")
@@ -159,14 +162,37 @@ class Manifest:
             if actual != expected:
                 raise ManifestError(f"{folder / name} is not the file export wrote (sha256 {actual[:16]}..., "
                                     f"the manifest says {expected[:16]}...): it was changed or damaged; re-export")
-            verified[name] = actual
-        return verified
+            return actual
+
+        # hashlib lets go of the GIL while it hashes, so the graph files of several variants take one
+        # core each; a failure is raised for the first file in `names` order that has one.
+        with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+            return dict(zip(names, pool.map(check, names)))
 
     def graph(self, precision: str) -> GraphInfo:
         if precision not in self.graphs:
             raise ManifestError(f"this artifact has no {precision} graph (it has {', '.join(self.graphs)}); "
                                 f"export one with `python -m export`")
         return self.graphs[precision]
+
+
+_KINDS = {"int": int, "str": str, "bool": bool, "dict": dict, "list": list}
+
+
+def _typed(record):
+    """`record` (a dataclass just built from JSON) if each field holds its annotated kind (int, str, bool,
+    dict, list, and the keys and values of dict[str, str] / dict[str, int]); else a TypeError naming it."""
+    for f in fields(record):
+        kind, value = f.type.split("[")[0].split(" |")[0], getattr(record, f.name)
+        wanted = _KINDS.get(kind)
+        if wanted is None or (value is None and "None" in f.type):
+            continue
+        if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+            raise TypeError(f"{f.name} is {value!r}, not {kind}")
+        inner = {"dict[str, str]": str, "dict[str, int]": int}.get(f.type)
+        if inner and not all(isinstance(k, str) and isinstance(v, inner) for k, v in value.items()):
+            raise TypeError(f"{f.name} is not {f.type}")
+    return record
 
 
 def sha256_file(path: Path) -> str:
@@ -187,8 +213,12 @@ def read_manifest(folder: Path | str) -> Manifest:
         manifest = Manifest.from_dict(json.loads(path.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ManifestError(f"{path} is not valid JSON: {e}") from e
+    except ManifestError as e:
+        raise ManifestError(f"{path}: {e}") from e
     files = [f for g in manifest.graphs.values() for f in g.files()]
     for needed in [TOKENIZER_FILE, *files]:
         if not (folder / needed).is_file():
             raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")
+        if needed not in manifest.files_sha256:  # else verify() would pass over it
+            raise ManifestError(f"{path} has no sha256 of {needed}; re-export the model")
     return manifest

@@ -337,11 +337,38 @@ def test_a_file_changed_since_export_is_refused(tiny_artifact_dir, tmp_path, nam
     assert "\n" not in err and str(artifact / name) in err and "changed or damaged" in err, err
 
 
+@pytest.mark.parametrize("case,name,words", [
+    ("truncated", "model.onnx", "changed or damaged"),
+    ("corrupt", "tokenizer.json", "changed or damaged"),
+    ("missing", "model_int8.onnx", "lacks model_int8.onnx"),
+    ("missing", "tokenizer.json", "lacks tokenizer.json"),
+])
+def test_a_damaged_or_missing_file_is_one_line_naming_it(tiny_artifact_dir, tmp_path, case, name, words):
+    import shutil
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact_dir, artifact)
+    path = artifact / name
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif case == "corrupt":
+        path.write_text('{"version": "1.0", "model": ')
+    else:
+        path.unlink()
+    r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port())],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip()
+    assert r.returncode == 2 and "\n" not in err and name in err and words in err, err
+
+
 @pytest.mark.parametrize("case,words", [
     ("list", "manifest is a JSON list"),
     ("no_graphs", "manifest names no graph"),
     ("bad_length", "max_length -5"),
     ("no_int8", "no int8 graph"),
+    ("length_text", "max_length is 'abc', not int"),
+    ("graphs_list", "malformed"),
+    ("unhashed", "has no sha256 of model.onnx"),
 ])
 def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_path, case, words):
     import json
@@ -351,10 +378,13 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
     shutil.copytree(tiny_artifact_dir, artifact)
     manifest = json.loads((artifact / "manifest.json").read_text())
     edited = {"list": [], "no_graphs": {**manifest, "graphs": {}}, "bad_length": {**manifest, "max_length": -5},
-              "no_int8": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "int8"}}}[case]
+              "no_int8": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "int8"}},
+              "length_text": {**manifest, "max_length": "abc"}, "graphs_list": {**manifest, "graphs": []},
+              "unhashed": {**manifest, "files_sha256": {"tokenizer.json": manifest["files_sha256"]["tokenizer.json"]}}}[case]
     (artifact / "manifest.json").write_text(json.dumps(edited))
     flags = ["--precision", "int8", "--device", "cpu"] if case == "no_int8" else []
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()), *flags],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     err = r.stderr.strip()
-    assert r.returncode == 2 and "\n" not in err and words in err, err
+    named = artifact if case == "no_int8" else artifact / "manifest.json"
+    assert r.returncode == 2 and "\n" not in err and words in err and str(named) in err, err
