@@ -74,7 +74,7 @@ def sentence_transformers_dir(root, tokenizer_dir) -> Path:
     hf_folder(folder / "0_Transformer", tokenizer_dir, transformers.BertModel, add_pooling_layer=False)
     (folder / "0_Transformer" / "sentence_bert_config.json").write_text('{"max_seq_length": 48}')
     (folder / "1_Pooling").mkdir()
-    (folder / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32}')
+    (folder / "1_Pooling" / "config.json").write_text('{"word_embedding_dimension": 32, "pooling_mode_mean_tokens": true}')
     (folder / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "0_Transformer", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
@@ -152,6 +152,13 @@ def test_folder_without_heads_trains_and_writes_a_transformers_folder(layout, ro
     summary = json.loads((out / "training_summary.json").read_text())
     assert summary["steps"] == 3
     assert summary["max_length"] == (48 if layout == "sentence_transformers" else POSITIONS)
+    # A sentence-transformers source stays one: its pooling goes with the trained weights, now at the root.
+    from export.checkpoint_layout import read_layout
+
+    layout_out = read_layout(out)
+    assert layout_out.encoder_dir == out
+    assert layout_out.pooling == ("mean" if layout == "sentence_transformers" else "cls")
+    assert (out / "modules.json").is_file() == (layout == "sentence_transformers")
 
 
 def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corpus, pretraining_dir, bare_dir,

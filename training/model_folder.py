@@ -18,7 +18,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from artifact.source_folder import CONFIG_FILE, TOKENIZER_CONFIG_FILE, transformer_folder
+from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SENTENCE_BERT_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
+                                    transformer_folder)
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
 from training.model import BertConfig, BertForPreTraining
 from training.writes import write_failed
@@ -45,12 +46,37 @@ class LoadedModel:
     folder: Path
 
 
+def sentence_transformers_files(folder: Path | str) -> dict[str, Path | str]:
+    """What else makes `folder` a sentence-transformers model (its Pooling / Normalize modules and settings),
+    for the folder a model trained from it is written to: name -> file or folder to copy, or text to write.
+    modules.json is rewritten with the Transformer at the root, where training writes the weights, so that
+    export serves the trained model with the pooling its makers chose. {} for any other folder."""
+    folder = Path(folder)
+    if not (folder / MODULES_FILE).is_file():
+        return {}
+    modules = json.loads((folder / MODULES_FILE).read_text())
+    transformer = transformer_folder(folder)
+    found: dict[str, Path | str] = {}
+    for module in modules:
+        if str(module.get("type", "")).endswith(".Transformer"):
+            module["path"] = ""
+        elif module.get("path") and (folder / module["path"]).exists():
+            found[module["path"]] = folder / module["path"]
+    for name in (SENTENCE_BERT_CONFIG_FILE, "config_sentence_transformers.json"):
+        source = next((d / name for d in (transformer, folder) if (d / name).is_file()), None)
+        if source is not None:
+            found[name] = source
+    found[MODULES_FILE] = json.dumps(modules, indent=2) + "\n"
+    return found
+
+
 def save_model_folder(
     model: BertForPreTraining, tokenizer_dir: Path, out_dir: Path, extra_files: dict[str, dict] | None = None,
-    max_length: int | None = None,
+    max_length: int | None = None, copies: dict[str, Path | str] | None = None,
 ) -> Path:
     """Write config, weights, tokenizer files (copied from `tokenizer_dir`) and any extra JSON files;
-    `max_length` (the longest sequence trained at) becomes tokenizer_config.json's model_max_length.
+    `max_length` (the longest sequence trained at) becomes tokenizer_config.json's model_max_length;
+    `copies` (see sentence_transformers_files) are copied or written as they are.
     Nothing appears at `out_dir` until everything is written."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -69,6 +95,13 @@ def save_model_folder(
             path.write_text(json.dumps({**config, "model_max_length": max_length}, indent=2) + "\n")
         for name, payload in (extra_files or {}).items():
             (tmp / name).write_text(json.dumps(payload, indent=2) + "\n")
+        for name, source in (copies or {}).items():
+            if isinstance(source, str):
+                (tmp / name).write_text(source)
+            elif source.is_dir():
+                shutil.copytree(source, tmp / name)
+            else:
+                shutil.copy2(source, tmp / name)
         _replace_dir(tmp, out_dir)
     except BaseException as e:
         failure = write_failed(out_dir, e) if isinstance(e, (OSError, RuntimeError, SafetensorError)) else None

@@ -22,7 +22,8 @@ from training.checkpoint import (CheckpointError, check_compatible, list_checkpo
 from training.corpus import CorpusError
 from training.data import DataConfig, prepare_data
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
-from training.model_folder import LoadedModel, ModelFolderError, load_model_folder, save_model_folder
+from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
+                                   sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, setup_distributed, teardown_distributed,
                               train)
 from training.writes import WriteError, check_writable
@@ -409,7 +410,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     }
     if dist.is_main:
         save_model_folder(model, prepared[0].tokenizer_dir, out, extra_files={"training_summary.json": summary},
-                          max_length=max_length)
+                          max_length=max_length,
+                          copies=sentence_transformers_files(args.init_from) if args.init_from else None)
     barrier(dist)
     return summary
 
