@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from test_trainer import read_metrics, write_corpus
+from test_trainer import fails_in_one_line, read_metrics, write_corpus
 
 from artifact.source_folder import trained_max_length
 from training.checkpoint import list_checkpoints
@@ -86,14 +86,6 @@ def init_args(corpus: Path, cache: Path, init_from: Path, out: Path, run_dir: Pa
             "--run-dir", str(run_dir), "--max-seq-len", "32", "--max-predictions", "5", "--batch-size", "8",
             "--heldout-fraction", "0.1", "--eval-batches", "1", "--no-progress", "--data-workers", "0", *extra]
 
-
-def _fails(capsys, argv: list[str], *expected: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
-    return err
 
 
 def test_step_zero_loss_equals_transformers(root, corpus, pretraining_dir, tmp_path):
@@ -172,10 +164,10 @@ def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corp
     capsys.readouterr()
 
     other = init_args(corpus, root / "cache", bare_dir, tmp_path / "model", run_dir, "--checkpoint-every", "2")
-    _fails(capsys, [*other, "--max-steps", "6", "--resume"], "another configuration", "init_from",
+    fails_in_one_line(capsys, [*other, "--max-steps", "6", "--resume"], "another configuration", "init_from",
            str(bare_dir.resolve()))
     fresh = [a for a in args if a not in ("--init-from", str(pretraining_dir))]
-    _fails(capsys, [*fresh, "--max-steps", "6", "--resume"], "another configuration", "init_from")
+    fails_in_one_line(capsys, [*fresh, "--max-steps", "6", "--resume"], "another configuration", "init_from")
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -188,7 +180,7 @@ def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corp
 def test_flags_that_contradict_the_folder_are_one_line(flags, expected, root, corpus, pretraining_dir, tmp_path,
                                                          capsys):
     out = tmp_path / "model"
-    _fails(capsys, init_args(corpus, root / "cache", pretraining_dir, out, tmp_path / "run", *flags), expected)
+    fails_in_one_line(capsys, init_args(corpus, root / "cache", pretraining_dir, out, tmp_path / "run", *flags), expected)
     assert not out.exists() and not (tmp_path / "run").exists()
 
 
@@ -207,7 +199,7 @@ def test_a_folder_that_is_not_bert_is_one_line(case, root, corpus, pretraining_d
     expected = {"gpt2": "not a BERT config", "no_config": "no config.json",
                 "missing_encoder": "lack"}[case]
     out = tmp_path / "model"
-    _fails(capsys, init_args(corpus, tmp_path / "cache", folder, out, tmp_path / "run"), str(folder), expected)
+    fails_in_one_line(capsys, init_args(corpus, tmp_path / "cache", folder, out, tmp_path / "run"), str(folder), expected)
     assert not out.exists() and not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 

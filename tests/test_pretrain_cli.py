@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trainer import REPO, read_metrics, small_args, write_corpus
+from test_trainer import REPO, fails_in_one_line, read_metrics, small_args, write_corpus
 
 from training.checkpoint import list_checkpoints
 from training.model_folder import load_model_folder
@@ -66,23 +66,15 @@ def test_end_to_end_writes_a_loadable_folder_metrics_and_summary(finished_run, c
     assert [p.name for p in list_checkpoints(root / "run")] == ["ckpt-00000006.pt", "ckpt-00000012.pt"]
 
 
-def _fails(capsys, argv: list[str], *expected: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
-    return err
-
 
 def test_rerun_without_resume_is_refused_and_other_configurations_too(finished_run, capsys):
     root, corpus, cache, args = finished_run
     if not list_checkpoints(root / "run"):
         assert main(args) == 0
     before = (root / "model" / "model.safetensors").read_bytes()
-    _fails(capsys, args, "holds checkpoints of an earlier run", "--resume")
-    _fails(capsys, [*args, "--resume", "--preset", "mini"], "another configuration", "hidden_size")
-    _fails(capsys, [*args, "--resume", "--vocab-size", "400"], "another configuration", "vocab_size")
+    fails_in_one_line(capsys, args, "holds checkpoints of an earlier run", "--resume")
+    fails_in_one_line(capsys, [*args, "--resume", "--preset", "mini"], "another configuration", "hidden_size")
+    fails_in_one_line(capsys, [*args, "--resume", "--vocab-size", "400"], "another configuration", "vocab_size")
     assert (root / "model" / "model.safetensors").read_bytes() == before  # the folder was left alone
 
 
@@ -93,7 +85,7 @@ def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
     assert main(args) == 0
     newest = list_checkpoints(run_dir)[-1]
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
-    _fails(capsys, [*args, "--resume", "--max-steps", "6"], str(newest), "ckpt-00000002.pt")
+    fails_in_one_line(capsys, [*args, "--resume", "--max-steps", "6"], str(newest), "ckpt-00000002.pt")
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "one_document", "unknown_preset", "bad_steps"])
@@ -110,7 +102,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     out = tmp_path / "model"
     expected = {"missing": "does not exist", "empty": "", "one_document": "document",
                 "unknown_preset": "unknown preset 'huge'", "bad_steps": "--max-steps"}[case]
-    _fails(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
+    fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
 

@@ -65,6 +65,16 @@ def small_args(corpus: Path, cache_dir: Path, out: Path, run_dir: Path, *extra: 
             "--heldout-fraction", "0.05", "--eval-batches", "4", "--no-progress", *extra]
 
 
+def fails_in_one_line(capsys, argv: list[str], *expected: str) -> str:
+    """`python -m training.pretrain argv` exits 2 with one `error:` line holding every `expected` text."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, err
+    return err
+
+
 def read_metrics(run_dir: Path, event: str = "train") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]

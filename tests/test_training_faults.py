@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_trainer import REPO, read_metrics, small_args, write_corpus
+from test_trainer import REPO, fails_in_one_line, read_metrics, small_args, write_corpus
 
 from training.checkpoint import list_checkpoints
 from training.pretrain import main
@@ -26,14 +26,6 @@ def corpus(tmp_path_factory) -> Path:
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
-
-def _fails(capsys, argv: list[str], *expected: str) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    for text in expected:
-        assert text in err, err
-    return err
 
 
 def _mount_tmpfs(folder: Path, options: str) -> None:
@@ -122,7 +114,7 @@ def test_an_unwritable_folder_fails_before_training(corpus, cache_dir, tmp_path,
         folder.write_text("not a folder")
     paths = {"--out": tmp_path / "model", "--run-dir": tmp_path / "run", flag: folder / "inside"}
     started = time.perf_counter()
-    _fails(capsys, small_args(corpus, cache_dir, paths["--out"], paths["--run-dir"], "--max-steps", "2"),
+    fails_in_one_line(capsys, small_args(corpus, cache_dir, paths["--out"], paths["--run-dir"], "--max-steps", "2"),
            f"{flag} {folder / 'inside'}", "cannot write")
     assert time.perf_counter() - started < 5  # before data preparation and training
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
@@ -134,7 +126,7 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(
     _mount_tmpfs(run_dir, "size=256k")  # metrics.jsonl fits, a checkpoint does not
     mounts.append(run_dir)
     ckpt = run_dir / "ckpt-00000002.pt"
-    _fails(capsys, small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "4",
+    fails_in_one_line(capsys, small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "4",
                               "--checkpoint-every", "2"), f"no space left on device writing {ckpt}")
     assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl"]
     assert not (tmp_path / "model").exists()
@@ -145,7 +137,7 @@ def test_a_full_disk_while_writing_the_model_is_one_line_and_leaves_no_partial_f
     disk = tmp_path / "small_disk"
     _mount_tmpfs(disk, "size=256k")
     mounts.append(disk)
-    _fails(capsys, small_args(corpus, cache_dir, disk / "model", tmp_path / "run", "--max-steps", "2"),
+    fails_in_one_line(capsys, small_args(corpus, cache_dir, disk / "model", tmp_path / "run", "--max-steps", "2"),
            f"no space left on device writing {disk / 'model'}")
     assert list(disk.iterdir()) == []
     assert list_checkpoints(tmp_path / "run")  # the run itself is kept: --resume after making room
