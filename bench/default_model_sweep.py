@@ -18,6 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from training.data import DataConfig, prepare_data  # noqa: E402
 
 CANDIDATES: dict[str, list[str]] = {
     "default": [],
@@ -80,7 +83,8 @@ def run_one(name: str, extra: list[str], args: argparse.Namespace) -> dict:
     out = Path(args.out) / name
     cmd = [sys.executable, "-m", "training.pretrain", "--out", str(out / "model"), "--run-dir", str(out / "run"),
            "--cache-dir", args.cache_dir, "--device", args.device, "--no-progress", "--fresh",
-           "--data-workers", "1", "--eval-every", str(args.eval_every), "--threads", str(args.threads), *(["--corpus", *args.corpus] if args.corpus else []),
+           "--data-workers", "1", "--eval-every", str(args.eval_every), "--threads", str(args.threads),
+           *(["--corpus", *args.corpus] if args.corpus else []),
            *(["--precision", "fp32"] if args.device == "cuda" else []), *extra]
     if args.time_steps:
         cmd += ["--max-steps", str(args.time_steps), "--eval-every", "0", "--eval-batches", "1"]
@@ -116,12 +120,10 @@ def main() -> int:
     names = args.only.split(",") if args.only else list(CANDIDATES)
     os.makedirs(args.out, exist_ok=True)
     # Build each vocabulary's data cache once, before the candidates race for it.
-    for vocab in sorted({c[c.index("--vocab-size") + 1] if "--vocab-size" in c else "8192"
+    for vocab in sorted({int(c[c.index("--vocab-size") + 1]) if "--vocab-size" in c else 8192
                          for n, c in CANDIDATES.items() if n in names}):
-        subprocess.run([sys.executable, "-c", "import sys; from training.data import DataConfig, prepare_data; "
-                        "prepare_data(DataConfig(corpus=tuple(sys.argv[3:]), vocab_size=int(sys.argv[1]), "
-                        "cache_dir=sys.argv[2]), show_progress=False)", vocab, args.cache_dir, *args.corpus],
-                       cwd=ROOT, check=True)
+        prepare_data(DataConfig(corpus=tuple(args.corpus), vocab_size=vocab, cache_dir=args.cache_dir),
+                     show_progress=False)
     with ThreadPoolExecutor(args.parallel) as pool:
         records = list(pool.map(lambda n: run_one(n, CANDIDATES[n], args), names))
     (Path(args.out) / "sweep.json").write_text(json.dumps(records, indent=2) + "\n")

@@ -228,12 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         devices = args.device_ids.split(",") if args.device_ids else None
         forwarded = [a for a in (argv if argv is not None else sys.argv[1:])
                      if a not in ("--report",)]
-        # Data preparation once, before any clock starts.
-        subprocess.run([sys.executable, "-c", "import sys; sys.argv = sys.argv[1:]; from training.data import "
-                        "DataConfig, prepare_data; prepare_data(DataConfig(corpus=tuple(sys.argv[2:]), "
-                        "max_seq_len=int(sys.argv[1]), cache_dir=sys.argv[0]))",
-                        args.cache_dir, str(args.max_seq_len), *args.corpus], check=True,
-                       cwd=Path(__file__).resolve().parents[1])
+        # Data preparation once, before any clock starts (the arms then find it in the cache).
+        from training.data import DataConfig, prepare_data
+        prepare_data(DataConfig(corpus=tuple(args.corpus), max_seq_len=args.max_seq_len, cache_dir=args.cache_dir))
         batches = [arms] if devices else [[a] for a in arms]
         for group in batches:
             procs = []
