@@ -441,7 +441,7 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) is None and not (name == "vocab_size" and args.init_from is not None):
             setattr(args, name, value)
     if args.phase2_batch_size is None and demo:
-        args.phase2_batch_size = min(32, args.batch_size)  # 32 sequences of 128: phase 1's tokens per step / 2
+        args.phase2_batch_size = min(32, args.batch_size)  # small steps at 128 tokens: 600 of them fit the ten minutes
     if args.max_predictions is None:
         args.max_predictions = predictions_for(args.max_seq_len)
     if args.phase2_max_predictions is None:
