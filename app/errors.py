@@ -84,7 +84,7 @@ _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_la
 
 def error_response(status: int, type_: str, message: str, headers: dict[str, str] | None = None,
                    request: Request | None = None) -> Response:
-    if request is not None:  # read by ServingMiddleware, which labels failures by type
+    if request is not None:  # read by ServingFront, which labels failures by type
         request.scope.setdefault("bertserve", {})["error_type"] = type_
     return json_response({"error": {"type": type_, "message": message}}, status, headers)
 

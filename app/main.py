@@ -1,6 +1,7 @@
-"""`create_app(settings, start_backend)` assembles the FastAPI app; its lifespan loads the tokenizer, starts
-the deployment mode's Backend (by default this process's engine and batcher, after a real forward pass;
-app.multiprocess hands its own) and on shutdown drains it. Nothing happens at import time."""
+"""`create_app(settings, start_backend)` assembles the app: the FastAPI app behind ServingFront. Its
+lifespan loads the tokenizer, starts the deployment mode's Backend (by default this process's engine and
+batcher, after a real forward pass; app.multiprocess hands its own) and on shutdown drains it. Nothing
+happens at import time."""
 from __future__ import annotations
 
 import gc
@@ -13,8 +14,8 @@ from app.backend import StartBackend
 from app.build import load_tokenizer, start_in_process
 from app.errors import register_error_handlers
 from app.metrics import Metrics
-from app.middleware import ServingMiddleware
-from app.routes import ServiceRoute, embed, nsp, openai, system
+from app.front import ServingFront
+from app.routes import embed, nsp, openai, system
 from app.service import InferenceService
 from app.settings import Settings, configure_logging
 
@@ -43,25 +44,8 @@ def serving_gc():
         gc.unfreeze()
 
 
-class ServingApp(FastAPI):
-    """FastAPI with `serving` (ServingMiddleware) in front of all of it, where add_middleware would put it
-    inside FastAPI's own outer layers: their per-request checks (native OpenTelemetry's "is a provider
-    configured?", error and body-limit middleware) cost a twentieth of a one-text /embed's CPU time. So
-    the routes ServingMiddleware answers itself get no FastAPI telemetry; the others still do. Middleware
-    added with add_middleware sits inside, and sees only the requests ServingMiddleware hands on."""
-
-    serving: ServingMiddleware | None = None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.serving is not None:
-            scope["app"] = self  # as Starlette sets it: request.app
-            await self.serving(scope, receive, send)
-        else:
-            await super().__call__(scope, receive, send)
-
-
-def create_app(settings: Settings, start_backend: StartBackend = start_in_process) -> FastAPI:
-    """The app; `start_backend`: the deployment mode (default: the engine and batcher in this process)."""
+def create_app(settings: Settings, start_backend: StartBackend = start_in_process) -> ServingFront:
+    """The ASGI app; `start_backend`: the deployment mode (default: the engine and batcher in this process)."""
     metrics = Metrics()
 
     @asynccontextmanager
@@ -83,21 +67,16 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
             await service.batcher.stop()
             metrics.process_exited()
 
-    app = ServingApp(title="bertserve", version="0.1.0", lifespan=lifespan,
-                     description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
-                                 "Errors are always {\"error\": {\"type\", \"message\"}}.")
-    app.state.settings = settings
-    app.state.metrics = metrics
-    app.state.service = None
-    routers = (embed.router, nsp.router, openai.router, system.router)
-    for router in routers:
-        app.include_router(router)
-    register_error_handlers(app)
-    endpoints = frozenset(r.path for router in routers for r in router.routes) | {"/docs", "/openapi.json"}
-    # The routers are included as they are (no prefix, no added dependencies): their routes are the app's,
-    # and those with a direct handler are answered by ServingMiddleware (HEAD goes on to FastAPI).
-    direct = {(method, r.path): r.serve for router in routers for r in router.routes
-              if isinstance(r, ServiceRoute) and r.serve is not None for method in r.methods if method != "HEAD"}
-    app.serving = ServingMiddleware(super(ServingApp, app).__call__, metrics=metrics, endpoints=endpoints,
-                                    routes=direct, max_bytes=settings.max_request_bytes)
-    return app
+    api = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan,
+                  description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
+                              "Errors are always {\"error\": {\"type\", \"message\"}}.")
+    api.state.settings = settings
+    api.state.metrics = metrics
+    api.state.service = None
+    areas = (embed, nsp, openai, system)
+    for area in areas:
+        api.include_router(area.router)
+    register_error_handlers(api)
+    endpoints = frozenset(r.path for area in areas for r in area.router.routes) | {api.docs_url, api.openapi_url}
+    direct = {**embed.DIRECT_ROUTES, **nsp.DIRECT_ROUTES, **openai.DIRECT_ROUTES}
+    return ServingFront(api, metrics=metrics, endpoints=endpoints, direct=direct, max_bytes=settings.max_request_bytes)

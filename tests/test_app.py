@@ -39,7 +39,7 @@ TEXTS = [
 @contextlib.asynccontextmanager
 async def serving(artifact, **overrides):
     app = create_app(Settings(model_dir=artifact, **overrides))
-    async with app.router.lifespan_context(app):
+    async with app.api.router.lifespan_context(app.api):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
             yield client, app
@@ -493,7 +493,7 @@ def test_overload_answers_429_with_retry_after(artifact):
             assert_error(r, 429, "overloaded", "queue")
             assert int(r.headers["retry-after"]) >= 1
     assert after.status_code == 200
-    assert _metric(metrics, 'bertserve_request_failures_total{endpoint="/embed",status="429",type="overloaded"}') >= 1
+    assert _metric(metrics, 'bertserve_request_failures_total{endpoint="/embed",status="429",type="overloaded"}') >= 1, metrics
 
 
 def test_concurrent_request_limit(artifact):
@@ -725,7 +725,7 @@ def test_a_request_split_over_batches_equals_its_texts_alone(artifact):
 
 @pytest.mark.parametrize("api_key", [None, "s3cret"])
 def test_routes_answered_past_fastapi_answer_as_fastapi_does(artifact, api_key):
-    """ServingMiddleware answers the service routes itself; FastAPI's own routing (what it hands every
+    """ServingFront answers the service routes itself; FastAPI's own routing (what it hands every
     other request to) must answer the same requests the same way: status, body, header names."""
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     requests = [("POST", "/embed", {"inputs": ["a b", ["c", "d"]], "return_tokens": True}, auth),
@@ -741,14 +741,14 @@ def test_routes_answered_past_fastapi_answer_as_fastapi_does(artifact, api_key):
 
     async def go():
         async with serving(artifact, api_key=api_key) as (c, app):
-            assert app.serving is not None
-            fastapi_only = httpx.AsyncClient(transport=httpx.ASGITransport(app=app.serving.app),
+            fastapi_only = httpx.AsyncClient(transport=httpx.ASGITransport(app=app.api),
                                              base_url="http://test")
             out = []
             for method, path, body, headers in requests:
                 kwargs = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+                as_handed_on = {**headers, "content-type": "application/json"}  # the front declares every body JSON
                 out.append((await c.request(method, path, headers=headers, **kwargs),
-                            await fastapi_only.request(method, path, headers=headers, **kwargs)))
+                            await fastapi_only.request(method, path, headers=as_handed_on, **kwargs)))
             return out
     for (method, path, *_), (ours, theirs) in zip(requests, run(go())):
         assert ours.status_code == theirs.status_code, (method, path, ours.text, theirs.text)
@@ -765,7 +765,7 @@ from app.main import create_app
 from app.settings import Settings
 async def go():
     a = create_app(Settings(model_dir={str(artifact)!r}))
-    async with a.router.lifespan_context(a):
+    async with a.api.router.lifespan_context(a.api):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=a), base_url="http://t") as c:
             assert (await c.post("/embed", json={{"inputs": "x", "return_tokens": True}})).status_code == 200
 asyncio.run(go())

@@ -24,8 +24,8 @@ import threading
 import time
 
 import uvicorn
-from fastapi import FastAPI
 
+from app.front import ServingFront
 from app.main import create_app
 from app.multiprocess.engine_link import connect_to_engine
 from app.settings import ENV_PREFIX, Settings, configure_logging
@@ -163,7 +163,7 @@ class _Worker:
 
 
 # -- inside a worker process ------------------------------------------------------------------------------
-def create_worker_app() -> FastAPI:
+def create_worker_app() -> ServingFront:
     """The app of one HTTP worker process: settings from BERTSERVE_* variables (set by the launcher), its
     batcher the engine process's."""
     # The processes are a worker's parallelism. The tokenizers' own thread pool only adds CPU per request
@@ -194,9 +194,9 @@ class _HandedConnectionsServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         config = self.config
 
-        def protocol():  # as uvicorn's own startup makes one per connection
+        def protocol():  # as uvicorn's own startup makes one per connection (called on the running loop)
             return config.http_protocol_class(config=config, server_state=self.server_state,
-                                              app_state=self.lifespan.state, _loop=loop)
+                                              app_state=self.lifespan.state)
 
         self._channel.setblocking(False)
         loop.add_reader(self._channel.fileno(), self._receive, loop, protocol)

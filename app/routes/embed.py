@@ -7,7 +7,7 @@ from starlette.responses import Response
 from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows, encode_vectors, l2_normalize, pool
 from app.responses import json_response
-from app.routes import ServiceRoute, get_service, require_api_key
+from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
 from app.service import InferenceService
 from app.tokenization import describe_tokens
@@ -45,10 +45,14 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
-async def tokenize(body: TokenizeRequest, service: InferenceService = Depends(get_service)) -> Response:
+async def tokenize(body: TokenizeRequest, request: Request,
+                   service: InferenceService = Depends(get_service)) -> Response:
     """The tokens /embed would see: id, token, segment, character offsets in its own text, special."""
     with service.admitted():
         tokenized, seconds = await service.tokenize(as_items(body.inputs), body.truncate, "inputs")
     data = [{"index": i, "tokens": describe_tokens(enc)} for i, enc in enumerate(tokenized.encodings)]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": tokenized.tokens}},
                          headers={"x-tokenize-ms": f"{seconds * 1e3:.3f}"})
+
+
+DIRECT_ROUTES = {"/embed": DirectRoute(embed, EmbedRequest), "/tokenize": DirectRoute(tokenize, TokenizeRequest)}

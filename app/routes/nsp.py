@@ -7,7 +7,7 @@ from starlette.responses import Response
 from app.errors import Unsupported
 from app.pooling import softmax
 from app.responses import json_response
-from app.routes import ServiceRoute, get_service, require_api_key
+from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES, NspRequest, NspResponse
 from app.service import InferenceService
 from artifact.manifest import NSP_LOGITS
@@ -28,3 +28,6 @@ async def nsp(body: NspRequest, request: Request, service: InferenceService = De
     data = [{"index": i, "is_next": p, "logits": row} for i, (p, row) in enumerate(zip(is_next, logits))]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": result.tokens}},
                          headers=result.timings.headers())
+
+
+DIRECT_ROUTES = {"/nsp": DirectRoute(nsp, NspRequest)}

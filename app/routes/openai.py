@@ -7,7 +7,7 @@ from starlette.responses import Response
 from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows, l2_normalize, pool
 from app.responses import json_response
-from app.routes import ServiceRoute, get_service, require_api_key
+from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 from app.service import InferenceService
 
@@ -38,3 +38,6 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
     return json_response({"object": "list", "data": data, "model": service.model_name, "usage": usage},
                          headers=result.timings.headers())
+
+
+DIRECT_ROUTES = {"/v1/embeddings": DirectRoute(embeddings, OpenAIEmbeddingRequest)}

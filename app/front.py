@@ -1,38 +1,50 @@
-"""The one ASGI layer in front of FastAPI's: counts every request in the metrics, reads bodies up to a
-size limit (413 past it) as JSON whatever the Content-Type says, and hands the service routes' requests
-straight to their handlers."""
+"""The ASGI app uvicorn runs: one plain ASGI layer in front of the FastAPI app. It counts every request in
+the metrics, reads bodies up to a size limit (413 past it) as JSON whatever the Content-Type says, calls
+the service endpoints' DirectRoutes itself, and hands everything else (docs, system routes, HEAD,
+lifespan) to FastAPI."""
 from __future__ import annotations
 
 import time
 
+from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from app.errors import PayloadTooLarge, error_response, handle_error
 from app.metrics import Metrics
+from app.routes import DirectRoute, as_service_error
 
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
 
-class ServingMiddleware:
-    """One layer instead of several, each of which cost a few percent of a short request's CPU time:
+class ServingFront:
+    """One layer in front of FastAPI's own, rather than middleware inside them:
 
     - metrics: requests by endpoint and status, failures also by error type (set by the error handlers);
     - bodies: read up to `max_bytes` (413 past it, without reading further); a `curl -d` without
       `-H 'Content-Type: application/json'` works;
-    - `routes` ((method, path) -> the route's `serve(request, body)`) are answered here, their errors by
-      the app's exception handlers: FastAPI's middleware, routing, request and exit-stack layers under
-      this one cost a fifth of a one-text /embed's CPU time. Everything else goes on to FastAPI."""
+    - `direct` (POST path -> DirectRoute) is answered here, errors by the app's exception handlers.
+      FastAPI's middleware stack, routing and dependency solving under this layer cost 29% of a one-text
+      /embed's HTTP-worker CPU (bench/http_worker_load.py, bench/results/cpu2-http-worker-direct-routes-ab.txt).
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, endpoints: frozenset[str], routes: dict, max_bytes: int):
-        self.app, self.metrics, self.endpoints, self.routes, self.max_bytes = app, metrics, endpoints, routes, max_bytes
+    `api` is the FastAPI app (routes, docs, exception handlers, lifespan); `state` is its state."""
+
+    def __init__(self, api: FastAPI, metrics: Metrics, endpoints: frozenset[str], direct: dict[str, DirectRoute],
+                 max_bytes: int):
+        self.api, self.metrics, self.direct, self.max_bytes = api, metrics, direct, max_bytes
+        self.endpoints = endpoints  # the paths metrics name; any other is "other" (bounded label values)
+
+    @property
+    def state(self):
+        return self.api.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await self.api(scope, receive, send)
             return
+        scope["app"] = self.api  # as Starlette sets it: request.app
         path = scope["path"]
-        endpoint = path if path in self.endpoints else "other"  # bounded label values
+        endpoint = path if path in self.endpoints else "other"
         notes = scope.setdefault("bertserve", {})
         status = 500
         started = time.perf_counter()
@@ -55,18 +67,18 @@ class ServingMiddleware:
             body = await self._read_body(scope, receive, send)
             if body is None:
                 return
-        serve = self.routes.get((method, scope["path"]))
-        if serve is not None:
+        route = self.direct.get(scope["path"]) if method == "POST" else None
+        if route is not None:
             request = Request(scope, receive)  # the body was read: receive() now only reports a disconnect
             try:
-                response = await serve(request, body)
-            except Exception as e:  # noqa: BLE001 - ours and FastAPI's only: serve() turns the rest into ours
-                response = await handle_error(request, e)
+                response = await route(request, body)
+            except Exception as e:  # noqa: BLE001 - answered as FastAPI's exception handlers answer it
+                response = await handle_error(request, as_service_error(e, request))
             await response(scope, receive, send)
         elif method in _BODY_METHODS:
-            await self.app(*_replayed(scope, receive, body), send)
+            await self.api(*_replayed(scope, receive, body), send)
         else:
-            await self.app(scope, receive, send)
+            await self.api(scope, receive, send)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
         """The whole body, or None once answered 413 or the client left before sending it."""
