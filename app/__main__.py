@@ -5,7 +5,7 @@ app/multiprocess/. Every public Settings field is a flag here and a BERTSERVE_* 
 from __future__ import annotations
 
 import argparse
-import logging
+import signal
 import sys
 
 from pydantic import ValidationError
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from app.main import create_app
+    from app.uvicorn_server import ServingServer, uvicorn_options
     from artifact.manifest import ManifestError, read_manifest
 
     try:  # fail fast with one line, before uvicorn starts, when the folder is not an artifact or a file
@@ -47,26 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     except ManifestError as e:
         print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
         return 2
-    options = dict(host=settings.host, port=settings.port, log_level=settings.log_level,
-                   access_log=settings.access_log, timeout_graceful_shutdown=10, **_fast_protocols())
-    if settings.workers == 1:
-        uvicorn.run(create_app(settings), workers=1, **options)
-        return 0
-    from app.multiprocess.launcher import serve_with_workers
+    # uvicorn raises a stop signal again after its shutdown, for the signal's default action (SIGTERM: exit
+    # 143). A drained stop is an orderly end: exit 0, as a supervisor expects of a clean stop.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    if settings.workers > 1:
+        from app.multiprocess.launcher import serve_with_workers
 
-    return serve_with_workers(settings, flags, options)
-
-
-def _fast_protocols() -> dict[str, str]:
-    """uvloop and httptools when installed (uvicorn[standard]): each costs a fraction of asyncio's loop
-    and the pure-Python h11 parser per request. Named explicitly so a missing one shows in the log."""
-    import importlib.util
-
-    found = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
-    for name, ok in found.items():
-        if not ok:
-            logging.getLogger("app").warning("%s is not installed: serving slower (pip install uvicorn[standard])", name)
-    return {"loop": "uvloop" if found["uvloop"] else "asyncio", "http": "httptools" if found["httptools"] else "h11"}
+        return serve_with_workers(settings, flags)
+    front = create_app(settings)
+    config = uvicorn.Config(front, host=settings.host, port=settings.port, **uvicorn_options(settings))
+    try:
+        ServingServer(config, on_stop=front.drain).run()
+    except KeyboardInterrupt:  # Ctrl-C raised again after the shutdown
+        pass
+    return 0
 
 
 if __name__ == "__main__":

@@ -70,6 +70,15 @@ class NotReady(ServiceError):
         super().__init__(message, {"Retry-After": "1"})
 
 
+class ShuttingDown(ServiceError):
+    """The server is draining after a stop signal: a request that came after it, or one still queued at
+    the drain deadline. Another replica can answer it."""
+    status, type = 503, "shutting_down"
+
+    def __init__(self, message: str):
+        super().__init__(message, {"Retry-After": "1"})
+
+
 class ClientClosed(ServiceError):
     """The client went away before its answer was ready (nginx's 499); nobody reads this response."""
     status, type = 499, "client_closed_request"

@@ -38,6 +38,13 @@ class ServingFront:
     def state(self):
         return self.api.state
 
+    def drain(self) -> None:
+        """A stop signal came (uvicorn stops accepting and closes idle connections): new requests are
+        answered 503 from now on, queued ones are served until the drain deadline, then answered 503."""
+        service = self.api.state.service
+        if service is not None:
+            service.drain(self.api.state.settings.drain_seconds)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.api(scope, receive, send)

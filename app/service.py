@@ -12,7 +12,7 @@ from starlette.requests import Request
 
 from app.backend import Backend
 from app.batcher import GroupResult
-from app.errors import ClientClosed, InvalidInput, Overloaded, TooManyInputs
+from app.errors import ClientClosed, InvalidInput, Overloaded, ShuttingDown, TooManyInputs
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
@@ -63,10 +63,26 @@ class InferenceService:
         self.openai_normalize = (manifest.default_normalize if settings.openai_normalize is None
                                  else settings.openai_normalize)
         self._inflight = 0
+        self.draining = False  # a stop signal came: new requests are refused
+        self._expired = False  # the drain deadline passed: waiting requests are answered 503
+        self._waiting: set[asyncio.Future] = set()
+
+    def drain(self, seconds: float) -> None:
+        """Refuse new requests from now on; answer those still waiting after `seconds` with 503."""
+        if not self.draining:
+            self.draining = True
+            asyncio.get_running_loop().call_later(seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        for future in list(self._waiting):
+            future.cancel()  # the batcher drops it before inference; _wait answers 503
 
     @contextlib.contextmanager
     def admitted(self):
         """One request being served; past max_concurrent_requests the request is refused at once."""
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; send the request again (to another replica)")
         if self._inflight >= self.settings.max_concurrent_requests:
             raise Overloaded(f"{self._inflight} requests are being served (limit "
                              f"{self.settings.max_concurrent_requests}); retry later")
@@ -103,6 +119,8 @@ class InferenceService:
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
                 return Inference(tokenized, None, timings)
+            if self._expired:
+                raise _past_drain_deadline()
             future = self.batcher.submit_group(tokenized.sequences, outputs)
             result = await self._wait(future, request)
             timings.queue_s, timings.inference_s = result.queue_s, result.inference_s
@@ -111,7 +129,19 @@ class InferenceService:
 
     async def _wait(self, future: asyncio.Future, request: Request | None) -> GroupResult:
         """The result, or ClientClosed once the client is seen gone; either way nothing of this request
-        stays queued (a cancelled group is dropped by the batcher before inference)."""
+        stays queued (a cancelled group is dropped by the batcher before inference). Past the drain
+        deadline: ShuttingDown."""
+        self._waiting.add(future)
+        try:
+            return await self._wait_watching(future, request)
+        except asyncio.CancelledError:
+            if self._expired and future.cancelled():
+                raise _past_drain_deadline() from None
+            raise
+        finally:
+            self._waiting.discard(future)
+
+    async def _wait_watching(self, future: asyncio.Future, request: Request | None) -> GroupResult:
         if request is None:
             try:
                 return await future
@@ -144,6 +174,11 @@ class InferenceService:
             if watcher is not None:
                 watcher.cancel()
             future.cancel()
+
+
+def _past_drain_deadline() -> ShuttingDown:
+    return ShuttingDown("the server is shutting down and this request was still queued at its drain deadline; "
+                        "send it again (to another replica)")
 
 
 async def _disconnect(request: Request) -> None:

@@ -73,6 +73,18 @@ class Settings(BaseSettings):
     max_inputs_per_request: int = Field(512, ge=1)
     max_input_chars: int = Field(2_000_000, ge=1, description="longest text accepted, even with truncation")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body; beyond: 413")
+    max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line + "
+                                  "headers of one request; beyond: 431 and the connection is closed")
+    header_timeout_s: float = Field(10.0, gt=0, description="time a client has to send a request line and "
+                                    "headers (from connecting, or from the request's first byte on a kept-alive "
+                                    "connection); beyond: 408 and the connection is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="time a client has to send a body once its headers "
+                                  "arrived; beyond: 408 and the connection is closed")
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
+    drain_seconds: float = Field(20.0, ge=0, description="on SIGTERM / SIGINT: stop accepting, answer new "
+                                 "requests 503, finish queued work for up to this long, answer what is left 503 "
+                                 "(with Retry-After), exit 0. A supervisor's grace period must be longer "
+                                 "(Kubernetes: terminationGracePeriodSeconds > preStop sleep + this + 5)")
     api_key: SecretStr | None = Field(None, description="when set, requests need `Authorization: Bearer KEY` "
                                                         "(all but /health, /ready, /metrics and the docs)")
     model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")

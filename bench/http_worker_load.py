@@ -45,18 +45,28 @@ if str(ROOT) not in sys.path:
 from bench.engine_link_load import _cpu_seconds  # noqa: E402
 from bench.http_load import _fast_loop, make_texts, open_connections  # noqa: E402
 
-# The worker as `python -m app --workers N` runs each of its processes (uvicorn, app.main's factory).
-# The factory's place differs in trees from before app/multiprocess/ (--app-roots may name one).
-_WORKER = ("import sys, importlib.util, uvicorn; from app.__main__ import _fast_protocols; "
-           "app = ('app.multiprocess.http_workers:create_worker_app' if importlib.util.find_spec('app.multiprocess') "
-           "else 'app.main:create_app_from_env'); "
-           "uvicorn.run(app, factory=True, host='127.0.0.1', port=int(sys.argv[1]), "
-           "log_level='warning', access_log=False, timeout_graceful_shutdown=10, **_fast_protocols())")
+# The worker as `python -m app --workers N` runs each of its processes (uvicorn, the worker app). Trees from
+# before app/uvicorn_server.py (--app-roots may name one) ran the factory under uvicorn.run.
+_WORKER = """
+import sys, uvicorn
+port = int(sys.argv[1])
+try:
+    from app.uvicorn_server import uvicorn_options
+except ImportError:
+    from app.__main__ import _fast_protocols
+    uvicorn.run('app.multiprocess.http_workers:create_worker_app', factory=True, host='127.0.0.1', port=port,
+                log_level='warning', access_log=False, timeout_graceful_shutdown=10, **_fast_protocols())
+else:
+    from app.multiprocess.http_workers import create_worker_app
+    front = create_worker_app()
+    uvicorn.run(front, host='127.0.0.1', port=port, **{**uvicorn_options(front.state.settings),
+                                                       'log_level': 'warning', 'access_log': False})
+"""
 
 
 def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
     """What a worker reads of an artifact: tokenizer.json and manifest.json (the graph file is empty)."""
-    from artifact.manifest import GraphInfo, Manifest
+    from artifact.manifest import GraphInfo, Manifest, sha256_file
     from training.wordpiece import SPECIAL_TOKENS, save_tokenizer, train_wordpiece
 
     tokenizer = train_wordpiece(texts, vocab_size=2000, min_frequency=1)
@@ -68,7 +78,8 @@ def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
                         has_nsp_head=False, lowercase=True,
                         special_tokens={t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS},
                         default_pooling="cls", default_normalize=False,
-                        graphs={"fp16": graph}, weights_sha256="", files_sha256={}, versions={}, created_at="")
+                        graphs={"fp16": graph}, weights_sha256="",
+                        files_sha256={f: sha256_file(out / f) for f in ("model.onnx", "tokenizer.json")}, versions={}, created_at="")
     (out / "manifest.json").write_text(manifest.to_json())
     return out
 

@@ -8,27 +8,34 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 
 from app.backend import EngineInfo
 from app.build import build_engine, load_tokenizer
 from app.metrics import Metrics
 from app.multiprocess.engine_link import serve_workers
+from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.settings import Settings, configure_logging
 
 log = logging.getLogger("app.engine_process")
 
 
-def run(socket_path: str) -> None:
+def run(socket_path: str, launcher_pid: int) -> None:
     """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers'."""
     # Ctrl-C reaches every process of the terminal's group: this one stops only when `python -m app`
-    # says so (SIGTERM), after the HTTP workers have answered what they hold.
+    # says so (SIGTERM), after the HTTP workers have answered what they hold, or when the launcher dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until the event loop handles it
+    end_with_parent(launcher_pid)
     settings = Settings()
     configure_logging(settings)
     with contextlib.suppress(ImportError):
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    asyncio.run(_serve(settings, socket_path))
+    try:
+        asyncio.run(_serve(settings, socket_path))
+    finally:
+        remove_if_orphaned(launcher_pid, os.path.dirname(socket_path))
 
 
 async def _serve(settings: Settings, socket_path: str) -> None:
@@ -47,5 +54,7 @@ async def _serve(settings: Settings, socket_path: str) -> None:
         await stop.wait()
     finally:
         server.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket_path)  # asyncio leaves a Unix socket's file behind (before Python 3.13)
         await batcher.stop()
         metrics.process_exited()

@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -28,25 +29,27 @@ import uvicorn
 from app.front import ServingFront
 from app.main import create_app
 from app.multiprocess.engine_link import connect_to_engine
+from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.settings import ENV_PREFIX, Settings, configure_logging
+from app.uvicorn_server import SHUTDOWN_MARGIN_S, ServingServer, uvicorn_options
 
 log = logging.getLogger("app")
-WORKER_APP = "app.multiprocess.http_workers:create_worker_app"  # what uvicorn runs in each HTTP worker
 ENGINE_SOCKET_VAR = ENV_PREFIX + "ENGINE_SOCKET"  # set by the launcher: the engine process's Unix socket
 
 _READY = b"ready"
 _CONNECTION = b"c"
 _RESTART_DELAY_S = 1.0  # a worker that dies at once is not restarted in a tight loop
-_STOP_S = 15  # a worker's graceful shutdown is uvicorn's timeout_graceful_shutdown (10 s) and a margin
+_STOP_MARGIN_S = 5.0  # past a worker's own shutdown deadline (drain_seconds + SHUTDOWN_MARGIN_S)
 
 
 class HttpWorkers:
-    """`count` worker processes, each running the ASGI app factory `app` under uvicorn with `options`.
+    """`count` worker processes, each serving the app under uvicorn (settings from BERTSERVE_* variables).
     `serve(listener, stopping)` accepts until `stopping` is set, handing connections out in turn to the
-    workers that are ready, and restarts any worker that dies."""
+    workers that are ready, and restarts any worker that dies. `stop_s`: how long a worker may take to
+    drain and stop before it is killed."""
 
-    def __init__(self, count: int, app: str, options: dict):
-        self.count, self.app, self.options = count, app, options
+    def __init__(self, count: int, stop_s: float):
+        self.count, self.stop_s = count, stop_s
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * count
         self._turn = 0
@@ -72,6 +75,7 @@ class HttpWorkers:
                             self._on_message(key.data, selector)
                     self._restart_dead(selector)
             finally:
+                listener.close()  # stop accepting first: new connections are refused, not left in the backlog
                 self._stop_all()
 
     # -- connections ------------------------------------------------------------------------------------
@@ -94,8 +98,7 @@ class HttpWorkers:
     # -- the workers' lives -----------------------------------------------------------------------------
     def _start(self, index: int, selector: selectors.BaseSelector) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = self._context.Process(target=run_worker, args=(theirs, self.app, self.options),
-                                        name=f"bertserve-http-{index}")
+        process = self._context.Process(target=run_worker, args=(theirs, os.getpid()), name=f"bertserve-http-{index}")
         process.start()
         theirs.close()
         ours.setblocking(False)
@@ -129,15 +132,15 @@ class HttpWorkers:
             self._start(i, selector)
 
     def _stop_all(self) -> None:
-        """SIGTERM to every worker (uvicorn finishes the requests in flight), then wait; kill stragglers."""
+        """SIGTERM to every worker (each drains: see ServingFront.drain), then wait; kill stragglers."""
         alive = [w for w in self._workers if w is not None]
         for worker in alive:
             worker.process.terminate()
-        deadline = time.monotonic() + _STOP_S
+        deadline = time.monotonic() + self.stop_s
         for worker in alive:
             worker.process.join(max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
-                log.error("HTTP worker %d did not stop in %d s; killing it", worker.index, _STOP_S)
+                log.error("HTTP worker %d did not stop in %g s; killing it", worker.index, self.stop_s)
                 worker.process.kill()
                 worker.process.join()
             worker.channel.close()
@@ -175,18 +178,30 @@ def create_worker_app() -> ServingFront:
     return create_app(settings, connect_to_engine(os.environ[ENGINE_SOCKET_VAR]))
 
 
-def run_worker(channel: socket.socket, app: str, options: dict) -> None:
-    # uvicorn finishes the requests in flight on SIGINT / SIGTERM, then raises the signal again: Ctrl-C's
-    # KeyboardInterrupt is then an orderly end, not a traceback.
-    with contextlib.suppress(KeyboardInterrupt):
-        _HandedConnectionsServer(uvicorn.Config(app, factory=True, **options), channel).run()
+def run_worker(channel: socket.socket, launcher_pid: int) -> None:
+    # A worker notices its launcher's end on its channel and drains; this covers the time before its loop runs.
+    end_with_parent(launcher_pid)
+    front = create_worker_app()
+    config = uvicorn.Config(front, **uvicorn_options(front.state.settings))
+    # uvicorn raises SIGTERM / SIGINT again after its shutdown: the drain was the orderly end.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            _HandedConnectionsServer(config, channel, on_stop=front.drain).run()
+    finally:
+        remove_if_orphaned(launcher_pid, os.path.dirname(os.environ[ENGINE_SOCKET_VAR]))
 
 
-class _HandedConnectionsServer(uvicorn.Server):
+def worker_stop_s(settings: Settings) -> float:
+    """How long a worker may take from SIGTERM to its exit: its drain, uvicorn's margin, and ours."""
+    return settings.drain_seconds + SHUTDOWN_MARGIN_S + _STOP_MARGIN_S
+
+
+class _HandedConnectionsServer(ServingServer):
     """uvicorn's server without a listening socket: it serves the connections the launcher sends."""
 
-    def __init__(self, config, channel: socket.socket):
-        super().__init__(config)
+    def __init__(self, config, channel: socket.socket, on_stop):
+        super().__init__(config, on_stop)
         self._channel = channel
 
     async def startup(self, sockets=None) -> None:
@@ -210,9 +225,9 @@ class _HandedConnectionsServer(uvicorn.Server):
                 return
             except OSError:
                 message, fds = b"", []
-            if not message and not fds:  # the launcher is gone: finish what is in flight and exit
+            if not message and not fds:  # the launcher is gone: drain and exit
                 loop.remove_reader(self._channel.fileno())
-                self.should_exit = True
+                self.handle_exit(signal.SIGTERM, None)
                 return
             for fd in fds:
                 connection = socket.socket(fileno=fd)

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -19,22 +20,21 @@ from pathlib import Path
 
 from app.metrics import MULTIPROC_DIR_VAR
 from app.multiprocess.engine_process import run as run_engine
-from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, WORKER_APP, HttpWorkers
+from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
 from app.settings import ENV_PREFIX, Settings
 
 log = logging.getLogger("app")
 _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass can take minutes
 
 
-def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_options: dict) -> int:
-    import uvicorn
+def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
 
     # Workers and engine build their settings from the environment, so the flags travel as variables.
     os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
     with run_folder() as folder:
         socket_path = str(folder / "engine.sock")
         os.environ[ENGINE_SOCKET_VAR] = socket_path
-        engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(socket_path,),
+        engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(socket_path, os.getpid()),
                                                               name="bertserve-engine")
         engine.start()
         if not _wait_for_socket(engine, socket_path):
@@ -50,11 +50,9 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], uvicorn_option
         threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stopping.set())
-        config = uvicorn.Config(WORKER_APP, factory=True, **uvicorn_options)
         try:
-            with config.bind_socket() as listener:
-                listener.listen(config.backlog)
-                HttpWorkers(settings.workers, WORKER_APP, uvicorn_options).serve(listener, stopping)
+            with _listen(settings.host, settings.port) as listener:
+                HttpWorkers(settings.workers, worker_stop_s(settings)).serve(listener, stopping)
         finally:
             stopping.set()
             if engine.is_alive():
@@ -82,6 +80,11 @@ def run_folder():
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)  # SO_REUSEADDR, as uvicorn binds
 
 
 def _wait_for_socket(engine: multiprocessing.Process, socket_path: str) -> bool:

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
+from app.errors import ShuttingDown
 from app.pooling import available_poolings
 from app.responses import json_response
 from app.routes import ServiceRoute, get_service, require_api_key
@@ -25,6 +26,8 @@ async def health() -> Response:
 @router.get("/ready", responses={503: ERROR_RESPONSES[503]})
 async def ready(service: InferenceService = Depends(get_service)) -> Response:
     """200 once the model is loaded and a real forward pass succeeded; 503 before and while shutting down."""
+    if service.draining:
+        raise ShuttingDown("the server is shutting down")
     return json_response({"status": "ready", "model": service.model_name})
 
 

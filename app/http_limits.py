@@ -1,0 +1,133 @@
+"""Connection limits uvicorn lacks, as the HTTP protocol class uvicorn is given (`uvicorn.Config(http=...)`,
+its public way to choose the protocol): a bound on the request line + headers (431), and on the time to
+receive them and the body (408, then the connection is closed). They act before the app sees the
+request: before the API key is checked and before a body is read. The idle time between requests on a
+keep-alive connection is uvicorn's own `timeout_keep_alive`.
+
+httptools' parser keeps every header byte it is fed, and uvicorn neither bounds the headers nor times
+out a client that never finishes sending them: 40 connections each sending 10 MB of headers held 420 MB,
+and a connection that sends half a request line stayed open for ever."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import orjson
+
+log = logging.getLogger("app")
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    max_header_bytes: int  # request line and headers of one request
+    header_timeout_s: float  # from the connection's start, or a request's first byte, to the end of its headers
+    body_timeout_s: float  # from the end of the headers to the end of the body
+
+
+def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with `limits`; uvicorn's h11 protocol when httptools is missing (h11
+    bounds the headers itself, `h11_max_incomplete_event_size`; the timeouts are then not enforced)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class LimitedHttpToolsProtocol(HttpToolsProtocol):
+        _limits = limits
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._in_head = True  # the bytes arriving belong to a request line or headers
+            self._head_bytes = 0
+            self._discarding = False  # answered and closing: what still arrives is read and dropped
+            self._started = False  # some byte of the current request arrived
+            self._timer = self.loop.call_later(self._limits.header_timeout_s, self._timed_out, "headers")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._discarding:
+                return
+            if not self._in_head:
+                super().data_received(data)
+                return
+            room = self._limits.max_header_bytes - self._head_bytes
+            if len(data) <= room:
+                self._head_bytes += len(data)
+                super().data_received(data)
+                return
+            super().data_received(data[:room])  # the headers may end within the limit
+            if self._in_head:
+                self._reject(431, "request_header_fields_too_large",
+                             f"the request line and headers exceed {self._limits.max_header_bytes} bytes")
+            elif not self.transport.is_closing():
+                self.data_received(data[room:])
+
+        # httptools' parser callbacks
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if not self._started:  # the next request on a kept-alive connection: its header time starts now
+                self._started = True
+                self._restart_timer(self._limits.header_timeout_s, "headers")
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head_bytes = False, 0
+            self._restart_timer(self._limits.body_timeout_s, "body")
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_head, self._started = True, False
+            self._cancel_timer()  # the next request's header time starts with its first byte
+            super().on_message_complete()
+
+        def _restart_timer(self, seconds: float, part: str) -> None:
+            self._cancel_timer()
+            self._timer = self.loop.call_later(seconds, self._timed_out, part)
+
+        def _cancel_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _timed_out(self, part: str) -> None:
+            self._timer = None
+            if self.transport.is_closing():
+                return
+            if part == "headers" and not self._started and self._head_bytes == 0:
+                self.transport.close()  # nothing of a request arrived: nobody to answer
+                return
+            seconds = self._limits.header_timeout_s if part == "headers" else self._limits.body_timeout_s
+            self._reject(408, "request_timeout", f"the request {part} did not arrive within {seconds:g} s")
+
+        def _reject(self, status: int, type_: str, message: str) -> None:
+            """Answers in our error shape and closes the connection, unless the app already answers."""
+            self._cancel_timer()
+            if self.cycle is not None and self.cycle.response_started:
+                self.transport.close()
+                return
+            log.warning("closed a connection from %s: %s", _address(self.client), message)
+            body = orjson.dumps({"error": {"type": type_, "message": message}})
+            head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("latin-1")
+            if self.cycle is not None:  # the app's reads now see a disconnect; its writes go nowhere
+                self.cycle.disconnected = True
+                self.cycle.message_event.set()
+            self.transport.write(head + body)
+            # A close with unread bytes in the socket sends a reset, which can destroy the answer before the
+            # client reads it: end our side, drop what still comes, and close once the client has (or soon).
+            self._discarding = True
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.loop.call_later(_LINGER_S, self.transport.close)
+            else:
+                self.transport.close()
+
+    return LimitedHttpToolsProtocol
+
+
+_LINGER_S = 2.0
+_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+
+
+def _address(client: tuple[str, int] | None) -> str:
+    return f"{client[0]}:{client[1]}" if client else "an unknown client"

@@ -1,0 +1,60 @@
+"""How every HTTP process runs under uvicorn: its options from Settings (fast loop and parser, connection
+limits, keep-alive, the shutdown deadline) and a Server that tells the app when a stop signal came."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+from collections.abc import Callable
+
+import uvicorn
+
+from app.http_limits import ConnectionLimits, limited_protocol
+from app.settings import Settings
+
+log = logging.getLogger("app")
+
+# uvicorn's own deadline for the requests in flight, past the drain deadline: what is still queued then was
+# answered 503 by the drain, so this only covers a batch that was running and the answers being written.
+# Past it uvicorn cancels the requests, which answers a plain-text 500.
+SHUTDOWN_MARGIN_S = 5.0
+
+
+def uvicorn_options(settings: Settings) -> dict:
+    """uvicorn.Config keywords for one HTTP process (not the app, host or port)."""
+    loop, http = _fast_protocols()
+    limits = ConnectionLimits(settings.max_header_bytes, settings.header_timeout_s, settings.body_timeout_s)
+    return dict(log_level=settings.log_level, access_log=settings.access_log, loop=loop,
+                http=limited_protocol(limits) if http == "httptools" else "h11",
+                h11_max_incomplete_event_size=settings.max_header_bytes,
+                timeout_keep_alive=settings.keep_alive_s,
+                timeout_graceful_shutdown=settings.drain_seconds + SHUTDOWN_MARGIN_S)
+
+
+def _fast_protocols() -> tuple[str, str]:
+    """uvloop and httptools when installed (uvicorn[standard]): each costs a fraction of asyncio's loop
+    and the pure-Python h11 parser per request. Named explicitly so a missing one shows in the log."""
+    found = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
+    for name, ok in found.items():
+        if not ok:
+            log.warning("%s is not installed: serving slower (pip install uvicorn[standard])", name)
+    if not found["httptools"]:
+        log.warning("without httptools the header and body timeouts are not enforced")
+    return "uvloop" if found["uvloop"] else "asyncio", "httptools" if found["httptools"] else "h11"
+
+
+class ServingServer(uvicorn.Server):
+    """uvicorn's Server, calling `on_stop` on the event loop when the first stop signal comes, as uvicorn
+    starts its graceful shutdown (no new connections; idle ones closed): the app drains from there."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]):
+        super().__init__(config)
+        self._on_stop = on_stop
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.should_exit:
+            try:
+                asyncio.get_running_loop().call_soon_threadsafe(self._on_stop)
+            except RuntimeError:  # no loop yet (a signal during start-up): nothing to drain
+                pass
+        super().handle_exit(sig, frame)

@@ -1,0 +1,123 @@
+"""What a client controls is bounded, in one process and with HTTP workers alike: the size of a request's
+headers (431), the time to send them and a body (408), a kept-alive connection's idle time. Each is
+checked on raw sockets against `python -m app`, before any API key is, and the server keeps serving."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.test_server import running_server
+
+LIMITS = dict(max_header_bytes=4096, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=1.0, api_key="k")
+AUTH = b"Authorization: Bearer k\r\n"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-process", "two-workers"])
+def server(request, tiny_artifact_dir):
+    with running_server(tiny_artifact_dir, workers=request.param, **LIMITS) as base:
+        yield base
+
+
+def connect(base: str) -> socket.socket:
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    chunks = []
+    while chunk := s.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_response(s: socket.socket) -> bytes:
+    """One response on a kept-alive connection: its head, then content-length bytes of body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def status_and_error(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), json.loads(body)["error"]
+
+
+def still_serving(base: str) -> bool:
+    r = httpx.post(f"{base}/embed", json={"inputs": "still here"}, headers={"Authorization": "Bearer k"}, timeout=30)
+    return r.status_code == 200
+
+
+def test_headers_past_the_limit_get_431_before_the_api_key_is_checked(server):
+    for sent_at_once in (True, False):  # in one piece, and trickled in pieces smaller than the limit
+        with connect(server) as s:
+            request = b"POST /embed HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n"
+            if sent_at_once:
+                s.sendall(request)
+            else:
+                for i in range(0, len(request), 1000):
+                    s.sendall(request[i:i + 1000])
+            status, error = status_and_error(read_all(s))
+        assert status == 431 and error["type"] == "request_header_fields_too_large", error
+        assert "4096" in error["message"]
+    with connect(server) as s:  # a long request line is counted too
+        s.sendall(b"GET /health?" + b"q" * 8000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert status_and_error(read_all(s))[0] == 431
+    assert still_serving(server)
+
+
+def test_headers_within_the_limit_and_a_body_past_it_are_served(server):
+    """The limit counts the head only: a body in the same packet as the headers is not counted."""
+    body = json.dumps({"inputs": ["word " * 1000]}).encode()
+    with connect(server) as s:
+        s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answer = read_all(s)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+
+
+def test_a_client_that_never_finishes_its_headers_gets_408_and_is_closed(server):
+    with connect(server) as s:
+        started = time.monotonic()
+        s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        status, error = status_and_error(read_all(s))
+        waited = time.monotonic() - started
+    assert status == 408 and error["type"] == "request_timeout" and "headers" in error["message"], error
+    assert 0.9 < waited < 5, waited
+    assert still_serving(server)
+
+
+def test_a_connection_that_sends_nothing_is_closed(server):
+    with connect(server) as s:
+        started = time.monotonic()
+        assert read_all(s) == b""
+        assert 0.9 < time.monotonic() - started < 5
+
+
+def test_a_body_that_never_arrives_gets_408(server):
+    with connect(server) as s:
+        s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 100\r\n\r\n{\"inputs\": ")
+        status, error = status_and_error(read_all(s))
+    assert status == 408 and "body" in error["message"], error
+    assert still_serving(server)
+
+
+def test_a_kept_alive_connection_is_served_while_used_and_closed_when_idle(server):
+    with connect(server) as s:
+        for _ in range(3):  # 1.8 s in all: longer than every timeout, each gap shorter than one
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(s).startswith(b"HTTP/1.1 200")
+            time.sleep(0.6)
+        started = time.monotonic()
+        assert read_all(s) == b""  # then closed by the server
+        assert 0.3 < time.monotonic() - started < 5
