@@ -26,9 +26,13 @@ class Batcher(Protocol):
     max_batch_tokens: int  # token budget of one batch
     inference_workers: int  # batches run at the same time on the engine's session
 
+    def check_admission(self) -> None:
+        """Raises Overloaded when work queued now would wait too long (max_queue_ms); called before a
+        request is tokenised. A batcher that cannot tell here leaves it to submit_group."""
+
     def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
         """Queue one request's sequences (all or none); the future gets its GroupResult. Cancelling the
-        future drops the work before inference. Raises Overloaded past the queue limit, NotReady once stopped."""
+        future drops the work before inference. Raises Overloaded past the queue limits, NotReady once stopped."""
 
     async def stop(self) -> None:
         """Refuse new work and finish (or fail) what was submitted."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from app.engine import Batch
+from app.backlog import EngineSpeed, retry_after_s
 from app.errors import NotReady, Overloaded
 from app.metrics import Metrics
 
@@ -152,7 +153,8 @@ class DynamicBatcher:
 
     def __init__(self, run: Callable[[Batch], dict[str, np.ndarray]], *, pad_id: int, max_batch_tokens: int,
                  max_batch_size: int, max_wait_ms: float, max_queued: int, inference_workers: int = 1,
-                 packed: bool = False, max_padding: float = 1.0, metrics: Metrics | None = None):
+                 packed: bool = False, max_padding: float = 1.0, max_queue_ms: float | None = None,
+                 metrics: Metrics | None = None):
         self._run = run
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -163,6 +165,9 @@ class DynamicBatcher:
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
         self._queued_rows = 0  # sequences in _queue
+        self._queued_tokens = 0  # their real tokens
+        self.max_queue_s = None if max_queue_ms is None else max_queue_ms / 1000
+        self.speed = EngineSpeed()
         self._wakeup = asyncio.Event()
         self._slots = asyncio.Semaphore(inference_workers)
         self._executor: ThreadPoolExecutor | None = None
@@ -193,7 +198,7 @@ class DynamicBatcher:
             if not entry.group.future.done():
                 entry.group.future.set_exception(NotReady("the server is shutting down"))
         self._queue.clear()
-        self._set_depth(0)
+        self._set_depth(0, 0)
         if self._executor:
             self._executor.shutdown(wait=True)
 
@@ -203,15 +208,29 @@ class DynamicBatcher:
         """Sequences waiting for a batch."""
         return self._queued_rows
 
+    def expected_wait_s(self) -> float:
+        """How long work queued now would wait for its batch: the queued tokens at the measured speed."""
+        return self.speed.seconds_for(self._queued_tokens)
+
+    def check_admission(self) -> None:
+        """Overloaded (429, Retry-After from the backlog) when work queued now would wait past max_queue_ms."""
+        if self.max_queue_s is None:
+            return
+        wait = self.expected_wait_s()
+        if wait > self.max_queue_s:
+            raise Overloaded(f"the queue holds about {wait:.1f} s of work (limit {self.max_queue_s:g} s); retry "
+                             f"later", retry_after_s(wait))
+
     def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
         """Queue the sequences of one request, all or none; the future gets one GroupResult. Raises
-        Overloaded past the queue limit."""
+        Overloaded past the queue limits (sequences, and time)."""
         if self._closed:
             raise NotReady("the server is shutting down")
         n = len(sequences)
         if self._queued_rows + n > self.max_queued:
             raise Overloaded(f"the queue is full ({self._queued_rows} sequences waiting, limit {self.max_queued}); "
-                             f"retry later")
+                             f"retry later", retry_after_s(self.expected_wait_s()))
+        self.check_admission()
         group = Group(outputs, asyncio.get_running_loop().create_future(), n, time.perf_counter(), pending=n)
         group.future.add_done_callback(self._note_cancel)
         ids, type_ids, lengths = sequences.ids, sequences.type_ids, sequences.lengths
@@ -221,7 +240,7 @@ class DynamicBatcher:
             for i, (start, length) in enumerate(zip(sequences.starts.tolist(), lengths.tolist())):
                 end = start + length
                 self._queue.append(Entry(ids[start:end], type_ids[start:end], lengths[i:i + 1], group, i, length))
-        self._set_depth(self._queued_rows + n)
+        self._set_depth(self._queued_rows + n, self._queued_tokens + len(ids))
         self._wakeup.set()
         return group.future
 
@@ -234,8 +253,8 @@ class DynamicBatcher:
                                             sequences.lengths[i:i + 1]), outputs)
                 for i, (a, n) in enumerate(zip(starts, sequences.lengths.tolist()))]
 
-    def _set_depth(self, rows: int) -> None:
-        self._queued_rows = rows
+    def _set_depth(self, rows: int, tokens: int) -> None:
+        self._queued_rows, self._queued_tokens = rows, tokens
         if self._metrics:
             self._metrics.queue_depth.set(rows)
 
@@ -255,7 +274,7 @@ class DynamicBatcher:
             rows = sum(e.count for e in alive)
             dropped = self._queued_rows - rows
             self._queue = alive
-            self._set_depth(rows)
+            self._set_depth(rows, sum(e.tokens for e in alive))
             if self._metrics:
                 self._metrics.dropped_sequences.inc(dropped)
 
@@ -288,7 +307,7 @@ class DynamicBatcher:
                 n += 1
             break
         chosen, self._queue = queue[:n], queue[n:]
-        self._set_depth(self._queued_rows - sum(e.count for e in chosen))
+        self._set_taken(chosen)
         return chosen
 
     def _take_batch(self) -> list[Entry]:
@@ -300,7 +319,7 @@ class DynamicBatcher:
             padded = len(queue) * max(e.length for e in queue)
             if padded <= self.max_batch_tokens and padded - sum(e.length for e in queue) <= self.max_padding * padded:
                 self._queue = []  # everything fits: what the search below would choose, without the search
-                self._set_depth(0)
+                self._set_depth(0, 0)
                 return queue
         window = queue[: self.max_batch_size * _LOOKAHEAD]
         anchor = window[0]
@@ -331,8 +350,12 @@ class DynamicBatcher:
         chosen = ordered[lo:hi]
         taken = set(map(id, chosen))
         self._queue = [e for e in window if id(e) not in taken] + queue[len(window):]
-        self._set_depth(self._queued_rows - len(chosen))
+        self._set_taken(chosen)
         return chosen
+
+    def _set_taken(self, chosen: list[Entry]) -> None:
+        self._set_depth(self._queued_rows - sum(e.count for e in chosen),
+                        self._queued_tokens - sum(e.tokens for e in chosen))
 
     async def _loop(self) -> None:
         while True:
@@ -409,6 +432,8 @@ class DynamicBatcher:
     def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
                 started: float, done: asyncio.Future) -> None:
         now = time.perf_counter()
+        if not isinstance(outcome, Exception):
+            self.speed.batch_finished(sum(e.tokens for e in entries), now - max(started, self._last_finish))
         self._running_batches -= 1
         self._last_finish = now
         self._slots.release()

@@ -86,7 +86,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
                              max_queued=settings.max_queued_sequences, inference_workers=workers,
-                             packed=engine.packed, max_padding=padding_limit(settings, device), metrics=metrics)
+                             packed=engine.packed, max_padding=padding_limit(settings, device),
+                             max_queue_ms=settings.max_queue_ms, metrics=metrics)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher
 

@@ -115,6 +115,7 @@ class InferenceService:
                     outputs: frozenset[str], field: str, offsets: bool = False) -> Inference:
         """offsets: whether the answer describes tokens (describe_tokens reads their offsets)."""
         with self.admitted():
+            self.batcher.check_admission()  # before the tokenising it would waste
             tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets)
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute

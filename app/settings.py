@@ -69,6 +69,10 @@ class Settings(BaseSettings):
                                "before running a batch that is not full (work that queued behind a running "
                                "batch never waits); 0: a lone request runs at once")
     max_queued_sequences: int = Field(4096, ge=1, description="queue limit: beyond it requests get 429")
+    max_queue_ms: float | None = Field(2000.0, gt=0, description="a request is admitted only while the queued "
+                                       "work would start within this (estimated from the engine's measured speed), "
+                                       "else 429 at once with Retry-After from the backlog; so clients are answered "
+                                       "within about this plus their own inference time. Empty: no limit")
     max_concurrent_requests: int = Field(512, ge=1, description="requests being served at once; beyond: 429")
     max_inputs_per_request: int = Field(512, ge=1)
     max_input_chars: int = Field(2_000_000, ge=1, description="longest text accepted, even with truncation")

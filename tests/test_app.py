@@ -496,6 +496,33 @@ def test_overload_answers_429_with_retry_after(artifact):
     assert _metric(metrics, 'bertserve_request_failures_total{endpoint="/embed",status="429",type="overloaded"}') >= 1, metrics
 
 
+def test_admission_by_time_answers_429_at_once_past_the_queue_limit(artifact):
+    """max_queue_ms: a request is admitted only while the queued work would start within it, judged from
+    the engine's measured speed; the rest get 429 at once, Retry-After from the backlog. A lone request
+    longer than the limit is still admitted: the queue was empty."""
+    async def timed(c, body):
+        started = time.perf_counter()
+        r = await c.post("/embed", json=body)
+        return r, time.perf_counter() - started
+
+    async def go():
+        async with serving(artifact, max_queue_ms=300, max_batch_size=2, inference_workers=1) as (c, app):
+            _slow_engine(app, 0.2)  # 2 sequences per 0.2 s: the limit holds about 3 batches
+            lone, lone_s = await timed(c, {"inputs": ["a b"] * 8})  # 0.8 s of work on an empty queue
+            rs = await asyncio.gather(*(timed(c, {"inputs": ["a b", "c d"]}) for _ in range(12)))
+            return lone, lone_s, rs
+    lone, lone_s, rs = run(go())
+    assert lone.status_code == 200 and lone_s > 0.6
+    ok = [s for r, s in rs if r.status_code == 200]
+    refused = [(r, s) for r, s in rs if r.status_code == 429]
+    assert 2 <= len(ok) <= 8 and len(ok) + len(refused) == 12, [r.status_code for r, _ in rs]
+    for r, seconds in refused:
+        assert_error(r, 429, "overloaded", "s of work")
+        assert int(r.headers["retry-after"]) >= 1
+        assert seconds < 0.15  # at once, not after waiting
+    assert max(ok) < 0.3 + 0.2 + 0.5  # within the limit, its own batch, and a margin for a busy host
+
+
 def test_concurrent_request_limit(artifact):
     async def go():
         async with serving(artifact, max_concurrent_requests=2) as (c, app):

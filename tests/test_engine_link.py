@@ -128,7 +128,8 @@ def test_a_worker_that_stops_reading_stops_getting_work_done(tiny_artifact_dir, 
     metrics = Metrics()
 
     async def go():
-        async with linked(tiny_artifact_dir, tmp_path, metrics) as (tokenizer, batcher, client):
+        # All 200 requests are queued at once, however long they take: no admission by time here.
+        async with linked(tiny_artifact_dir, tmp_path, metrics, max_queue_ms=None) as (tokenizer, batcher, client):
             # A second worker connection, one that does not read for now.
             reader, writer = await asyncio.open_unix_connection(client.socket_path)
             s = _sequences(tokenizer, ["many more words " * 30] * 8)  # each answer: ~8 x 100 token vectors
@@ -158,3 +159,14 @@ def test_a_worker_that_stops_reading_stops_getting_work_done(tiny_artifact_dir, 
     # About 1 MiB of answers stops it: a handful of requests (those read before, 7-10 here), never all.
     assert done_while_unread < requests * per_request / 2
     assert answers == requests
+
+
+def test_an_engine_error_crosses_the_link_with_its_retry_after():
+    from app import errors
+
+    sent = errors.Overloaded("the queue holds about 3.2 s of work", retry_after_s=4)
+    got = engine_link._error_from(engine_link._error_payload(sent))
+    assert type(got) is errors.Overloaded and got.message == sent.message and got.headers["Retry-After"] == "4"
+    got = engine_link._error_from(engine_link._error_payload(errors.InvalidInput("line one\nline two")))
+    assert type(got) is errors.InvalidInput and got.message == "line one\nline two" and "Retry-After" not in got.headers
+    assert type(engine_link._error_from(engine_link._error_payload(KeyError("x")))) is errors.InternalError

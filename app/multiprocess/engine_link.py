@@ -187,7 +187,7 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
                     return
                 except errors.ServiceError as e:
                     error = e
-            link.send(_REQUEST.pack(ERROR, rid), f"{type(error).__name__}\n{error}".encode())
+            link.send(_REQUEST.pack(ERROR, rid), _error_payload(error))
 
         def on_frame(kind: int, frame: bytearray) -> None:
             if kind == SUBMIT:
@@ -200,7 +200,7 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
                 try:
                     future = batcher.submit_group(sequences, _OUTPUT_SETS[mask])
                 except errors.ServiceError as e:
-                    link.send(_REQUEST.pack(ERROR, rid), f"{type(e).__name__}\n{e}".encode())
+                    link.send(_REQUEST.pack(ERROR, rid), _error_payload(e))
                     return
                 pending[rid] = future
                 future.add_done_callback(lambda f, rid=rid: reply(rid, f))
@@ -225,6 +225,20 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
 # -- worker side -------------------------------------------------------------------------------------------
 _ERRORS = {cls.__name__: cls for cls in (errors.InvalidInput, errors.TooManyInputs, errors.InputTooLong,
                                          errors.Overloaded, errors.NotReady, errors.Unsupported)}
+
+
+def _error_payload(error: BaseException) -> bytes:
+    """An ERROR frame's body: the error's class name, its Retry-After (or nothing) and its message."""
+    retry = getattr(error, "headers", {}).get("Retry-After", "")
+    return f"{type(error).__name__}\n{retry}\n{error}".encode()
+
+
+def _error_from(payload: bytes) -> errors.ServiceError:
+    name, retry, message = payload.decode().split("\n", 2)
+    error = _ERRORS.get(name, errors.InternalError)(message)
+    if retry:
+        error.headers["Retry-After"] = retry
+    return error
 
 
 def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
@@ -281,6 +295,9 @@ class EngineClient:
             self._link.transport.close()
         self._fail_pending("the server is shutting down")
 
+    def check_admission(self) -> None:
+        """The queue is the engine process's: its batcher decides when the request is submitted."""
+
     def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
         if self._closed:
             raise errors.NotReady("the engine process is not available")
@@ -309,8 +326,7 @@ class EngineClient:
         if kind == RESULT:
             future.set_result(_read_result(frame, lengths))
         elif kind == ERROR:
-            name, _, message = bytes(frame[_REQUEST.size:]).decode().partition("\n")
-            future.set_exception(_ERRORS.get(name, errors.InternalError)(message))
+            future.set_exception(_error_from(bytes(frame[_REQUEST.size:])))
         else:
             raise ValueError(f"unexpected frame kind {kind} from the engine")
 
