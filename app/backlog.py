@@ -25,6 +25,10 @@ class EngineSpeed:
             self._tokens += _WEIGHT * (tokens - self._tokens)
             self._seconds += _WEIGHT * (seconds - self._seconds)
 
+    @property
+    def measured(self) -> bool:
+        return self._tokens > 0
+
     def seconds_for(self, tokens: int) -> float:
         """Time to run `tokens` at the measured speed; 0 before any batch finished."""
         return tokens * self._seconds / self._tokens if self._tokens else 0.0

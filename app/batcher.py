@@ -213,8 +213,14 @@ class DynamicBatcher:
         return self.speed.seconds_for(self._queued_tokens)
 
     def check_admission(self) -> None:
-        """Overloaded (429, Retry-After from the backlog) when work queued now would wait past max_queue_ms."""
+        """Overloaded (429, Retry-After from the backlog) when work queued now would wait past max_queue_ms.
+        Until a batch has finished the speed is unknown: then at most one full batch per inference worker
+        is queued, so a burst at start-up cannot queue minutes of work."""
         if self.max_queue_s is None:
+            return
+        if not self.speed.measured:
+            if self._queued_tokens >= self.max_batch_tokens * self.inference_workers:
+                raise Overloaded("the server has just started and is measuring its speed; retry in a moment")
             return
         wait = self.expected_wait_s()
         if wait > self.max_queue_s:

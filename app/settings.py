@@ -22,12 +22,12 @@ class Settings(BaseSettings):
     model_dir: Path = Field(description="artifact folder written by `python -m export` (manifest.json, "
                                         "tokenizer.json, ONNX graphs)")
     host: str = Field("127.0.0.1", description="address to listen on (the container image sets 0.0.0.0)")
-    port: int = Field(8000, ge=1, le=65535)
+    port: int = Field(8000, ge=1, le=65535, description="TCP port to listen on")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA when onnxruntime has the CUDA provider and the artifact an fp16 graph")
     precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
         "auto", description="auto: fp16 on CUDA, fp32 on CPU; int8 is CPU only")
-    cuda_device_id: int = Field(0, ge=0)
+    cuda_device_id: int = Field(0, ge=0, description="which GPU (CUDA's numbering) holds the session")
     custom_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: run the artifact's fp16 graph on our fused GEMM + bias + GELU operator "
         "(custom_kernels/; its speed-up: BENCHMARKS.md). auto: when the artifact has "
@@ -74,7 +74,7 @@ class Settings(BaseSettings):
                                        "else 429 at once with Retry-After from the backlog; so clients are answered "
                                        "within about this plus their own inference time. Empty: no limit")
     max_concurrent_requests: int = Field(512, ge=1, description="requests being served at once; beyond: 429")
-    max_inputs_per_request: int = Field(512, ge=1)
+    max_inputs_per_request: int = Field(512, ge=1, description="most texts or pairs in one request; beyond: 413")
     max_input_chars: int = Field(2_000_000, ge=1, description="longest text accepted, even with truncation")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body; beyond: 413")
     max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line + "
@@ -96,10 +96,11 @@ class Settings(BaseSettings):
                                                      "`pooling`); default: the model's (GET /info `default_pooling`)")
     openai_normalize: bool | None = Field(None, description="L2-normalise /v1/embeddings vectors (OpenAI's are); "
                                           "default: the model's (GET /info `default_normalize`)")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="critical, error, warning, info or debug")
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 
-    @field_validator("api_key", "model_name", mode="before")
+    @field_validator("api_key", "model_name", "max_queue_ms", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
