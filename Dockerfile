@@ -1,57 +1,64 @@
-# The embedding server image. GPU by default (onnxruntime-gpu; CUDA and cuDNN come as pip packages that
-# match its build, so only the host's NVIDIA driver is needed: `docker run --gpus all ...`).
-#   docker build -t bertserve .                          # GPU image
-#   docker build -t bertserve:cpu --build-arg FLAVOUR=cpu .   # CPU-only image (onnxruntime)
+# The embedding server image. Two flavours, two build targets:
+#   docker build -t bertserve .                        # GPU (the last stage, so the default)
+#   docker build -t bertserve:cpu --target cpu .       # CPU only (onnxruntime)
 #   docker run -p 8000:8000 -v ./artifacts:/model bertserve
+# podman / buildah: add `--format docker`; their default, the OCI format, has no HEALTHCHECK and drops it.
+# GPU: onnxruntime-gpu, with CUDA and cuDNN as pip packages that match its build, so only the host's NVIDIA
+# driver is needed (`docker run --gpus all ...`); it also carries our CUDA operator library
+# (custom_kernels/), built in a CUDA devel image because it needs cuBLAS's headers; the server runs an
+# artifact's custom-kernels graph with it.
+# The CPU stages come first and never name the CUDA image: the classic builder (DOCKER_BUILDKIT=0) builds
+# every stage up to the target, so `--target cpu` stops before the GPU stages; BuildKit and podman build
+# only the stages the target uses.
 # Settings come from BERTSERVE_* variables (`docker run -e BERTSERVE_MAX_BATCH_TOKENS=32768 ...`).
 # On a GPU host add `-e BERTSERVE_WORKERS=8` (about half the cores): HTTP worker processes around one
 # engine process; one Python process alone cannot keep the GPU busy (README, BENCHMARKS.md).
-# The install steps are scripts/install-serve.sh, which tests/test_server_install.py also runs.
-# The GPU image also carries our CUDA operator library (custom_kernels/), built in a CUDA devel image
-# because it needs cuBLAS's headers; the server runs an artifact's custom-kernels graph with it.
+# The install steps are scripts/install-serve.sh, which tests/test_server_install.py also runs;
+# tests/test_container.py builds the CPU image and runs it.
 ARG PYTHON_IMAGE=python:3.11-slim
 ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.1-devel-ubuntu24.04
-ARG FLAVOUR=gpu
 
-FROM ${CUDA_DEVEL_IMAGE} AS kernels-gpu
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
-COPY custom_kernels/ /src/custom_kernels/
-RUN CUDA_INC=/usr/local/cuda/include CUDA_LIB=/usr/local/cuda/lib64 bash /src/custom_kernels/build.sh /out
-
-FROM ${PYTHON_IMAGE} AS kernels-cpu
-RUN mkdir /out
-
-# Only the stage this flavour names is built.
-FROM kernels-${FLAVOUR} AS kernels
-
-FROM ${PYTHON_IMAGE}
-ARG FLAVOUR
-
-ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
-    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH
-
-WORKDIR /src
-COPY pyproject.toml README.m[d] ./
-COPY artifact/ artifact/
-COPY custom_kernels/ custom_kernels/
-COPY app/ app/
-COPY scripts/install-serve.sh scripts/
-RUN python -m venv /opt/venv \
-    && PYTHON=/opt/venv/bin/python scripts/install-serve.sh "${FLAVOUR}" \
-    && rm -rf /src
-
-# Empty in the CPU image, where the server never looks for it (our operators run on CUDA only).
-COPY --from=kernels /out/ /opt/bertserve/
-ENV BERTSERVE_KERNELS_LIBRARY=/opt/bertserve/libbertserve_ops.so
-
+# What both flavours share: the user, the environment, the health check, the command.
+FROM ${PYTHON_IMAGE} AS runtime
 RUN useradd --system --uid 10001 --home-dir /nonexistent --shell /usr/sbin/nologin bertserve
+# ORT_DISABLE_TELEMETRY: ONNX Runtime (1.29 and later) otherwise sends usage events to Microsoft from every
+# start on Linux, and warns at each start that it cannot keep a device id under a home it cannot write.
+ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 ORT_DISABLE_TELEMETRY=1 \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH \
+    BERTSERVE_MODEL_DIR=/model BERTSERVE_HOST=0.0.0.0 BERTSERVE_PORT=8000
 USER 10001
-WORKDIR /
-
-ENV BERTSERVE_MODEL_DIR=/model BERTSERVE_HOST=0.0.0.0 BERTSERVE_PORT=8000
 EXPOSE 8000
 # /ready: the model is loaded and a real forward pass succeeded.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD python -c "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('BERTSERVE_PORT', '8000'), timeout=4)"
 # The same command the tests start.
 CMD ["python", "-m", "app"]
+
+# The serving install goes into /opt/venv in a stage of its own; the images copy only /opt/venv, so the
+# sources never reach them.
+FROM ${PYTHON_IMAGE} AS sources
+COPY pyproject.toml README.m[d] /src/
+COPY artifact/ /src/artifact/
+COPY custom_kernels/ /src/custom_kernels/
+COPY app/ /src/app/
+COPY scripts/install-serve.sh /src/scripts/
+
+FROM sources AS venv-cpu
+RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh cpu
+
+FROM runtime AS cpu
+COPY --from=venv-cpu /opt/venv/ /opt/venv/
+
+# GPU only from here on (see the top: `--target cpu` never reaches these stages).
+FROM ${CUDA_DEVEL_IMAGE} AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+COPY custom_kernels/ /src/custom_kernels/
+RUN CUDA_INC=/usr/local/cuda/include CUDA_LIB=/usr/local/cuda/lib64 bash /src/custom_kernels/build.sh /out
+
+FROM sources AS venv-gpu
+RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh gpu
+
+FROM runtime AS gpu
+COPY --from=venv-gpu /opt/venv/ /opt/venv/
+COPY --from=kernels /out/ /opt/bertserve/
+ENV BERTSERVE_KERNELS_LIBRARY=/opt/bertserve/libbertserve_ops.so

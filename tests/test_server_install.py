@@ -14,7 +14,7 @@ import pytest
 from tests.test_server import running_server  # noqa: F401  (same start / ready / stop as the image)
 
 ROOT = Path(__file__).resolve().parents[1]
-# What the Dockerfile copies into the image (the rest is kept out by .dockerignore).
+# What the Dockerfile copies into its `sources` stage (the rest is kept out by .dockerignore).
 IMAGE_FILES = ["pyproject.toml", "README.md", "app", "artifact", "custom_kernels", "scripts/install-serve.sh"]
 
 
