@@ -85,10 +85,11 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(30.0, gt=0, description="time a client has to send a body once its headers "
                                   "arrived; beyond: 408 and the connection is closed")
     keep_alive_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
-    drain_seconds: float = Field(20.0, ge=0, description="on SIGTERM / SIGINT: stop accepting, answer new "
+    drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM / SIGINT: stop accepting, answer new "
                                  "requests 503, finish queued work for up to this long, answer what is left 503 "
-                                 "(with Retry-After), exit 0. A supervisor's grace period must be longer "
-                                 "(Kubernetes: terminationGracePeriodSeconds > preStop sleep + this + 5)")
+                                 "(with Retry-After), exit 0. A supervisor's grace period must be longer by a few "
+                                 "seconds (Docker's default is 10 s; Kubernetes: terminationGracePeriodSeconds > "
+                                 "preStop sleep + this + 5)")
     api_key: SecretStr | None = Field(None, description="when set, requests need `Authorization: Bearer KEY` "
                                                         "(all but /health, /ready, /metrics and the docs)")
     model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")
