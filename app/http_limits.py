@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from dataclasses import dataclass
 
 import orjson
@@ -37,12 +38,13 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             super().connection_made(transport)
             self._in_head = True  # the bytes arriving belong to a request line or headers
             self._head_bytes = 0
-            self._discarding = False  # answered and closing: what still arrives is read and dropped
             self._started = False  # some byte of the current request arrived
-            self._timer = self.loop.call_later(self._limits.header_timeout_s, self._timed_out, "headers")
+            self._discarding = False  # answered and closing: what still arrives is read and dropped
+            self._deadline = (self.loop.time() + self._limits.header_timeout_s, "headers")
+            _watch(self)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_timer()
+            self._deadline = None
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
@@ -68,40 +70,36 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             super().on_message_begin()
             if not self._started:  # the next request on a kept-alive connection: its header time starts now
                 self._started = True
-                self._restart_timer(self._limits.header_timeout_s, "headers")
+                self._deadline = (self.loop.time() + self._limits.header_timeout_s, "headers")
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head_bytes = False, 0
-            self._restart_timer(self._limits.body_timeout_s, "body")
+            self._deadline = (self.loop.time() + self._limits.body_timeout_s, "body")
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
             self._in_head, self._started = True, False
-            self._cancel_timer()  # the next request's header time starts with its first byte
+            self._deadline = None  # the next request's header time starts with its first byte
             super().on_message_complete()
 
-        def _restart_timer(self, seconds: float, part: str) -> None:
-            self._cancel_timer()
-            self._timer = self.loop.call_later(seconds, self._timed_out, part)
-
-        def _cancel_timer(self) -> None:
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
-
-        def _timed_out(self, part: str) -> None:
-            self._timer = None
-            if self.transport.is_closing():
-                return
+        def check_deadline(self, now: float) -> bool:
+            """Answers 408 past the deadline; False once this connection needs no more watching."""
+            if self._deadline is None or self.transport.is_closing():
+                return not self.transport.is_closing()
+            at, part = self._deadline
+            if now < at:
+                return True
+            self._deadline = None
             if part == "headers" and not self._started and self._head_bytes == 0:
                 self.transport.close()  # nothing of a request arrived: nobody to answer
-                return
+                return False
             seconds = self._limits.header_timeout_s if part == "headers" else self._limits.body_timeout_s
             self._reject(408, "request_timeout", f"the request {part} did not arrive within {seconds:g} s")
+            return False
 
         def _reject(self, status: int, type_: str, message: str) -> None:
             """Answers in our error shape and closes the connection, unless the app already answers."""
-            self._cancel_timer()
+            self._deadline = None
             if self.cycle is not None and self.cycle.response_started:
                 self.transport.close()
                 return
@@ -123,6 +121,30 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                 self.transport.close()
 
     return LimitedHttpToolsProtocol
+
+
+# Deadlines are checked by one sweep per process every _SWEEP_S rather than a timer per request: arming
+# and cancelling timers twice per request cost more than the sweep over the open connections.
+_SWEEP_S = 0.25
+_watched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its connections
+
+
+def _watch(connection) -> None:
+    loop = connection.loop
+    connections = _watched.get(loop)
+    if not connections:
+        connections = _watched[loop] = set()
+        loop.call_later(_SWEEP_S, _sweep, loop)
+    connections.add(connection)
+
+
+def _sweep(loop: asyncio.AbstractEventLoop) -> None:
+    now, connections = loop.time(), _watched.get(loop, set())
+    for connection in list(connections):
+        if not connection.check_deadline(now):
+            connections.discard(connection)
+    if connections:
+        loop.call_later(_SWEEP_S, _sweep, loop)
 
 
 _LINGER_S = 2.0

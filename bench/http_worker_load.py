@@ -48,15 +48,14 @@ from bench.http_load import _fast_loop, make_texts, open_connections  # noqa: E4
 # The worker as `python -m app --workers N` runs each of its processes (uvicorn, the worker app). Trees from
 # before app/uvicorn_server.py (--app-roots may name one) ran the factory under uvicorn.run.
 _WORKER = """
-import sys, uvicorn
+import os, sys, uvicorn
 port = int(sys.argv[1])
-try:
-    from app.uvicorn_server import uvicorn_options
-except ImportError:
+if not os.path.exists('app/uvicorn_server.py'):
     from app.__main__ import _fast_protocols
     uvicorn.run('app.multiprocess.http_workers:create_worker_app', factory=True, host='127.0.0.1', port=port,
                 log_level='warning', access_log=False, timeout_graceful_shutdown=10, **_fast_protocols())
 else:
+    from app.uvicorn_server import uvicorn_options
     from app.multiprocess.http_workers import create_worker_app
     front = create_worker_app()
     uvicorn.run(front, host='127.0.0.1', port=port, **{**uvicorn_options(front.state.settings),
