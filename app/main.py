@@ -14,7 +14,7 @@ from app.build import load_tokenizer, start_in_process
 from app.errors import register_error_handlers
 from app.metrics import Metrics
 from app.middleware import ServingMiddleware
-from app.routes import ServiceRoute, embed, nsp, openai, system
+from app.routes import ServiceRoute, embed, nsp, openai, page, system
 from app.service import InferenceService
 from app.settings import Settings, configure_logging
 
@@ -83,13 +83,13 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
             await service.batcher.stop()
             metrics.process_exited()
 
-    app = ServingApp(title="bertserve", version="0.1.0", lifespan=lifespan,
+    app = ServingApp(title="bertserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                      description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
                                  "Errors are always {\"error\": {\"type\", \"message\"}}.")
     app.state.settings = settings
     app.state.metrics = metrics
     app.state.service = None
-    routers = (embed.router, nsp.router, openai.router, system.router)
+    routers = (embed.router, nsp.router, openai.router, system.router, page.router)  # page: /, /docs, /redoc
     for router in routers:
         app.include_router(router)
     register_error_handlers(app)
