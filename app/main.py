@@ -15,7 +15,7 @@ from app.build import load_tokenizer, start_in_process
 from app.errors import register_error_handlers
 from app.metrics import Metrics
 from app.front import ServingFront
-from app.routes import embed, nsp, openai, system
+from app.routes import embed, nsp, openai, page, system
 from app.service import InferenceService
 from app.settings import Settings, configure_logging
 
@@ -67,16 +67,16 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
             await service.batcher.stop()
             metrics.process_exited()
 
-    api = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan,
+    api = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
                               "Errors are always {\"error\": {\"type\", \"message\"}}.")
     api.state.settings = settings
     api.state.metrics = metrics
     api.state.service = None
-    areas = (embed, nsp, openai, system)
+    areas = (embed, nsp, openai, system, page)  # page: /, /docs, /redoc, /static (no CDN)
     for area in areas:
         api.include_router(area.router)
     register_error_handlers(api)
-    endpoints = frozenset(r.path for area in areas for r in area.router.routes) | {api.docs_url, api.openapi_url}
+    endpoints = frozenset(r.path for area in areas for r in area.router.routes) | {api.openapi_url}
     direct = {**embed.DIRECT_ROUTES, **nsp.DIRECT_ROUTES, **openai.DIRECT_ROUTES}
     return ServingFront(api, metrics=metrics, endpoints=endpoints, direct=direct, max_bytes=settings.max_request_bytes)

@@ -53,3 +53,6 @@ def test_install_script_builds_a_torch_free_server(tmp_path, tiny_artifact_dir):
         import httpx
         r = httpx.post(f"{base}/embed", json={"inputs": ["installed", ["a", "b"]]}, timeout=30)
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 128
+        # the page's files are package data, the docs' bundles come with the `serve` extra
+        for path in ("/", "/static/page.js", "/static/page.css", "/docs", "/static/swagger-ui-bundle.js"):
+            assert httpx.get(f"{base}{path}", timeout=30).status_code == 200, path

@@ -1,0 +1,54 @@
+"""GET / (a page for meeting the model), /docs and /redoc, all from files installed with the package: app/static/
+and the Swagger UI and ReDoc bundles of the `fastapi-offline` package, so nothing is loaded from a CDN."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.staticfiles import StaticFiles
+from starlette.responses import FileResponse, HTMLResponse
+
+STATIC = Path(__file__).resolve().parents[1] / "static"  # installed as package data (pyproject.toml)
+# The browser itself keeps these pages from loading anything from another host: ReDoc, for one, always adds
+# an <img> from cdn.redoc.ly. 'unsafe-inline': Swagger UI's page starts it with an inline script, ReDoc
+# injects its styles; blob: ReDoc's search runs in a worker made from a blob.
+_SAME_ORIGIN_ONLY = {"Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline'; "
+                     "style-src 'self' 'unsafe-inline'; img-src 'self' data:; worker-src 'self' blob:"}
+
+# No API key is needed to load these: the page asks for one and sends it with the API calls it makes.
+router = APIRouter(include_in_schema=False)
+# Our files first, then fastapi-offline's swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js, favicon.png.
+router.mount("/static", StaticFiles(directory=STATIC, packages=[("fastapi_offline", "static")]), name="static")
+
+
+@router.get("/")
+async def page() -> FileResponse:
+    return FileResponse(STATIC / "index.html", headers=_SAME_ORIGIN_ONLY)
+
+
+def _static(request: Request, name: str) -> str:
+    return f"{request.scope.get('root_path', '')}/static/{name}"
+
+
+def _same_origin_only(response: HTMLResponse) -> HTMLResponse:
+    response.headers.update(_SAME_ORIGIN_ONLY)
+    return response
+
+
+@router.get("/docs")
+async def swagger_ui(request: Request) -> HTMLResponse:
+    return _same_origin_only(get_swagger_ui_html(
+        openapi_url=request.scope.get("root_path", "") + request.app.openapi_url,
+        title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=_static(request, "swagger-ui-bundle.js"), swagger_css_url=_static(request, "swagger-ui.css"),
+        swagger_favicon_url=_static(request, "favicon.png"),
+        swagger_ui_parameters={"validatorUrl": None}))  # no badge fetched from swagger.io
+
+
+@router.get("/redoc")
+async def redoc(request: Request) -> HTMLResponse:
+    return _same_origin_only(get_redoc_html(
+        openapi_url=request.scope.get("root_path", "") + request.app.openapi_url,
+        title=f"{request.app.title} - ReDoc", redoc_js_url=_static(request, "redoc.standalone.js"),
+        redoc_favicon_url=_static(request, "favicon.png"), with_google_fonts=False))

@@ -1,0 +1,228 @@
+"""The page at / and the API docs: served from the package without a key and without any other host, and,
+in headless Chromium against `python -m app`, drawing what the API computes."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from pathlib import Path
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.headless_chromium import chrome
+from tests.test_app import run, serving
+from tests.test_server import running_server
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTEFACTS = ROOT / "test-artifacts"  # git-ignored: the screenshots
+KEY = "page-key"
+A = "The quick brown fox jumps over the lazy dog."
+B = "The lazy dog sleeps while the fox runs away."
+TEXTS = ["The quick brown fox.", "A lazy dog sleeps.", "Dynamic batching packs requests.", "Servers embed text."]
+# viridis' ends, where page.js draws the smallest and the largest value of a heatmap
+LOWEST, HIGHEST = (68, 1, 84), (253, 231, 37)
+
+
+def linked_urls(html: str) -> list[str]:
+    return re.findall(r"""(?:src|href)\s*=\s*["']([^"']+)""", html) + re.findall(r"""url:\s*'([^']+)'""", html)
+
+
+def test_page_and_docs_need_no_key_and_no_other_host(tiny_artifact_dir):
+    async def go():
+        async with serving(tiny_artifact_dir, api_key=KEY) as (c, _):
+            pages = {path: await c.get(path) for path in ("/", "/docs", "/redoc")}
+            linked = {url: (await c.get(url)).status_code for path, r in pages.items()
+                      for url in linked_urls(r.text) if not url.startswith("data:")}
+            return pages, linked, await c.get("/info"), (await c.get("/openapi.json")).json()
+    pages, linked, info, openapi = run(go())
+    assert {p: r.status_code for p, r in pages.items()} == {"/": 200, "/docs": 200, "/redoc": 200}
+    assert all(r.headers["content-type"].startswith("text/html") for r in pages.values())
+    assert all("default-src 'self'" in r.headers["content-security-policy"] for r in pages.values())
+    assert {"/static/page.js", "/static/page.css", "/static/swagger-ui-bundle.js", "/static/swagger-ui.css",
+            "/static/redoc.standalone.js", "/openapi.json"} <= {urljoin("/", u) for u in linked}
+    assert set(linked.values()) == {200}, linked
+    assert all(not urlsplit(u).netloc for u in linked), f"a page links another host: {linked}"
+    assert info.status_code == 401  # the API itself still needs the key
+    assert not {"/", "/docs", "/redoc"} & set(openapi["paths"])
+
+
+def _wait(browser, condition, what: str, seconds: float = 60):
+    from selenium.webdriver.support.ui import WebDriverWait
+    return WebDriverWait(browser, seconds, poll_frequency=0.1).until(lambda b: condition(), message=what)
+
+
+def _js(browser, script: str, *args):
+    return browser.execute_script(script, *args)
+
+
+def _fill(browser, element_id: str, text: str) -> None:
+    _js(browser, "document.getElementById(arguments[0]).value = arguments[1]", element_id, text)
+
+
+def _submit(browser, form_id: str) -> None:
+    _js(browser, "document.querySelector(`#${arguments[0]} button`).click()", form_id)
+
+
+def _drawn(browser, output_id: str, inputs: list[str]):
+    """Waits until the output shows `inputs`' answer (the page drew its defaults first)."""
+    def shown():
+        drawn = _js(browser, "return document.getElementById(arguments[0]).dataset.inputs", output_id)
+        return drawn is not None and json.loads(drawn) == inputs
+    _wait(browser, shown, f"#{output_id} drawn for {inputs}")
+
+
+def _shown(browser, selector: str) -> np.ndarray:
+    """The numbers of a figure's table (textContent: the table is folded away)."""
+    cells = _js(browser, "return [...document.querySelectorAll(arguments[0])].map(td => td.textContent)", selector)
+    return np.array(cells, dtype=float)
+
+
+def _vectors(b64: str, rows: int) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4").reshape(rows, -1).astype(np.float64)
+
+
+def _cosines(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    return (u / np.linalg.norm(u, axis=1, keepdims=True)) @ (v / np.linalg.norm(v, axis=1, keepdims=True)).T
+
+
+def _screenshot(browser, name: str) -> Path:
+    height = _js(browser, "return document.documentElement.scrollHeight + window.outerHeight - window.innerHeight")
+    browser.set_window_size(1280, height)
+    ARTEFACTS.mkdir(exist_ok=True)
+    path = ARTEFACTS / name
+    assert browser.save_screenshot(str(path))
+    print(f"screenshot: {path}")
+    return path
+
+
+def _check_token_heatmap(browser, api: httpx.Client) -> None:
+    _fill(browser, "sentence-a", A)
+    _fill(browser, "sentence-b", B)
+    _submit(browser, "tokens-form")
+    _drawn(browser, "tokens-output", [A, B])
+    data = api.post("/embed", json={"inputs": [A, B], "pooling": "none", "return_tokens": True,
+                                    "encoding_format": "base64"}).json()["data"]
+    tokens = [[t["token"] for t in item["tokens"]] for item in data]
+    expected = _cosines(*(_vectors(item["token_embeddings"], len(t)) for item, t in zip(data, tokens)))
+    n_a, n_b = expected.shape
+    canvas = _js(browser, "return {...document.querySelector('#tokens-output canvas').dataset}")
+    assert (int(canvas["rows"]), int(canvas["cols"])) == (n_a, n_b)
+    assert _js(browser, "return [...document.querySelectorAll('#tokens-output tbody th')].map(t => t.textContent)") \
+        == tokens[0]
+    shown = _shown(browser, "#tokens-output td")
+    assert shown.size == n_a * n_b  # one cell per (token of A, token of B)
+    np.testing.assert_allclose(shown.reshape(n_a, n_b), expected, atol=1e-3)
+
+    # The pixels: not blank, and the largest and smallest cosines drawn in the scale's two end colours.
+    pixels = _js(browser, """
+        const c = document.querySelector('#tokens-output canvas'), d = c.dataset;
+        const ctx = c.getContext('2d'), dpr = c.width / parseFloat(c.style.width);
+        const all = ctx.getImageData(0, 0, c.width, c.height).data, colours = new Set();
+        let painted = 0;
+        for (let k = 0; k < all.length; k += 4) {
+          if (all[k + 3]) painted++;
+          colours.add((all[k] << 16) | (all[k + 1] << 8) | all[k + 2]);
+        }
+        // above the number a wide cell has written at its centre, below its frame
+        const at = ([i, j]) => Array.from(ctx.getImageData(
+          Math.round((+d.x0 + (j + 0.5) * d.cell) * dpr), Math.round((+d.y0 + i * d.cell + Math.min(6, d.cell / 2)) * dpr),
+          1, 1).data.slice(0, 3));
+        return {painted: painted / (all.length / 4), colours: colours.size, low: at(arguments[0]), high: at(arguments[1])};
+        """, [int(x) for x in np.unravel_index(expected.argmin(), expected.shape)],
+        [int(x) for x in np.unravel_index(expected.argmax(), expected.shape)])
+    assert pixels["painted"] > 0.5 and pixels["colours"] > 50, pixels
+    np.testing.assert_allclose(pixels["low"], LOWEST, atol=2)
+    np.testing.assert_allclose(pixels["high"], HIGHEST, atol=2)
+
+
+def _check_pooling_matrices(browser, api: httpx.Client, poolings: list[str]) -> None:
+    _fill(browser, "texts-input", "\n".join(TEXTS))
+    _submit(browser, "texts-form")
+    _drawn(browser, "texts-output", TEXTS)
+    shown = _js(browser, "return [...document.querySelectorAll('#texts-output figure')].map(f => f.dataset.pooling)")
+    assert shown == [p for p in poolings if p != "none"]
+    for pooling in shown:
+        data = api.post("/embed", json={"inputs": TEXTS, "pooling": pooling}).json()["data"]
+        vectors = np.array([item["embedding"] for item in data], dtype=np.float64)
+        values = _shown(browser, f"#texts-output figure[data-pooling='{pooling}'] td").reshape(len(TEXTS), -1)
+        np.testing.assert_allclose(values, _cosines(vectors, vectors), atol=1e-3, err_msg=pooling)
+
+
+def _check_nsp(browser, api: httpx.Client) -> None:
+    _fill(browser, "nsp-a", A)
+    _fill(browser, "nsp-b", B)
+    _submit(browser, "nsp-form")
+    _drawn(browser, "nsp-output", [A, B])
+    expected = [item["is_next"] for item in api.post("/nsp", json={"pairs": [[A, B], [B, A]]}).json()["data"]]
+    rows = _js(browser, "return [...document.querySelectorAll('#nsp-output .nsp-row')]"
+                        ".map(r => [+r.dataset.isNext, r.querySelector('.score').textContent])")
+    np.testing.assert_allclose([p for p, _ in rows], expected, atol=1e-6)
+    np.testing.assert_allclose([float(text.split(" %")[0]) for _, text in rows], np.array(expected) * 100, atol=0.051)
+
+
+def _requested_urls(browser) -> list[str]:
+    """Every URL the browser's pages fetched since the last call (Chrome's performance log), less those
+    that the pages' Content-Security-Policy kept from leaving the browser."""
+    messages = [json.loads(entry["message"])["message"] for entry in browser.get_log("performance")]
+    blocked = {m["params"]["requestId"] for m in messages
+               if m["method"] == "Network.loadingFailed" and m["params"].get("blockedReason") == "csp"}
+    return [m["params"]["request"]["url"] for m in messages
+            if m["method"] == "Network.requestWillBeSent" and m["params"]["requestId"] not in blocked]
+
+
+def _errors(browser) -> list[dict]:
+    """The page's errors since the last call; failed requests (the 401s before the key is given) aside."""
+    return [e for e in browser.get_log("browser") if e["level"] == "SEVERE" and e["source"] != "network"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the first browser test may apt-get Chromium
+def test_the_page_draws_what_the_api_computes(tiny_artifact_dir):
+    with running_server(tiny_artifact_dir, api_key=KEY) as base, chrome() as browser, \
+            httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as api:
+        browser.get(base + "/")
+        # The server has a key: the page loads without it, then asks for it.
+        _wait(browser, lambda: "needs an API key" in browser.find_element("id", "status").text, "asked for the key")
+        browser.find_element("id", "api-key").send_keys(KEY)
+        _submit(browser, "key-form")
+        info = api.get("/info").json()
+        _wait(browser, lambda: browser.find_element("id", "model").text.startswith(info["model"] + ":"),
+              "the model described")
+
+        _check_token_heatmap(browser, api)
+        _check_pooling_matrices(browser, api, info["poolings"])
+        _check_nsp(browser, api)
+        assert not _errors(browser)
+        _screenshot(browser, "page.png")
+
+        browser.get(base + "/docs")  # Swagger UI draws every operation from /openapi.json
+        _wait(browser, lambda: "/embed" in _js(browser, "return [...document.querySelectorAll('.opblock-summary-path')]"
+                                                        ".map(e => e.textContent).join(' ')"), "Swagger UI drawn")
+        assert not _errors(browser)
+        _screenshot(browser, "docs.png")
+        browser.get(base + "/redoc")  # whose Redocly logo from cdn.redoc.ly the policy blocks
+        _wait(browser, lambda: "/embed" in browser.find_element("tag name", "body").text, "ReDoc drawn")
+        urls = _requested_urls(browser)
+        assert {base + "/", base + "/static/page.js", base + "/embed", base + "/nsp", base + "/docs",
+                base + "/static/swagger-ui-bundle.js", base + "/openapi.json"} <= set(urls)
+        elsewhere = [u for u in urls if urlsplit(u).scheme not in ("data", "blob") and not u.startswith(base + "/")]
+        assert not elsewhere, f"requests to another host: {elsewhere}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_says_when_the_model_has_no_nsp_head(tiny_artifact_dir, tmp_path):
+    folder = tmp_path / "no-nsp"
+    shutil.copytree(tiny_artifact_dir, folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "has_nsp_head": False}))
+    with running_server(folder) as base, chrome() as browser:
+        browser.get(base + "/")
+        _wait(browser, lambda: browser.find_element("id", "nsp-missing").is_displayed(), "the no-NSP note")
+        assert not browser.find_element("id", "nsp-form").is_displayed()
+        _wait(browser, lambda: _js(browser, "return document.getElementById('tokens-output').dataset.inputs"),
+              "the rest of the page works")
