@@ -250,15 +250,6 @@ class DynamicBatcher:
         self._wakeup.set()
         return group.future
 
-    def submit(self, sequences: Sequences, outputs: frozenset[str]) -> list[asyncio.Future]:
-        """Each sequence as its own group of one (all or none): one future per sequence."""
-        if self._queued_rows + len(sequences) > self.max_queued:
-            self.submit_group(sequences, outputs)  # raises Overloaded
-        starts = sequences.starts.tolist()
-        return [self.submit_group(Sequences(sequences.ids[a: a + n], sequences.type_ids[a: a + n],
-                                            sequences.lengths[i:i + 1]), outputs)
-                for i, (a, n) in enumerate(zip(starts, sequences.lengths.tolist()))]
-
     def _set_depth(self, rows: int, tokens: int) -> None:
         self._queued_rows, self._queued_tokens = rows, tokens
         if self._metrics:

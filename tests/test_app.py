@@ -649,13 +649,18 @@ def _zeros(lengths: list[int]) -> Sequences:
     return Sequences.concat([np.zeros(n, np.int64) for n in lengths], [np.zeros(n, np.int64) for n in lengths])
 
 
+def _submit_each(b: DynamicBatcher, lengths: list[int]) -> list[asyncio.Future]:
+    """One request of one sequence per length, in order."""
+    return [b.submit_group(_zeros([n]), frozenset()) for n in lengths]
+
+
 def test_batcher_packs_by_length_within_the_budget():
     async def go():
         b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=40, max_batch_size=4, max_wait_ms=0,
                            max_queued=100)
         b._closed = False
         lengths = [10, 3, 9, 4, 10, 2, 30]
-        futures = b.submit(_zeros(lengths), frozenset())
+        futures = _submit_each(b, lengths)
         futures[4].cancel()
         await asyncio.sleep(0)  # its done-callback marks the queue for a sweep
         b._drop_cancelled()
@@ -674,7 +679,7 @@ def test_batcher_stops_a_padded_batch_at_the_padding_limit():
         b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=1000, max_batch_size=8, max_wait_ms=0,
                            max_queued=100, max_padding=0.1)
         b._closed = False
-        b.submit(_zeros([100, 95, 60, 98, 20, 91]), frozenset())
+        _submit_each(b, [100, 95, 60, 98, 20, 91])
         return [sorted(e.length for e in b._take_batch()) for _ in range(3)], b.queued
     (first, second, third), left = run(go())
     assert first == [91, 95, 98, 100]  # 4% padding; adding 60 would make it 11%
@@ -689,11 +694,11 @@ def test_batcher_takes_a_packed_graphs_work_in_order_by_real_tokens(one_request)
         b = DynamicBatcher(lambda batch: {}, pad_id=0, max_batch_tokens=20, max_batch_size=4, max_wait_ms=0,
                            max_queued=100, packed=True)
         b._closed = False
-        sequences = _zeros([10, 3, 30, 2, 1, 1, 1, 1])
+        lengths = [10, 3, 30, 2, 1, 1, 1, 1]
         if one_request:
-            b.submit_group(sequences, frozenset())
+            b.submit_group(_zeros(lengths), frozenset())
         else:
-            b.submit(sequences, frozenset())
+            _submit_each(b, lengths)
         batches = [b._take_batch() for _ in range(3)]
         assert all(len(batch) == 1 for batch in batches) == one_request
         return [np.concatenate([e.lengths for e in batch]).tolist() for batch in batches], b.queued
