@@ -7,7 +7,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from artifact.manifest import POOLINGS
 
-Pair = Annotated[list[str], Field(min_length=2, max_length=2, description="[text_a, text_b]")]
+# minLength / minItems are stated in the OpenAPI schema only: the service refuses empty inputs itself, with
+# a message that names the input (app/service.py, app/tokenization.py).
+Text = Annotated[str, Field(json_schema_extra={"minLength": 1})]
+Pair = Annotated[list[Text], Field(min_length=2, max_length=2, description="[text_a, text_b]")]
+Inputs = Text | Annotated[list[Text | Pair], Field(json_schema_extra={"minItems": 1})]
 Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
 
@@ -24,7 +28,7 @@ def as_items(inputs: str | list) -> list:
 
 
 class EmbedRequest(_Strict):
-    inputs: str | list[str | Pair] = Field(
+    inputs: Inputs = Field(
         description="a text, or a list whose items are texts or sentence pairs [text_a, text_b] "
                     "(encoded [CLS] A [SEP] B [SEP] with segment ids 0 / 1)",
         examples=["The quick brown fox", ["first text", ["a question?", "its answer."]]])
@@ -44,19 +48,20 @@ class EmbedRequest(_Strict):
 
 
 class TokenizeRequest(_Strict):
-    inputs: str | list[str | Pair]
+    inputs: Inputs
     truncate: bool = True
 
 
 class NspRequest(_Strict):
-    pairs: list[Pair] = Field(description="[[text_a, text_b], ...]: does B follow A?")
+    pairs: list[Pair] = Field(description="[[text_a, text_b], ...]: does B follow A?",
+                              json_schema_extra={"minItems": 1})
     truncate: bool = True
 
 
 class OpenAIEmbeddingRequest(BaseModel):
     """OpenAI's /v1/embeddings body; unknown fields (e.g. `user`) are ignored as OpenAI does."""
     model_config = ConfigDict(extra="ignore", strict=True)
-    input: str | list[str] | list[int] | list[list[int]]
+    input: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] | list[int] | list[list[int]]
     model: str | None = Field(None, description="accepted and ignored: the server has one model")
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = Field(None, description="only the model's own width is accepted")

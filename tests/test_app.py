@@ -833,3 +833,16 @@ def test_cuda_fp16_serves_what_cpu_fp32_serves(tiny_model_dir, tmp_path):
         np.testing.assert_allclose(g["token_embeddings"], c["token_embeddings"], atol=0.05)
     for g, c in zip(gpu_nsp, cpu_nsp):
         assert abs(g["is_next"] - c["is_next"]) < 0.01
+
+
+def test_openapi_declares_the_api_key_the_minimums_and_the_metrics_text(artifact):
+    spec = create_app(Settings(model_dir=artifact)).api.openapi()
+    assert spec["components"]["securitySchemes"]["HTTPBearer"] == {
+        "type": "http", "scheme": "bearer", "description": spec["components"]["securitySchemes"]["HTTPBearer"]["description"]}
+    for path in ("/embed", "/nsp", "/tokenize", "/v1/embeddings"):
+        assert spec["paths"][path]["post"]["security"] == [{"HTTPBearer": []}], path
+    assert "security" not in spec["paths"]["/health"]["get"] and "security" not in spec["paths"]["/ready"]["get"]
+    text, texts = spec["components"]["schemas"]["EmbedRequest"]["properties"]["inputs"]["anyOf"]
+    assert text == {"type": "string", "minLength": 1} and texts["minItems"] == 1
+    assert spec["components"]["schemas"]["NspRequest"]["properties"]["pairs"]["minItems"] == 1
+    assert list(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]

@@ -287,7 +287,7 @@ def test_openai_client(server):
 
 
 @pytest.mark.parametrize("args,env,words", [
-    (["--model-dir", "/nonexistent"], {}, "model_dir"),
+    (["--model-dir", "/nonexistent/no-artifact-here"], {}, "model_dir"),
     (["--port", "0"], {}, "port"),
     ([], {"BERTSERVE_DEVICE": "tpu"}, "device"),
     ([], {"BERTSERVE_MAX_BATCH_TOKENS": "lots"}, "max_batch_tokens"),

@@ -8,9 +8,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
-from fastapi import Request
+from fastapi import Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -30,7 +31,11 @@ async def get_service(request: Request) -> InferenceService:
     return service
 
 
-async def require_api_key(request: Request) -> None:
+# Declares the scheme in the OpenAPI schema (so /docs has an Authorize button); the check is ours, below.
+_BEARER = HTTPBearer(auto_error=False, description="the server's API key (BERTSERVE_API_KEY), when it has one")
+
+
+async def require_api_key(request: Request, _declared: object = Security(_BEARER)) -> None:
     key = request.app.state.settings.api_key
     if key is None:
         return

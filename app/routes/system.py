@@ -5,7 +5,7 @@ import os
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 
 from app.errors import ShuttingDown
 from app.pooling import available_poolings
@@ -74,7 +74,8 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
     })
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
-    """Prometheus text format."""
+    """Prometheus text exposition format (not JSON), summed over every process of the server."""
     return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
