@@ -28,6 +28,9 @@ class Settings(BaseSettings):
     precision: Literal["auto", "fp32", "fp16", "int8"] = Field(
         "auto", description="auto: fp16 on CUDA, fp32 on CPU; int8 is CPU only")
     cuda_device_id: int = Field(0, ge=0, description="which GPU (CUDA's numbering) holds the session")
+    cuda_device_ids: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description="several GPUs, e.g. 0,1: one "
+                                        "engine process per GPU, the HTTP workers shared out among them (needs "
+                                        "workers > 1: at least one per GPU). Empty: cuda_device_id alone")
     custom_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: run the artifact's fp16 graph on our fused GEMM + bias + GELU operator "
         "(custom_kernels/; its speed-up: BENCHMARKS.md). auto: when the artifact has "
@@ -101,7 +104,7 @@ class Settings(BaseSettings):
         "info", description="critical, error, warning, info or debug")
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 
-    @field_validator("api_key", "model_name", "max_queue_ms", mode="before")
+    @field_validator("api_key", "model_name", "max_queue_ms", "cuda_device_ids", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
@@ -124,7 +127,17 @@ class Settings(BaseSettings):
             raise ValueError("precision fp16 needs device cuda (or auto): the fp16 graph is built for CUDA")
         if self.device == "cuda" and self.precision == "int8":
             raise ValueError("precision int8 runs on the CPU only: use device cpu (or auto)")
+        if len(self.engine_devices) > 1 and self.workers < len(self.engine_devices):
+            raise ValueError(f"cuda_device_ids names {len(self.engine_devices)} GPUs: workers must be at least that "
+                             f"many (HTTP workers are shared out among the GPUs' engine processes)")
+        if self.device == "cpu" and self.cuda_device_ids:
+            raise ValueError("cuda_device_ids needs device cuda (or auto)")
         return self
+
+    @property
+    def engine_devices(self) -> list[int]:
+        """The GPUs that get an engine process each (cuda_device_ids, else cuda_device_id)."""
+        return [int(i) for i in self.cuda_device_ids.split(",")] if self.cuda_device_ids else [self.cuda_device_id]
 
 
 def configure_logging(settings: Settings) -> None:

@@ -199,6 +199,32 @@ def test_several_workers_share_one_engine_process_and_sum_their_metrics(server, 
         np.testing.assert_allclose(r.json()["data"][0]["embedding"], one["embedding"], atol=1e-5)
 
 
+def test_one_engine_process_per_gpu_with_the_workers_shared_out(tiny_artifact_dir):
+    """cuda_device_ids: one engine process per device, worker i on engine i mod their number. Without a GPU
+    here, both engines run on the CPU (device auto): the plumbing is what is checked."""
+    with running_server(tiny_artifact_dir, workers=4, cuda_device_ids="0,1") as base:
+        seen = {}  # worker pid -> engine pids it answered with
+        deadline = time.monotonic() + 60
+        while len(seen) < 4 and time.monotonic() < deadline:
+            info = httpx.get(f"{base}/info", timeout=30).json()  # a new connection: the next worker in turn
+            seen.setdefault(info["pid"], set()).add(info["engine_pid"])
+        r = httpx.post(f"{base}/embed", json={"inputs": ["a", "b"]}, timeout=30)
+    assert len(seen) == 4, seen
+    assert all(len(engines) == 1 for engines in seen.values())  # a worker keeps its engine
+    engines = [e for es in seen.values() for e in es]
+    assert len(set(engines)) == 2 and sorted(engines.count(e) for e in set(engines)) == [2, 2]
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("settings,words", [({"workers": 1, "cuda_device_ids": "0,1"}, "workers must be at least"),
+                                            ({"workers": 2, "cuda_device_ids": "0;1"}, "cuda_device_ids")])
+def test_several_gpus_need_as_many_workers(tiny_artifact_dir, settings, words):
+    env = {**os.environ, **{f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()}}
+    r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and words in r.stderr, r.stderr
+
+
 def test_workers_get_connections_in_turn(tiny_artifact_dir):
     """Keep-alive connections opened in a burst are spread evenly over the workers (where a shared
     listening socket gave one worker most of them), so pooled clients load every worker alike."""

@@ -97,7 +97,7 @@ def test_kill_9_of_the_launcher_leaves_no_process_and_no_socket(tiny_artifact_di
         assert httpx.post(f"{base}/embed", json={"inputs": "x"}, timeout=30).status_code == 200
         children = _children(proc.pid)
         assert len(children) >= 3, children  # the engine, two HTTP workers (and multiprocessing's resource tracker)
-        assert list(env_tmp.glob("bertserve-run-*/engine.sock"))
+        assert list(env_tmp.glob("bertserve-run-*/engine0.sock"))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 15

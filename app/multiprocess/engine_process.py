@@ -20,14 +20,15 @@ from app.settings import Settings, configure_logging
 log = logging.getLogger("app.engine_process")
 
 
-def run(socket_path: str, launcher_pid: int) -> None:
-    """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers'."""
+def run(socket_path: str, launcher_pid: int, cuda_device_id: int) -> None:
+    """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers',
+    on GPU `cuda_device_id` (one engine process per GPU)."""
     # Ctrl-C reaches every process of the terminal's group: this one stops only when `python -m app`
     # says so (SIGTERM), after the HTTP workers have answered what they hold, or when the launcher dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until the event loop handles it
     end_with_parent(launcher_pid)
-    settings = Settings()
+    settings = Settings(cuda_device_id=cuda_device_id)
     configure_logging(settings)
     with contextlib.suppress(ImportError):
         import uvloop

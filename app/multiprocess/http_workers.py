@@ -34,7 +34,9 @@ from app.settings import ENV_PREFIX, Settings, configure_logging
 from app.uvicorn_server import SHUTDOWN_MARGIN_S, ServingServer, uvicorn_options
 
 log = logging.getLogger("app")
-ENGINE_SOCKET_VAR = ENV_PREFIX + "ENGINE_SOCKET"  # set by the launcher: the engine process's Unix socket
+# Set by the launcher: the engine processes' Unix sockets, comma-separated (one engine per GPU); worker i
+# uses engine i mod their number, and the launcher hands connections to the workers in turn.
+ENGINE_SOCKET_VAR = ENV_PREFIX + "ENGINE_SOCKET"
 
 _READY = b"ready"
 _CONNECTION = b"c"
@@ -98,7 +100,8 @@ class HttpWorkers:
     # -- the workers' lives -----------------------------------------------------------------------------
     def _start(self, index: int, selector: selectors.BaseSelector) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = self._context.Process(target=run_worker, args=(theirs, os.getpid()), name=f"bertserve-http-{index}")
+        process = self._context.Process(target=run_worker, args=(theirs, os.getpid(), index),
+                                        name=f"bertserve-http-{index}")
         process.start()
         theirs.close()
         ours.setblocking(False)
@@ -166,22 +169,23 @@ class _Worker:
 
 
 # -- inside a worker process ------------------------------------------------------------------------------
-def create_worker_app() -> ServingFront:
-    """The app of one HTTP worker process: settings from BERTSERVE_* variables (set by the launcher), its
-    batcher the engine process's."""
+def create_worker_app(index: int = 0) -> ServingFront:
+    """The app of HTTP worker `index`: settings from BERTSERVE_* variables (set by the launcher), its
+    batcher an engine process's."""
     # The processes are a worker's parallelism. The tokenizers' own thread pool only adds CPU per request
     # here (a hand-off to it and back, its threads spinning after each batch), and more of it once the
     # event loop tokenises a request itself (WORKER_INLINE_TOKENIZING).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     settings = Settings()
     configure_logging(settings)
-    return create_app(settings, connect_to_engine(os.environ[ENGINE_SOCKET_VAR]))
+    sockets = os.environ[ENGINE_SOCKET_VAR].split(",")
+    return create_app(settings, connect_to_engine(sockets[index % len(sockets)]))
 
 
-def run_worker(channel: socket.socket, launcher_pid: int) -> None:
+def run_worker(channel: socket.socket, launcher_pid: int, index: int) -> None:
     # A worker notices its launcher's end on its channel and drains; this covers the time before its loop runs.
     end_with_parent(launcher_pid)
-    front = create_worker_app()
+    front = create_worker_app(index)
     config = uvicorn.Config(front, **uvicorn_options(front.state.settings))
     # uvicorn raises SIGTERM / SIGINT again after its shutdown: the drain was the orderly end.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -189,7 +193,7 @@ def run_worker(channel: socket.socket, launcher_pid: int) -> None:
         with contextlib.suppress(KeyboardInterrupt):
             _HandedConnectionsServer(config, channel, on_stop=front.drain).run()
     finally:
-        remove_if_orphaned(launcher_pid, os.path.dirname(os.environ[ENGINE_SOCKET_VAR]))
+        remove_if_orphaned(launcher_pid, os.path.dirname(os.environ[ENGINE_SOCKET_VAR].split(",")[0]))
 
 
 def worker_stop_s(settings: Settings) -> float:

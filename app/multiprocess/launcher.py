@@ -1,6 +1,7 @@
-"""`python -m app --workers N` (N > 1): one engine process and N HTTP worker processes on one port.
+"""`python -m app --workers N` (N > 1): one engine process per GPU (one in all without `cuda_device_ids`)
+and N HTTP worker processes on one port.
 
-The engine process (engine_process.py) owns the ONNX Runtime session and the batcher; this process
+An engine process (engine_process.py) owns an ONNX Runtime session and its batcher; this process
 binds the port and hands each connection to the next HTTP worker (http_workers.py), which tokenise,
 encode answers and reach the engine over a Unix socket. Python's per-request work is what limits one
 process; the GPU wants large batches on one CUDA context. Metrics of every process are summed (prometheus_client's multiprocess mode)."""
@@ -32,35 +33,35 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
     # Workers and engine build their settings from the environment, so the flags travel as variables.
     os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
     with run_folder() as folder:
-        socket_path = str(folder / "engine.sock")
-        os.environ[ENGINE_SOCKET_VAR] = socket_path
-        engine = multiprocessing.get_context("spawn").Process(target=run_engine, args=(socket_path, os.getpid()),
-                                                              name="bertserve-engine")
-        engine.start()
-        if not _wait_for_socket(engine, socket_path):
-            if engine.is_alive():  # not ready in time: do not leave it running
-                engine.kill()
-                engine.join()
-                log.error("the engine process was not ready after %d s", _ENGINE_START_S)
-            else:
-                log.error("the engine process exited (code %s) before it was ready; see its error above",
-                          engine.exitcode)
-            return 1
+        engines = [_start_engine(str(folder / f"engine{i}.sock"), device) for i, device in enumerate(settings.engine_devices)]
+        os.environ[ENGINE_SOCKET_VAR] = ",".join(socket_path for _, socket_path in engines)
         stopping = threading.Event()
-        threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stopping.set())
         try:
+            if not all(_wait_for_socket(engine, socket_path) for engine, socket_path in engines):
+                return 1
+            for engine, _ in engines:
+                threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: stopping.set())
             with _listen(settings.host, settings.port) as listener:
                 HttpWorkers(settings.workers, worker_stop_s(settings)).serve(listener, stopping)
         finally:
             stopping.set()
-            if engine.is_alive():
-                engine.terminate()  # SIGTERM: it finishes running batches and exits
+            for engine, _ in engines:
+                if engine.is_alive():
+                    engine.terminate()  # SIGTERM: it finishes running batches and exits
+            for engine, _ in engines:
                 engine.join(30)
-            if engine.is_alive():
-                engine.kill()
-    return 0 if engine.exitcode == 0 else 1
+                if engine.is_alive():
+                    engine.kill()
+    return 0 if all(engine.exitcode == 0 for engine, _ in engines) else 1
+
+
+def _start_engine(socket_path: str, cuda_device_id: int) -> tuple[multiprocessing.Process, str]:
+    engine = multiprocessing.get_context("spawn").Process(target=run_engine, name=f"bertserve-engine-{cuda_device_id}",
+                                                          args=(socket_path, os.getpid(), cuda_device_id))
+    engine.start()
+    return engine, socket_path
 
 
 @contextlib.contextmanager
@@ -88,11 +89,17 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _wait_for_socket(engine: multiprocessing.Process, socket_path: str) -> bool:
+    """Whether the engine came up (its socket appeared); else says why (the caller stops every engine)."""
     deadline = time.monotonic() + _ENGINE_START_S
     while engine.is_alive() and time.monotonic() < deadline:
         if os.path.exists(socket_path):
             return True
         time.sleep(0.05)
+    if engine.is_alive():
+        log.error("the engine process %s was not ready after %d s", engine.name, _ENGINE_START_S)
+    else:
+        log.error("the engine process %s exited (code %s) before it was ready; see its error above", engine.name,
+                  engine.exitcode)
     return False
 
 
