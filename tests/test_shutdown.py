@@ -20,8 +20,9 @@ from tests.test_server import start_server
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_under_load_drains_answers_503_past_the_deadline_and_exits_0(tiny_artifact_dir, workers):
     drain_s = 1.0
+    # No admission limits: the queue must hold more work than the drain deadline allows.
     proc, base = start_server(tiny_artifact_dir, workers=workers, drain_seconds=drain_s, max_queued_sequences=100_000,
-                              max_concurrent_requests=100_000)
+                              max_concurrent_requests=100_000, max_queue_ms="")
     texts = [f"text {i} of a request that keeps the engine busy " + "with many more words " * 20 for i in range(64)]
     answers, failures, stop = [], [], threading.Event()
 
