@@ -38,8 +38,10 @@ $(ARTIFACT_DIR)/manifest.json: $(MODEL_DIR)/model.safetensors artifact/manifest.
 serve: | install
 	$(BIN)/python -m app --model-dir $(ARTIFACT_DIR) --host $(HOST) --port $(PORT)
 
+# Tests run in parallel, one process per core (pytest-xdist), each test module's tests together in one
+# (their module-scoped servers and artifacts are made once). One file: .venv/bin/python -m pytest -q FILE
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadscope
 
 clean:
 	rm -rf $(VENV) .cache runs

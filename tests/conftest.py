@@ -1,6 +1,10 @@
 """Shared fixtures: a tiny real tokenizer + random-weight tiny BERT model folder, made once per session."""
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,3 +64,12 @@ def tiny_artifact_dir(tmp_path_factory, tiny_model_dir):
     out = tmp_path_factory.mktemp("artifacts") / "tiny"
     export_artifact(tiny_model_dir, out, device="cpu", int8=True)
     return out
+
+
+@pytest.fixture
+def short_tmp_dir():
+    """A fresh folder with a short path (under /tmp), for a TMPDIR whose Unix sockets must fit AF_UNIX's
+    108 bytes; pytest's tmp_path can be longer (under xdist, much longer)."""
+    folder = Path(tempfile.mkdtemp(prefix="bs-", dir="/tmp"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)

@@ -279,12 +279,21 @@ def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_d
     assert rc == 0 and "Traceback" not in log and "lost the engine" not in log, f"exit {rc}:\n{log}"
 
 
-def test_workers_run_folder_is_temporary(tiny_artifact_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
+def test_workers_run_folder_is_temporary(tiny_artifact_dir, short_tmp_dir, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(short_tmp_dir))
     with running_server(tiny_artifact_dir, workers=2) as base:
         assert httpx.post(f"{base}/embed", json={"inputs": "x"}, timeout=30).status_code == 200
-        assert len(list(tmp_path.glob("bertserve-run-*/metrics/*.db"))) > 0
-    assert list(tmp_path.glob("bertserve-run-*")) == []
+        assert len(list(short_tmp_dir.glob("bertserve-run-*/metrics/*.db"))) > 0
+    assert list(short_tmp_dir.glob("bertserve-run-*")) == []
+
+
+def test_a_long_tmpdir_still_serves_with_workers(tiny_artifact_dir, short_tmp_dir, monkeypatch):
+    """A Unix socket's path has room for 107 bytes: under a longer TMPDIR the run folder goes to /tmp."""
+    deep = short_tmp_dir / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(deep))
+    with running_server(tiny_artifact_dir, workers=2) as base:
+        assert httpx.post(f"{base}/embed", json={"inputs": "x"}, timeout=30).status_code == 200
 
 
 def test_a_dead_engine_process_stops_the_server(tiny_artifact_dir):

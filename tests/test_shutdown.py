@@ -88,9 +88,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
-def test_kill_9_of_the_launcher_leaves_no_process_and_no_socket(tiny_artifact_dir, tmp_path, monkeypatch):
-    env_tmp = tmp_path / "tmp"
-    env_tmp.mkdir()
+def test_kill_9_of_the_launcher_leaves_no_process_and_no_socket(tiny_artifact_dir, short_tmp_dir, monkeypatch):
+    env_tmp = short_tmp_dir
     monkeypatch.setenv("TMPDIR", str(env_tmp))
     proc, base = start_server(tiny_artifact_dir, workers=2)
     left = []

@@ -25,6 +25,7 @@ from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker
 from app.settings import ENV_PREFIX, Settings
 
 log = logging.getLogger("app")
+_MAX_FOLDER_CHARS = 80  # leaves room for "/engine99.sock" within AF_UNIX's 108-byte limit
 _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass can take minutes
 
 
@@ -71,6 +72,9 @@ def run_folder():
     must not count."""
     # mkdtemp makes it 0700: only this user's processes reach the socket (the engine answers whoever connects).
     folder = Path(tempfile.mkdtemp(prefix="bertserve-run-"))
+    if len(str(folder)) > _MAX_FOLDER_CHARS:  # a long TMPDIR: a socket path has room for 107 bytes in all
+        folder.rmdir()
+        folder = Path(tempfile.mkdtemp(prefix="bertserve-run-", dir="/tmp"))
     given = os.environ.get(MULTIPROC_DIR_VAR)
     metrics = Path(given) if given else folder / "metrics"
     metrics.mkdir(parents=True, exist_ok=True)
