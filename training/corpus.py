@@ -23,6 +23,9 @@ CORPUS_SUFFIXES = (".txt", ".jsonl")
 MAX_SENTENCE_CHARS = 1000
 # A line is read in pieces of this many bytes so a file with no newline never sits in memory whole.
 _READ_BYTES = 1 << 20
+# A document longer than this many sentences (a book, a 200 MB line) is handed on in parts of this size,
+# so memory follows the part, not the document; next-sentence pairs are lost only across each cut.
+MAX_DOCUMENT_SENTENCES = 10_000
 
 Document = list[str]
 
@@ -162,6 +165,9 @@ def _txt_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
         sentences = split_sentences(carry + piece)
         carry = "" if line_ends or not sentences else sentences.pop()
         doc.extend(sentences)
+        while len(doc) >= MAX_DOCUMENT_SENTENCES:
+            yield doc[:MAX_DOCUMENT_SENTENCES]
+            doc = doc[MAX_DOCUMENT_SENTENCES:]
     if carry:
         doc.append(carry)
     if doc:
@@ -193,8 +199,8 @@ def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
             bad_json += 1
             continue
         doc = _text_document(text)
-        if doc:
-            yield doc
+        for start in range(0, len(doc), MAX_DOCUMENT_SENTENCES):
+            yield doc[start:start + MAX_DOCUMENT_SENTENCES]
     if bad_json:
         stats.bad_jsonl_lines += bad_json
         log.warning("%s: skipped %d lines that are not JSON objects with a string `text` field", path, bad_json)

@@ -10,7 +10,6 @@ Documents stream through: memory stays bounded by one tokenisation batch, whatev
 """
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -75,16 +74,37 @@ class _Writer:
         return meta
 
 
-def _batched(documents: Iterable[Document], max_sentences: int):
-    batch, size = [], 0
+def _encoded_documents(documents: Iterable[Document], tokenizer: Tokenizer, max_sentences: int):
+    """(token counts of its sentences, all its ids) per document, sentences with no tokens left out and
+    documents with none skipped. Sentences are encoded `max_sentences` at a time, across small documents
+    and within a large one, and kept as compact arrays: memory follows the batch, not the document (a
+    200 MB one-line document is 200k sentences, whose Encoding objects alone took 40 times its size)."""
+    chunk: list[str] = []
+    ends: list[bool] = []  # whether chunk[i] is its document's last sentence
+    lengths: list[int] = []  # the current document's
+    parts: list[np.ndarray] = []
+
+    def encode():
+        nonlocal lengths, parts
+        for encoding, last in zip(tokenizer.encode_batch(chunk, add_special_tokens=False), ends):
+            if encoding.ids:
+                lengths.append(len(encoding.ids))
+                parts.append(np.array(encoding.ids, dtype=np.int32))
+            if last:
+                if lengths:
+                    yield lengths, np.concatenate(parts)
+                lengths, parts = [], []
+        chunk.clear()
+        ends.clear()
+
     for doc in documents:
-        batch.append(doc)
-        size += len(doc)
-        if size >= max_sentences:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+        for i, sentence in enumerate(doc):
+            chunk.append(sentence)
+            ends.append(i == len(doc) - 1)
+            if len(chunk) >= max_sentences:
+                yield from encode()
+    if chunk:
+        yield from encode()
 
 
 def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: Path, *,
@@ -97,18 +117,9 @@ def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: P
     tokenizer.encode_special_tokens = True
     try:
         with tqdm(desc="tokenising", unit="doc", disable=not show_progress, mininterval=1.0) as bar:
-            for batch in _batched(documents, _BATCH_SENTENCES):
-                flat = [s for doc in batch for s in doc]
-                encoded = tokenizer.encode_batch(flat, add_special_tokens=False)
-                at = 0
-                for doc in batch:
-                    ids = [e.ids for e in encoded[at: at + len(doc)]]
-                    at += len(doc)
-                    lengths = [len(x) for x in ids if x]
-                    if lengths:
-                        writer.add(lengths, np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int64,
-                                                        count=sum(lengths)))
-                bar.update(len(batch))
+            for lengths, ids in _encoded_documents(documents, tokenizer, _BATCH_SENTENCES):
+                writer.add(lengths, ids)
+                bar.update(1)
     finally:
         tokenizer.encode_special_tokens = False
     return writer.close()
