@@ -29,6 +29,7 @@ from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save
 from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
+from training.report import write_plots_quietly
 from training.writes import write_failed
 
 
@@ -342,8 +343,8 @@ class RunLog:
     plain lines elsewhere), from the main process."""
 
     def __init__(self, run_dir: Path, dist: DistInfo, total_steps: int, step: int, show_progress: bool):
-        self.is_main, self.total_steps = dist.is_main, total_steps
-        self.metrics = MetricsLog(Path(run_dir) / "metrics.jsonl" if dist.is_main else None, step)
+        self.is_main, self.total_steps, self.run_dir = dist.is_main, total_steps, Path(run_dir)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl" if dist.is_main else None, step)
         # disable=None: a bar on a terminal only; elsewhere (a log file) plain lines at each log step.
         self.progress = tqdm(total=total_steps, initial=step, disable=None if show_progress and dist.is_main else True,
                              unit="step", dynamic_ncols=True, desc="pretrain")
@@ -377,6 +378,7 @@ class RunLog:
                 f"step {step}: held-out MLM loss {result['mlm_loss']:.3f} acc {result['mlm_accuracy']:.3f} "
                 f"(most-frequent-token {result['mlm_baseline_accuracy']:.3f}), NSP loss {result['nsp_loss']:.3f} "
                 f"acc {result['nsp_accuracy']:.3f} (majority {result['nsp_baseline_accuracy']:.3f})")
+            write_plots_quietly(self.run_dir)  # training.png beside metrics.jsonl (training/report.py)
         return record
 
     def end(self, state: TrainState, wall_time_s: float) -> None:
