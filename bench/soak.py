@@ -1,0 +1,99 @@
+"""Soak: `python -m app` under a steady mix of requests (texts, pairs, tokens, NSP, OpenAI, bad bodies) for
+a while; the server's memory (RSS of every process of it) sampled along the way must stay flat, and every
+answer be the expected status.
+
+  python bench/soak.py --artifact ARTIFACT --minutes 2 [--workers 2] [--clients 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.test_server import start_server  # noqa: E402
+
+REQUESTS = [  # (path, body, expected status)
+    ("/embed", {"inputs": ["a short text", "and another, somewhat longer one"]}, 200),
+    ("/embed", {"inputs": [["a question?", "its answer."]], "return_tokens": True}, 200),
+    ("/embed", {"inputs": "base64 please", "encoding_format": "base64", "pooling": "mean"}, 200),
+    ("/nsp", {"pairs": [["It rained.", "The streets were wet."]]}, 200),
+    ("/tokenize", {"inputs": "tokens of this"}, 200),
+    ("/v1/embeddings", {"input": ["openai style"], "model": "x"}, 200),
+    ("/embed", {"inputs": ""}, 422),
+    ("/embed", {"text": "wrong field"}, 422),
+]
+
+
+def rss_mb(pid: int) -> float:
+    """RSS of `pid` and every descendant, in MB."""
+    total, frontier, seen = 0, [pid], set()
+    while frontier:
+        p = frontier.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+            for task in Path(f"/proc/{p}/task").iterdir():
+                frontier.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, StopIteration, ProcessLookupError):
+            continue
+    return total / 1024
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--artifact", type=Path, required=True)
+    p.add_argument("--minutes", type=float, default=2.0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--clients", type=int, default=8)
+    args = p.parse_args()
+    proc, base = start_server(args.artifact, workers=args.workers)
+    nsp_status = 200 if httpx.get(f"{base}/info", timeout=30).json()["has_nsp_head"] else 400  # 400: no NSP head
+    requests = [(path, body, nsp_status if path == "/nsp" else status) for path, body, status in REQUESTS]
+    stop, counts, wrong = threading.Event(), {"requests": 0}, []
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=base, timeout=60) as c:
+            k = i
+            while not stop.is_set():
+                path, body, expected = requests[k % len(requests)]
+                r = c.post(path, json=body)
+                counts["requests"] += 1
+                if r.status_code != expected:
+                    wrong.append((path, r.status_code, r.text[:200]))
+                k += 1
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        samples, started = [], time.monotonic()
+        while time.monotonic() - started < args.minutes * 60:
+            time.sleep(5)
+            samples.append((round(time.monotonic() - started), round(rss_mb(proc.pid), 1)))
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    warm = samples[len(samples) // 5]  # after the first fifth: allocator pools and caches have grown
+    print(json.dumps({"minutes": args.minutes, "workers": args.workers, "clients": args.clients,
+                      "requests": counts["requests"], "unexpected_statuses": len(wrong), "first_unexpected": wrong[:3],
+                      "rss_mb_after_warmup": warm[1], "rss_mb_end": samples[-1][1],
+                      "rss_mb_samples": samples, "exit_code": proc.returncode}))
+
+
+if __name__ == "__main__":
+    main()
