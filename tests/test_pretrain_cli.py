@@ -131,7 +131,7 @@ def test_help_lists_every_knob():
                  "--eval-every", "--eval-batches", "--checkpoint-every", "--keep-checkpoints", "--vocab-size",
                  "--vocab-file", "--no-lowercase", "--whole-word-masking", "--max-predictions", "--compile",
                  "--device", "--precision", "--phase2-seq-len", "--phase2-steps", "--cache-dir", "--run-dir",
-                 "--init-from"):
+                 "--init-from", "--ddp-bf16-grads", "--ddp-bucket-mb", "--no-ddp-bucket-view", "--ddp-static-graph"):
         assert flag in done.stdout, flag
 
 

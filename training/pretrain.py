@@ -21,6 +21,7 @@ from training.checkpoint import (CheckpointError, check_compatible, list_checkpo
                                  remove_stale_temporaries)
 from training.corpus import CorpusError
 from training.data import DataConfig, prepare_data
+from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
 from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
                                    sentence_transformers_files)
@@ -158,6 +159,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-workers", type=int, default=t.data_workers,
                    help="processes per training process that build the next batches while it trains; "
                         "0: build each batch in the training process, between steps (default: 4 on a GPU, 2 on a CPU)")
+
+    g = p.add_argument_group("distributed (under torchrun; bench/ddp_scaling.py measures each)")
+    g.add_argument("--ddp-bf16-grads", action="store_true",
+                   help="all-reduce gradients in bf16: half the bytes between devices, but the averaged gradient is "
+                        "rounded to bf16, so results differ slightly from the default fp32 all-reduce")
+    g.add_argument("--ddp-bucket-mb", type=float, default=None, metavar="MB",
+                   help="MB of gradients per all-reduce: larger buckets mean fewer all-reduces (and, with --compile, "
+                        "fewer graph pieces) but less overlap with the backward pass (default: torch's, 25)")
+    g.add_argument("--no-ddp-bucket-view", dest="ddp_bucket_view", action="store_false",
+                   help="copy gradients back out of DDP's all-reduce buckets instead of keeping them as views into "
+                        "the buckets, which gives the same numbers with one copy and one gradient-sized buffer less")
+    g.add_argument("--ddp-static-graph", action="store_true",
+                   help="let DDP assume every step uses every parameter in the same order (true of this model); "
+                        "not with --grad-accum above 1")
     return p
 
 
@@ -264,6 +279,8 @@ def train_config(args: argparse.Namespace, default_lr: float) -> TrainConfig:
         eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile, unpad=args.unpad,
         data_workers=args.data_workers,
+        ddp=DDPOptions(bf16_grads=args.ddp_bf16_grads, bucket_mb=args.ddp_bucket_mb, bucket_view=args.ddp_bucket_view,
+                       static_graph=args.ddp_static_graph),
     )
 
 

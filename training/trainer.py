@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from training.batch_stream import BatchSource, BatchStream
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from training.ddp import DDPOptions, wrap_ddp
 from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
@@ -54,6 +55,7 @@ class TrainConfig:
     # Processes that build the next training batches during the step (0: in the step). None: 4 on a GPU,
     # where a base step takes ~36 ms and one batch of 256 ~60-100 ms of CPU; 2 on a CPU.
     data_workers: int | None = None
+    ddp: DDPOptions = field(default_factory=DDPOptions)  # how gradients are averaged under torchrun
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "grad_accum", "log_every", "eval_batches"):
@@ -70,6 +72,9 @@ class TrainConfig:
             raise ValueError(f"--warmup-fraction must lie in [0, 1], got {self.warmup_fraction}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"--precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.ddp.static_graph and self.grad_accum > 1:
+            raise ValueError("--ddp-static-graph does not go with --grad-accum above 1: DDP's static graph fails "
+                             "under no_sync (pytorch/pytorch#143580)")
 
 
 @dataclass
@@ -415,7 +420,7 @@ def train(
     else:
         state = TrainState()
         _seed_everything(cfg.seed + dist.rank)  # same weights on every rank come from the seed; dropout differs
-    learner = _learner(model, optimizer, schedule, cfg, dist)
+    learner = build_learner(model, optimizer, schedule, cfg, dist)
     log = RunLog(run_dir, dist, total_steps, state.step, show_progress)
     log.start(step=state.step, total_steps=total_steps, world_size=dist.world_size, device=str(dist.device),
               resumed_from=str(resume_from) if resume_from else None,
@@ -432,7 +437,7 @@ def train(
         with _batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
             window = LogWindow(dist.device)
             while state.step < phase_end:
-                lr, grad_norm = _optimizer_step(learner, stream, window, cfg, dist)
+                lr, grad_norm = optimizer_step(learner, stream, window, cfg, dist)
                 state.step += 1
                 state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch  # after the batches taken
                 log.progress.update(1)
@@ -468,14 +473,11 @@ def _restore(checkpoint: dict[str, Any], path: Path, model: BertForPreTraining, 
     return TrainState.from_checkpoint(checkpoint)
 
 
-def _learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, schedule: WarmupLinearDecay,
-             cfg: TrainConfig, dist: DistInfo) -> Learner:
+def build_learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, schedule: WarmupLinearDecay,
+                  cfg: TrainConfig, dist: DistInfo) -> Learner:
     """Wrapped for DDP when distributed (after a restore: DDP starts every rank from rank 0's weights) and
-    compiled when asked."""
-    ddp_model: nn.Module = model
-    if dist.distributed:
-        ddp_model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
+    compiled when asked. Public, with optimizer_step, so that bench/ddp_scaling.py times the trainer's step."""
+    ddp_model: nn.Module = wrap_ddp(model, dist.device, cfg.ddp) if dist.distributed else model
     step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
     params = [p for p in model.parameters() if p.requires_grad]
     return Learner(model, ddp_model, step_model, optimizer, schedule, params)
@@ -491,8 +493,8 @@ def _batch_stream(phase: Phase, state: TrainState, cfg: TrainConfig, dist: DistI
                        state.batch_in_epoch, prepare=prepare, workers=workers)
 
 
-def _optimizer_step(learner: Learner, stream: BatchStream, window: LogWindow, cfg: TrainConfig,
-                    dist: DistInfo) -> tuple[float, torch.Tensor]:
+def optimizer_step(learner: Learner, stream: BatchStream, window: LogWindow, cfg: TrainConfig,
+                   dist: DistInfo) -> tuple[float, torch.Tensor]:
     """`cfg.grad_accum` micro-batches (DDP averages gradients over processes on the last one only), clipping
     and one optimiser step -> (the step's learning rate, the gradient norm before clipping, on the device)."""
     for micro in range(cfg.grad_accum):
