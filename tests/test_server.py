@@ -261,7 +261,9 @@ def test_a_dead_http_worker_is_replaced(tiny_artifact_dir):
 def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_dir):
     """Ctrl-C reaches the launcher, the workers and the engine process at once: the engine keeps going
     until the workers have answered what they hold, and all exit cleanly."""
-    proc, base = start_server(tiny_artifact_dir, new_session=True, workers=2)
+    # A drain deadline longer than the request can take on a busy machine: the default 5 s would answer
+    # it 503 there, which tests/test_shutdown.py covers.
+    proc, base = start_server(tiny_artifact_dir, new_session=True, workers=2, drain_seconds=60)
     texts = [f"request in flight {i} " + "with many more words " * 20 for i in range(512)]
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -270,7 +272,7 @@ def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_d
             assert not answer.done()
             os.killpg(proc.pid, signal.SIGINT)
             r = answer.result()
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
