@@ -67,8 +67,11 @@ def test_a_10mb_line_is_read_in_bounded_sentences(tmp_path, line):
     first = [s for d in docs[:-1] for s in d]
     assert first[0] == "Before." and first[-1] == "After."
     assert max(len(s) for s in first) <= MAX_SENTENCE_CHARS
-    # Nothing lost but whitespace, even where a sentence straddles two read pieces.
+    # Nothing lost but whitespace, even where a sentence straddles two read pieces, and no two words
+    # glued together where a piece ended in a space.
     assert sum(len(s.replace(" ", "")) for s in first[1:-1]) == len(line.replace(" ", ""))
+    if " " in line:
+        assert " ".join(first[1:-1]).split() == line.split()
 
 
 def test_resolve_files_folders_and_globs(tmp_path):

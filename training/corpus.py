@@ -162,8 +162,11 @@ def _txt_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
                 yield doc
             doc = []
             continue
-        sentences = split_sentences(carry + piece)
-        carry = "" if line_ends or not sentences else sentences.pop()
+        text = carry + piece
+        sentences = split_sentences(text)
+        carry = ""
+        if not line_ends and sentences:  # the last sentence may go on in the next piece; the space that
+            carry = sentences.pop() + text[len(text.rstrip()):]  # ends the piece keeps two words apart
         doc.extend(sentences)
         while len(doc) >= MAX_DOCUMENT_SENTENCES:
             yield doc[:MAX_DOCUMENT_SENTENCES]
