@@ -14,7 +14,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
-import orjson
+from app.errors import error_response
 
 log = logging.getLogger("app")
 
@@ -84,8 +84,10 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
 
         def check_deadline(self, now: float) -> bool:
             """Answers 408 past the deadline; False once this connection needs no more watching."""
-            if self._deadline is None or self.transport.is_closing():
-                return not self.transport.is_closing()
+            if self.transport.is_closing():
+                return False
+            if self._deadline is None:  # between requests: uvicorn's keep-alive timeout applies
+                return True
             at, part = self._deadline
             if now < at:
                 return True
@@ -104,7 +106,7 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                 self.transport.close()
                 return
             log.warning("closed a connection from %s: %s", _address(self.client), message)
-            body = orjson.dumps({"error": {"type": type_, "message": message}})
+            body = error_response(status, type_, message).body  # the app's error shape, rendered as it renders it
             head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("latin-1")
             if self.cycle is not None:  # the app's reads now see a disconnect; its writes go nowhere
