@@ -30,17 +30,17 @@ _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass c
 
 
 def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
-
-    # Workers and engine build their settings from the environment, so the flags travel as variables.
+    # Workers and engines build their settings from the environment, so the flags travel as variables.
     os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
     with run_folder() as folder:
-        engines = [_start_engine(str(folder / f"engine{i}.sock"), device) for i, device in enumerate(settings.engine_devices)]
-        os.environ[ENGINE_SOCKET_VAR] = ",".join(socket_path for _, socket_path in engines)
+        sockets = [str(folder / f"engine{i}.sock") for i in range(len(settings.engine_devices))]
+        engines = [_start_engine(path, device) for path, device in zip(sockets, settings.engine_devices)]
+        os.environ[ENGINE_SOCKET_VAR] = ",".join(sockets)
         stopping = threading.Event()
         try:
-            if not all(_wait_for_socket(engine, socket_path) for engine, socket_path in engines):
+            if not all(_wait_for_socket(engine, path) for engine, path in zip(engines, sockets)):
                 return 1
-            for engine, _ in engines:
+            for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: stopping.set())
@@ -48,21 +48,21 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
                 HttpWorkers(settings.workers, worker_stop_s(settings)).serve(listener, stopping)
         finally:
             stopping.set()
-            for engine, _ in engines:
+            for engine in engines:
                 if engine.is_alive():
                     engine.terminate()  # SIGTERM: it finishes running batches and exits
-            for engine, _ in engines:
+            for engine in engines:
                 engine.join(30)
                 if engine.is_alive():
                     engine.kill()
-    return 0 if all(engine.exitcode == 0 for engine, _ in engines) else 1
+    return 0 if all(engine.exitcode == 0 for engine in engines) else 1
 
 
-def _start_engine(socket_path: str, cuda_device_id: int) -> tuple[multiprocessing.Process, str]:
+def _start_engine(socket_path: str, cuda_device_id: int) -> multiprocessing.Process:
     engine = multiprocessing.get_context("spawn").Process(target=run_engine, name=f"bertserve-engine-{cuda_device_id}",
                                                           args=(socket_path, os.getpid(), cuda_device_id))
     engine.start()
-    return engine, socket_path
+    return engine
 
 
 @contextlib.contextmanager
