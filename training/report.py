@@ -60,9 +60,6 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> Path:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-        import matplotlib.pyplot as plt
-
-        plt.close(figure)
     return out
 
 
@@ -75,12 +72,11 @@ def write_plots_quietly(run_dir: Path) -> None:
 
 
 def _figure(train: list[dict], evals: list[dict], title: str):
-    import matplotlib
+    # A bare Figure, not pyplot: no global figure registry to close, no display; savefig renders with Agg.
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")  # no display
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    fig = Figure(figsize=(15, 8), layout="constrained")
+    axes = fig.subplots(2, 3)
     fig.suptitle(f"{title}: {train[-1]['step'] if train else evals[-1]['step']} steps")
     steps = [r["step"] for r in train]
 
