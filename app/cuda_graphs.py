@@ -1,4 +1,4 @@
-"""Small batches replayed as CUDA graphs (opt-in: `python -m export --device cuda --cuda-graphs`).
+"""Small batches replayed as CUDA graphs (`python -m export --device cuda` writes the graph they need).
 
 A batch of a few short texts costs ONNX Runtime about as much CPU time as a large one: it launches
 every kernel of the graph one by one, from a thread that has often just woken up. A replayed CUDA graph
@@ -7,13 +7,13 @@ and fixed addresses, which the packed graph (its shapes follow the data) cannot 
 run on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
 input and output buffers on the device, the batch padded up to the smallest bucket that holds it.
 
-Known cost: under saturating single-text load the tail latency grows (BENCHMARKS.md), likely because
-update_inplace / numpy() copy synchronously on CUDA's default stream and so wait for the packed graph's
-batches running beside them; that is why export makes the twin only when asked.
+ONNX Runtime keeps captured graphs per calling thread (the CUDA provider's per-thread context): a graph
+captured in one thread is captured again in the next, and a capture beside a running batch fails both.
+So one thread of our own captures every bucket at start-up and runs every replay.
 """
 from __future__ import annotations
 
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,14 +39,14 @@ class _Bucket:
 class CudaGraphBuckets:
     """`session` (created with the CUDA provider's enable_cuda_graph) over fixed-shape buckets. `run`
     takes the same padded int64 arrays as the packed graph and answers float32 outputs cut back to the
-    batch's own rows and length. One batch at a time: a bucket's buffers are shared."""
+    batch's own rows and length. One batch at a time, on the buckets' own thread."""
 
     def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int, pad_id: int,
                  rows: tuple[int, ...] | None = None, lengths: tuple[int, ...] | None = None):
         self.session, self.device, self.device_id, self.pad_id = session, device, device_id, pad_id
         self.rows = tuple(sorted(rows or ROWS))
         self.lengths = tuple(sorted({min(n, max_length) for n in lengths or LENGTHS}))
-        self._lock = threading.Lock()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         for r in self.rows:
             for n in self.lengths:
@@ -75,7 +75,7 @@ class CudaGraphBuckets:
         for bucket in self._buckets.values():
             ids = np.full((bucket.rows, bucket.length), self.pad_id, np.int64)
             for _ in range(_RUNS_TO_CAPTURE):
-                self._run(bucket, ids, np.ones_like(ids), np.zeros_like(ids))
+                self._thread.submit(self._run, bucket, ids, np.ones_like(ids), np.zeros_like(ids), ()).result()
 
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows[-1] and length <= self.lengths[-1]
@@ -89,13 +89,13 @@ class CudaGraphBuckets:
         types = np.zeros_like(ids)
         ids[:rows, :length], mask[:rows, :length], types[:rows, :length] = input_ids, attention_mask, token_type_ids
         mask[rows:, 0] = 1  # rows that only fill the bucket attend to one token: no empty softmax
-        with self._lock:
-            self._run(bucket, ids, mask, types)
-            values = {name: bucket.outputs[name].numpy() for name in outputs}  # copies to the host
+        values = self._thread.submit(self._run, bucket, ids, mask, types, outputs).result()
         return {name: v[:rows, :length] if v.ndim == 3 else v[:rows] for name, v in values.items()}
 
-    def _run(self, bucket: _Bucket, ids: np.ndarray, mask: np.ndarray, types: np.ndarray) -> None:
+    def _run(self, bucket: _Bucket, ids: np.ndarray, mask: np.ndarray, types: np.ndarray,
+             outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         for name, value in zip(INPUT_NAMES, (ids, mask, types)):
             bucket.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)
+        return {name: bucket.outputs[name].numpy() for name in outputs}  # copies to the host
 

@@ -6,6 +6,7 @@ copies back only the outputs the batch needs. Pooling, normalisation and softmax
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,8 @@ class OrtEngine:
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
         self.graph_buckets = self._open_graph_buckets(folder, graph, library if self.custom_kernels else None,
                                                       cuda_graphs, manifest.max_length)
+        self._running = 0  # batches on the GPU now, from any inference thread
+        self._running_lock = threading.Lock()
 
     @property
     def cuda_graphs(self) -> bool:
@@ -96,7 +99,7 @@ class OrtEngine:
             return None
         if self.device != "cuda" or graph.padded is None:
             raise EngineError("cuda_graphs on needs CUDA and an artifact with a padded twin of its fp16 graph "
-                              "(python -m export --device cuda --cuda-graphs writes one)")
+                              "(python -m export --device cuda writes one unless --no-cuda-graphs)")
         try:
             path, session = open_graph(folder, graph.padded, self.device, library=library,
                                        kernels_required=library is not None, device_id=self.cuda_device_id,
@@ -113,11 +116,22 @@ class OrtEngine:
         return buckets
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
-        """Small batches replay CUDA graphs when there are any; the rest run on the session's graph."""
-        if self.graph_buckets is not None and self.graph_buckets.fits(*batch.input_ids.shape):
-            return self.graph_buckets.run(batch.input_ids, batch.attention_mask, batch.token_type_ids,
-                                          batch.outputs)
-        return self._run_session(batch)
+        """A small batch replays a CUDA graph when it is the only batch on the GPU; the rest run on the
+        session's graph. Only alone: a replay's input and output copies are synchronous and would wait
+        for the batch running beside it, which doubled the p99 under saturating load (BENCHMARKS.md)."""
+        if self.graph_buckets is None:
+            return self._run_session(batch)
+        with self._running_lock:
+            replay = self._running == 0 and self.graph_buckets.fits(*batch.input_ids.shape)
+            self._running += 1
+        try:
+            if replay:
+                return self.graph_buckets.run(batch.input_ids, batch.attention_mask, batch.token_type_ids,
+                                              batch.outputs)
+            return self._run_session(batch)
+        finally:
+            with self._running_lock:
+                self._running -= 1
 
     def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,

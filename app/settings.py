@@ -37,10 +37,10 @@ class Settings(BaseSettings):
         "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
         "built in the checkout), else the plain graph; on: fail without them; off: never")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="CUDA: small batches replay CUDA graphs of the artifact's padded fp16 twin "
-        "(python -m export --cuda-graphs), captured at start: a lone short text is answered sooner, but the "
-        "tail latency under saturating load grows (BENCHMARKS.md). auto: when the artifact has the twin; on: "
-        "fail without it; off: never")
+        "auto", description="CUDA: a batch of up to 16 texts x 128 tokens that finds the GPU otherwise idle "
+        "replays a CUDA graph of the artifact's padded fp16 twin (written by python -m export --device cuda), "
+        "captured at start: a lone short text is answered sooner, for GPU memory and start-up time "
+        "(BENCHMARKS.md). auto: when the artifact has the twin; on: fail without it; off: never")
     workers: int = Field(1, ge=1, le=64, description="HTTP worker processes (not inference_workers), handed the "
                          "port's connections in turn. Above 1 they parse, tokenise and answer around one engine "
                          "process that holds the session and the batcher (app/multiprocess/), metrics summed over "

@@ -72,7 +72,7 @@ class GraphInfo:
     fused_operators: dict[str, int] = field(default_factory=dict)
     parity: dict[str, float] = field(default_factory=dict)  # measured against PyTorch fp32 at export
     custom_kernels: CustomKernelsGraph | None = None  # a server without their library runs `file`
-    padded: PaddedGraph | None = None  # made only when export is asked (--cuda-graphs)
+    padded: PaddedGraph | None = None  # for CUDA graphs; export --device cuda makes it unless --no-cuda-graphs
 
     @property
     def packed(self) -> bool:

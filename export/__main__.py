@@ -1,5 +1,5 @@
 """python -m export --model MODEL_DIR --out ARTIFACT_DIR [--device cpu|cuda] [--int8] [--keep-padding]
-                   [--custom-kernels auto|on|off] [--cuda-graphs] [--max-length N]"""
+                   [--custom-kernels auto|on|off] [--no-cuda-graphs] [--max-length N]"""
 from __future__ import annotations
 
 import argparse
@@ -26,10 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--custom-kernels", choices=["auto", "on", "off"], default="auto",
                         help="with --device cuda, also write the fp16 graph on our fused GEMM + bias + GELU "
                              "operator (custom_kernels/): auto when its library is built, on: required")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="with --device cuda, also write a padded copy of the fp16 graph (and of its custom-"
-                             "kernels variant) that the server replays as CUDA graphs for small batches: a lone "
-                             "short text is answered sooner (BENCHMARKS.md)")
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --device cuda (the default there), also write a padded copy of the fp16 graph "
+                             "(and of its custom-kernels variant) that the server replays as CUDA graphs for a "
+                             "batch of a few texts when the GPU is otherwise idle: a lone short text is answered "
+                             "sooner, for about 2 x the fp16 graph's size on disk (BENCHMARKS.md)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help="longest input served, in tokens (at most the model's position embeddings). Default: "
                              "the length the model was trained at: sentence_bert_config.json max_seq_length, "

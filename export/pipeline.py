@@ -42,7 +42,7 @@ MIN_MAX_LENGTH = 8  # room for [CLS] A [SEP] B [SEP] with a few tokens of each t
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
-    padded_twin: bool = False, max_length: int | None = None,
+    padded_twin: bool | None = None, max_length: int | None = None,
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -50,8 +50,9 @@ def export_artifact(
     GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
-    on parity like the others. `padded_twin`: the server may replay the fp16 graph's padded form as
-    CUDA graphs for small batches; a packed graph gets a padded twin (and its kernels variant) for that.
+    on parity like the others. `padded_twin` (default: with device="cuda"): the server may replay the
+    fp16 graph's padded form as CUDA graphs for small batches; a packed graph gets a padded twin (and its
+    kernels variant) for that.
     The artifact serves texts of up to `max_length` tokens, by default the length the model was trained
     at (artifact.source_folder.trained_max_length), and pools them as a sentence-transformers folder
     says (export.checkpoint_layout; else the raw [CLS] vector).
@@ -59,6 +60,8 @@ def export_artifact(
     graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if padded_twin is None:
+        padded_twin = device == "cuda"
     if padded_twin and device != "cuda":
         raise ExportError("CUDA graphs replay the fp16 graph: --cuda-graphs needs --device cuda")
     try:

@@ -27,9 +27,10 @@ def cosine(a, b):
 
 def test_fp16_graph_built_and_checked_on_cuda(tiny_model_dir, tmp_path):
     out = tmp_path / "art"
-    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--int8"]) == 0
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--int8",
+                 "--no-cuda-graphs"]) == 0
     m = read_manifest(out)
-    assert set(m.graphs) == {"fp32", "fp16", "int8"}
+    assert set(m.graphs) == {"fp32", "fp16", "int8"} and m.graph("fp16").padded is None
     fp16 = m.graph("fp16")
     assert fp16.file == GRAPH_FILES["fp16"] and fp16.device == "cuda"
     assert fp16.fused_operators["Attention"] + fp16.fused_operators["MultiHeadAttention"] == m.num_layers
@@ -115,9 +116,9 @@ def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp
     from app.engine import Batch, OrtEngine
     from artifact.manifest import NSP_LOGITS, PADDED_GRAPH_FILE
 
-    out = tmp_path / "art"
-    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels,
-                 "--cuda-graphs"] + (["--keep-padding"] if keep_padding else [])) == 0
+    out = tmp_path / "art"  # the twin is written by default on CUDA
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels]
+                + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     padded = m.graph("fp16").padded
     assert padded.file == (GRAPH_FILES["fp16"] if keep_padding else PADDED_GRAPH_FILE)
@@ -141,3 +142,87 @@ def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp
         assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, (rows, first)
         assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)
         np.testing.assert_allclose(got[NSP_LOGITS], want[NSP_LOGITS], atol=2e-2)
+
+
+def test_a_small_batch_replays_a_cuda_graph_only_when_the_gpu_is_otherwise_idle(tiny_model_dir, tmp_path, monkeypatch):
+    """Beside a running batch a small one runs on the session's graph (a replay's synchronous copies
+    would wait for the other batch), with the same answer; alone it replays its CUDA graph."""
+    import threading
+
+    from app.engine import Batch, OrtEngine
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]) == 0
+    engine = OrtEngine(out, read_manifest(out), "cuda", "fp16")
+    assert engine.cuda_graphs
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+
+    def batch(rows: int) -> Batch:
+        feed = padded_feed([tok.encode("a text of a few words")] * rows)
+        return Batch(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"], (CLS_EMBEDDING,))
+
+    replays, entered, release = [], threading.Event(), threading.Event()
+    replay, session = engine.graph_buckets.run, engine._run_session
+
+    def held_session(b: Batch):
+        if len(b.input_ids) == 64:  # the large batch stays on the GPU until released
+            entered.set()
+            release.wait(10)
+        return session(b)
+
+    monkeypatch.setattr(engine.graph_buckets, "run", lambda *a: replays.append(a[0].shape) or replay(*a))
+    monkeypatch.setattr(engine, "_run_session", held_session)
+    large = threading.Thread(target=engine.run, args=(batch(64),))
+    large.start()
+    assert entered.wait(10)
+    beside = engine.run(batch(2))[CLS_EMBEDDING]
+    assert replays == []
+    release.set()
+    large.join(10)
+    alone = engine.run(batch(2))[CLS_EMBEDDING]
+    assert len(replays) == 1
+    assert cosine(beside, alone).min() >= 0.9999
+
+
+def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_dir, tmp_path):
+    """ONNX Runtime keeps captured CUDA graphs per calling thread: replays asked for from threads other than
+    the one that captured them, while other threads keep running the session's graph, all succeed (each
+    would otherwise capture again, and a capture beside a running batch fails both)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.engine import OrtEngine
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]) == 0
+    engine = OrtEngine(out, read_manifest(out), "cuda", "fp16")
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    large = padded_feed([tok.encode("a longer text that keeps the session's graph busy for a while")] * 64)
+    small = padded_feed([tok.encode("a short one")] * 3)
+    want = engine.graph_buckets.run(small["input_ids"], small["attention_mask"], small["token_type_ids"],
+                                    (CLS_EMBEDDING,))[CLS_EMBEDDING]
+    stop, failures = threading.Event(), []
+
+    def keep_busy():
+        from app.engine import Batch
+        batch = Batch(large["input_ids"], large["attention_mask"], large["token_type_ids"], (CLS_EMBEDDING,))
+        while not stop.is_set():
+            try:
+                engine._run_session(batch)
+            except Exception as e:  # noqa: BLE001 - reported below
+                failures.append(e)
+                return
+
+    busy = [threading.Thread(target=keep_busy) for _ in range(2)]
+    for t in busy:
+        t.start()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: engine.graph_buckets.run(
+                small["input_ids"], small["attention_mask"], small["token_type_ids"], (CLS_EMBEDDING,)), range(64)))
+    finally:
+        stop.set()
+        for t in busy:
+            t.join(30)
+    assert failures == []
+    assert all(cosine(g[CLS_EMBEDDING], want).min() >= 0.9999 for g in got)
