@@ -139,8 +139,8 @@ def test_flags_left_out_give_the_demonstration_only_on_the_embedded_corpus():
     from training.pretrain import SCHEDULE_DEFAULTS, build_parser, fill_defaults
 
     demo = fill_defaults(build_parser().parse_args([]))
-    assert (demo.max_seq_len, demo.batch_size, demo.vocab_size, demo.phase2_steps, demo.phase2_seq_len,
-            demo.phase2_batch_size) == (48, 192, 4096, 600, 128, 32)
+    assert (demo.max_steps, demo.max_seq_len, demo.batch_size, demo.vocab_size, demo.phase2_steps,
+            demo.phase2_seq_len, demo.phase2_batch_size) == (1100, 48, 192, 4096, 900, 128, 32)
     assert (demo.max_predictions, demo.phase2_max_predictions) == (8, 20)  # BERT's 20 per 128 tokens
     own = fill_defaults(build_parser().parse_args(["--corpus", "notes.txt"]))
     assert {k: getattr(own, k) for k in SCHEDULE_DEFAULTS["other"]} == SCHEDULE_DEFAULTS["other"]

@@ -41,10 +41,10 @@ DEFAULT_VOCAB_SIZE = DataConfig.vocab_size
 # and a small vocabulary reach the best held-out accuracy in that time (bench/default_model_sweep.py,
 # BENCHMARKS.md), and a second phase at 128 tokens trains the positions the server then accepts.
 SCHEDULE_DEFAULTS = {
-    "demo": {"max_seq_len": 48, "batch_size": 192, "vocab_size": 4096,
-             "phase2_steps": 600, "phase2_seq_len": 128},
-    "other": {"max_seq_len": 128, "batch_size": TrainConfig.batch_size, "vocab_size": DEFAULT_VOCAB_SIZE,
-              "phase2_steps": 0, "phase2_seq_len": 512},
+    "demo": {"max_steps": 1100, "max_seq_len": 48, "batch_size": 192, "vocab_size": 4096,
+             "phase2_steps": 900, "phase2_seq_len": 128},
+    "other": {"max_steps": 1200, "max_seq_len": 128, "batch_size": TrainConfig.batch_size,
+              "vocab_size": DEFAULT_VOCAB_SIZE, "phase2_steps": 0, "phase2_seq_len": 512},
 }
 # Every fresh model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"the folder's)")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--max-steps", type=int, default=1200, help="optimiser steps of phase 1")
+    g.add_argument("--max-steps", type=int, default=None,
+                   help="optimiser steps of phase 1 (default: 1100 for the demonstration*, 1200 otherwise)")
     g.add_argument("--batch-size", type=int, default=None,
                    help="sequences per micro-batch per process; the effective batch is this x --grad-accum x "
                         f"processes (default: 192 for the demonstration*, {t.batch_size} otherwise)")
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=t.seed, help="seed of weights, data order, masks and dropout")
     g.add_argument("--phase2-steps", type=int, default=None,
                    help="steps of a second phase at --phase2-seq-len, as in the BERT paper; 0: none (default: "
-                        "600 for the demonstration*, 0 otherwise)")
+                        "900 for the demonstration*, 0 otherwise)")
     g.add_argument("--phase2-seq-len", type=int, default=None,
                    help="sequence length of phase 2 (default: 128 for the demonstration*, 512 otherwise)")
     g.add_argument("--phase2-max-predictions", type=int, default=None,
@@ -458,7 +459,7 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, name) is None and not (name == "vocab_size" and args.init_from is not None):
             setattr(args, name, value)
     if args.phase2_batch_size is None and demo:
-        args.phase2_batch_size = min(32, args.batch_size)  # small steps at 128 tokens: 600 of them fit the ten minutes
+        args.phase2_batch_size = min(32, args.batch_size)  # small steps at 128 tokens: 900 of them fit the ten minutes
     if args.max_predictions is None:
         args.max_predictions = predictions_for(args.max_seq_len)
     if args.phase2_max_predictions is None:
