@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh machine:
 #   make run    train the default model if none exists, export it, serve it on http://127.0.0.1:8000
-#   make test   the whole test suite (what CI runs)
+#   make test   the test suite: all of it where CI is set (.ci/run), the tests not marked slow elsewhere
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -40,8 +40,11 @@ serve: | install
 
 # Tests run in parallel, one process per core (pytest-xdist), each test module's tests together in one
 # (their module-scoped servers and artifacts are made once). One file: .venv/bin/python -m pytest -q FILE
+# Tests marked slow (the container build, installs from PyPI, the browser, fuzzing, real checkpoints) run
+# where CI is set, as CI services and .ci/run set it, or with SLOW=1; elsewhere they are deselected.
+SLOW ?= $(filter-out 0 false,$(CI))
 test: install
-	$(BIN)/python -m pytest -q -n auto --dist loadscope
+	$(BIN)/python -m pytest -q -n auto --dist loadscope $(if $(SLOW),,-m "not slow")
 
 clean:
 	rm -rf $(VENV) .cache runs
