@@ -205,7 +205,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
         card = f"{platform.processor() or platform.machine()}, {args.threads} threads"
     texts = stdlib_docstrings(args.texts)
-    work = Path(tempfile.mkdtemp(prefix="engine-throughput-"))
+    with tempfile.TemporaryDirectory(prefix="engine-throughput-") as work:  # the exported models go with it
+        return _measure(args, Path(work), texts, batches, text_sizes, card)
+
+
+def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes: list[int], card: str) -> int:
+    cuda = args.device == "cuda"
     tokenizer, model, artifacts = build(args.preset, args.device, work, texts)
 
     def graph_file(kind: str, precision: str) -> Path:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -49,8 +50,11 @@ def chrome(width: int = 1280, height: int = 1000):
                 "--disable-sync"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
-    try:
-        yield browser
-    finally:
-        browser.quit()
+    # chromedriver makes the browser's profile in TMPDIR and leaves it there: give it a folder that goes.
+    with tempfile.TemporaryDirectory(prefix="bertserve-chromium-") as tmp:
+        service = webdriver.ChromeService(executable_path=driver, env={**os.environ, "TMPDIR": tmp})
+        browser = webdriver.Chrome(options=options, service=service)
+        try:
+            yield browser
+        finally:
+            browser.quit()

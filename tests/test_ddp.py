@@ -15,6 +15,10 @@ from training.pretrain import main
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
+def _env(tmp_path) -> dict[str, str]:
+    return {**ENV, "TMPDIR": str(tmp_path)}  # torchrun's agent leaves a torchelastic_* folder in TMPDIR
+
+
 def test_pretrain_ddp_flags_under_torchrun_follow_one_process(tmp_path):
     """bf16 all-reduce, small buckets and a static graph (gradients as bucket views by default): the run
     finishes, the ranks split each batch as without them, and the losses stay with one process's at the
@@ -25,7 +29,7 @@ def test_pretrain_ddp_flags_under_torchrun_follow_one_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "training.pretrain", *small_args(corpus, cache, tmp_path / "ddp", tmp_path / "run2", *common,
                                                    "--ddp-bf16-grads", "--ddp-bucket-mb", "0.05", "--ddp-static-graph")]
-    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     single, ddp = read_metrics(tmp_path / "run1"), read_metrics(tmp_path / "run2")
     assert ddp[0]["nsp_loss"] == pytest.approx(single[0]["nsp_loss"], abs=1e-5)  # before any all-reduce
@@ -50,7 +54,7 @@ def test_ddp_scaling_bench_on_cpu(tmp_path):
     cmd = [sys.executable, "bench/ddp_scaling.py", "--device", "cpu", "--preset", "tiny", "--vocab-size", "500",
            "--seq-len", "32", "--max-predictions", "5", "--batch-sizes", "8", "--steps", "2", "--warmup", "2",
            "--variants", "plain,asview+bucket1,bf16,nocomm,static", "--grad-accum", "2", "--json", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     runs = {(r["nproc"], r["variant"]): r for r in report["runs"]}

@@ -199,7 +199,8 @@ def test_torchrun_two_cpu_processes(corpus, cache_dir, tmp_path):
                            "--batch-size", "16")) == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            "-m", "training.pretrain", *small_args(corpus, cache_dir, tmp_path / "ddp", tmp_path / "run2", *common)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           "TMPDIR": str(tmp_path)}  # torchrun's agent leaves a torchelastic_* folder there
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("done:") == 1  # only rank 0 reports
