@@ -117,8 +117,8 @@ class OrtEngine:
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A small batch replays a CUDA graph when it is the only batch on the GPU; the rest run on the
-        session's graph. Only alone: a replay's input and output copies are synchronous and would wait
-        for the batch running beside it, which doubled the p99 under saturating load (BENCHMARKS.md)."""
+        session's graph. Only alone: a replay's input and output copies are synchronous and wait for a
+        batch running beside it (replaying beside one cost 7-8% at 16-64 texts per request, BENCHMARKS.md)."""
         if self.graph_buckets is None:
             return self._run_session(batch)
         with self._running_lock:
