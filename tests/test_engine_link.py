@@ -76,6 +76,46 @@ def test_the_link_answers_what_the_batcher_answers(tiny_artifact_dir, tmp_path):
     assert large_frame > 4 * (1 << 16)  # several times the link's read buffer: read into a buffer of its own
 
 
+def test_requests_of_one_loop_turn_cross_as_one_group_each_with_its_own_rows(tiny_artifact_dir, tmp_path):
+    """Requests submitted in one event-loop turn that want the same outputs cross in one SUBMIT frame (the
+    engine process's work per request, paid once); each gets exactly its own rows, as the batcher answers
+    it alone. One cancelled among them leaves the others answered; 64 rows or more go on their own."""
+    texts = [["one"], ["two words", ("a question?", "an answer.")], ["three short texts", "b", "c"],
+             [f"sentence {i} of a longer request" for i in range(9)], ["five"]]
+    cls_only = [["six"], ["seven", "eight"]]
+    large = [f"text {i}" for i in range(70)]
+
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path) as (tokenizer, batcher, client):
+            submits = []
+            send = client._link.send
+            client._link.send = lambda *parts: (submits.append(bytes(parts[0])[0] == engine_link.SUBMIT),
+                                                send(*parts))[1]
+            seqs = [_sequences(tokenizer, t) for t in texts]
+            cls_seqs = [_sequences(tokenizer, t) for t in cls_only]
+            futures = [client.submit_group(q, ALL) for q in seqs]  # one turn: no await in between
+            cls_futures = [client.submit_group(q, frozenset({CLS_EMBEDDING})) for q in cls_seqs]
+            large_future = client.submit_group(_sequences(tokenizer, large), frozenset({CLS_EMBEDDING}))
+            futures[2].cancel()
+            linked_ = await asyncio.gather(*[f for i, f in enumerate(futures) if i != 2], *cls_futures, large_future)
+            direct = [await batcher.submit_group(q, ALL) for i, q in enumerate(seqs) if i != 2]
+            direct += [await batcher.submit_group(q, frozenset({CLS_EMBEDDING})) for q in cls_seqs]
+            return sum(submits), linked_, direct, [q for i, q in enumerate(seqs) if i != 2] + cls_seqs
+
+    frames, linked_, direct, sequences = asyncio.run(go())
+    assert frames == 3  # five requests for every output, two for [CLS] vectors, the large one alone
+    assert linked_[-1].outputs[CLS_EMBEDDING].shape == (70, 128)
+    for got, want, seq in zip(linked_, direct, sequences):
+        assert got.outputs.keys() == want.outputs.keys()
+        for name in got.outputs.keys() - {TOKEN_EMBEDDINGS}:
+            assert got.outputs[name].shape == want.outputs[name].shape == (len(seq), want.outputs[name].shape[1])
+            np.testing.assert_allclose(got.outputs[name], want.outputs[name], atol=1e-5)
+        if TOKEN_EMBEDDINGS in got.outputs:
+            assert [len(t) for t in got.outputs[TOKEN_EMBEDDINGS]] == seq.lengths.tolist()
+            for a, b in zip(got.outputs[TOKEN_EMBEDDINGS], want.outputs[TOKEN_EMBEDDINGS]):
+                np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_the_link_carries_errors_and_cancellations(tiny_artifact_dir, tmp_path):
     async def go():
         async with linked(tiny_artifact_dir, tmp_path, max_queued_sequences=3, inference_workers=1) as (

@@ -3,19 +3,20 @@
 With `workers` > 1 one process owns the ONNX Runtime session and the batcher (one CUDA context, batches
 formed from every worker's requests); the workers parse HTTP, tokenise and encode answers, and send
 token ids here over a Unix socket. The engine process is what caps a GPU server's throughput, so the
-link costs it as little as it can: no pickle on the hot path, one frame per request whichever its size,
+link costs it as little as it can: no pickle on the hot path, the requests of one event-loop turn of a
+worker sent as one group in one frame (up to _GATHER_ROWS sequences; each request gets its own rows back),
 arrays read straight out of (and written straight from) their bytes, and frames received into their own
 buffer instead of being copied out of a stream.
 
 A frame is a 4-byte little-endian length, then a 1-byte kind:
   HELLO   engine -> worker, once: padding to 8 bytes, then a pickle of EngineInfo
-  SUBMIT  worker -> engine: <kind, outputs bit mask, n, request id> (16 bytes), lengths int32[n],
+  SUBMIT  worker -> engine: <kind, outputs bit mask, n, group id> (16 bytes), lengths int32[n],
           ids int32[total], type ids uint8[total]
-  CANCEL  worker -> engine: <kind, request id> (16 bytes)
-  RESULT  engine -> worker: <kind, arrays, batch size, request id, queue s, inference s> (32 bytes), one
+  CANCEL  worker -> engine: <kind, group id> (16 bytes)
+  RESULT  engine -> worker: <kind, arrays, batch size, group id, queue s, inference s> (32 bytes), one
           <output, dtype, rows, cols> (12 bytes) per array, then each array's bytes, 8-byte aligned; token
           vectors go as one [total, H] array, which the worker cuts by the lengths it sent
-  ERROR   engine -> worker: <kind, request id> (16 bytes), then "ErrorType\\nmessage" in UTF-8
+  ERROR   engine -> worker: <kind, group id> (16 bytes), then "ErrorType\\nmessage" in UTF-8
 """
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ _OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i &
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
 _HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before it stops reading its work
+# A worker sends the requests of one event-loop turn that want the same outputs as one group, up to this many
+# sequences: one-text requests then cost the engine process 15-18 us each instead of 41-48 (a group is
+# answered when its last row is, so large requests go on their own; bench/engine_link_load.py, BENCHMARKS.md).
+_GATHER_ROWS = 64
 
 
 class _Framed(asyncio.BufferedProtocol):
@@ -259,6 +264,46 @@ def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
     return GroupResult(outputs, queue_s, inference_s, batch_size)
 
 
+class _Submission:
+    """The requests of one event-loop turn that want the same outputs, sent to the engine as one group:
+    the engine process pays its per-request work (a frame, a queue entry, an answer) once for all of them.
+    Each request's future gets its own rows of the answer."""
+
+    __slots__ = ("futures", "parts", "rows", "cancelled")
+
+    def __init__(self) -> None:
+        self.futures: list[asyncio.Future] = []
+        self.parts: list[Sequences] = []
+        self.rows = 0
+        self.cancelled = 0
+
+    def add(self, future: asyncio.Future, sequences: Sequences) -> None:
+        self.futures.append(future)
+        self.parts.append(sequences)
+        self.rows += len(sequences)
+
+    def sequences(self) -> Sequences:
+        if len(self.parts) == 1:
+            return self.parts[0]
+        return Sequences(np.concatenate([p.ids for p in self.parts]), np.concatenate([p.type_ids for p in self.parts]),
+                         np.concatenate([p.lengths for p in self.parts]))
+
+    def answer(self, result: GroupResult) -> None:
+        first = 0
+        for future, part in zip(self.futures, self.parts):
+            n = len(part)
+            if not future.done():
+                rows = result.outputs if len(self.parts) == 1 else {
+                    name: value[first: first + n] for name, value in result.outputs.items()}
+                future.set_result(GroupResult(rows, result.queue_s, result.inference_s, result.batch_size))
+            first += n
+
+    def fail(self, make_error: Callable[[], BaseException]) -> None:
+        for future in self.futures:
+            if not future.done():
+                future.set_exception(make_error())
+
+
 class EngineClient:
     """The Batcher (app.backend) of an HTTP worker process: `submit_group()` sends the work to the engine
     process and returns a future of the group's GroupResult; cancelling it drops the work there too."""
@@ -268,7 +313,8 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self._link: _Framed | None = None
         self._hello: asyncio.Future | None = None
-        self._pending: dict[int, tuple[asyncio.Future, np.ndarray]] = {}
+        self._pending: dict[int, tuple[_Submission, np.ndarray]] = {}  # sent, by group id: (requests, lengths)
+        self._gathering: dict[int, _Submission] = {}  # this loop turn's requests, by outputs mask
         self._ids = itertools.count()
         self._closed = True
 
@@ -299,20 +345,56 @@ class EngineClient:
         """The queue is the engine process's: its batcher decides when the request is submitted."""
 
     def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
+        """Joins this loop turn's submission for the same outputs, sent when the turn ends (no wait)."""
         if self._closed:
             raise errors.NotReady("the engine process is not available")
-        rid = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[rid] = (future, sequences.lengths)
+        loop = asyncio.get_running_loop()
         mask = sum(1 << i for i, name in enumerate(_OUTPUTS) if name in outputs)
-        self._link.send(_SUBMIT.pack(SUBMIT, mask, len(sequences), rid), sequences.lengths.astype(np.int32),
-                        sequences.ids.astype(np.int32), sequences.type_ids.astype(np.uint8))
-        future.add_done_callback(lambda f: self._done(rid, f))
+        future = loop.create_future()
+        if len(sequences) >= _GATHER_ROWS:  # pays its own way: sent now, on its own, answered sooner
+            alone = _Submission()
+            alone.add(future, sequences)
+            self._send(mask, alone)
+            return future
+        submission = self._gathering.get(mask)
+        if submission is None:
+            if not self._gathering:
+                loop.call_soon(self._send_gathered)
+            submission = self._gathering[mask] = _Submission()
+        submission.add(future, sequences)
+        if submission.rows >= _GATHER_ROWS:
+            self._send(mask, self._gathering.pop(mask))
         return future
 
+    def _send_gathered(self) -> None:
+        gathered, self._gathering = self._gathering, {}
+        for mask, submission in gathered.items():
+            self._send(mask, submission)
+
+    def _send(self, mask: int, submission: _Submission) -> None:
+        if self._closed:
+            submission.fail(lambda: errors.NotReady("the engine process is gone"))
+            return
+        rid = next(self._ids)
+        sequences = submission.sequences()
+        self._pending[rid] = (submission, sequences.lengths)
+        self._link.send(_SUBMIT.pack(SUBMIT, mask, len(sequences), rid), sequences.lengths.astype(np.int32),
+                        sequences.ids.astype(np.int32), sequences.type_ids.astype(np.uint8))
+        for future in submission.futures:
+            future.add_done_callback(lambda f, rid=rid: self._done(rid, f))
+
     def _done(self, rid: int, future: asyncio.Future) -> None:
-        if self._pending.pop(rid, None) is not None and future.cancelled() and not self._closed:
-            self._link.send(_REQUEST.pack(CANCEL, rid))  # the client went away: drop it there too
+        """A request that was cancelled (its client went away); when every request of its submission was,
+        the engine drops the work too."""
+        entry = self._pending.get(rid)
+        if entry is None or not future.cancelled():
+            return
+        submission = entry[0]
+        submission.cancelled += 1
+        if submission.cancelled == len(submission.futures):
+            del self._pending[rid]
+            if not self._closed:
+                self._link.send(_REQUEST.pack(CANCEL, rid))
 
     def _on_frame(self, kind: int, frame: bytearray) -> None:
         if kind == HELLO:
@@ -320,13 +402,14 @@ class EngineClient:
                 self._hello.set_result(pickle.loads(memoryview(frame)[_HELLO.size:]))
             return
         rid = _REQUEST.unpack_from(frame)[1] if kind == ERROR else _RESULT.unpack_from(frame)[3]
-        future, lengths = self._pending.get(rid, (None, None))
-        if future is None or future.done():
-            return  # cancelled here meanwhile
+        submission, lengths = self._pending.pop(rid, (None, None))
+        if submission is None:
+            return  # every request of it was cancelled meanwhile
         if kind == RESULT:
-            future.set_result(_read_result(frame, lengths))
+            submission.answer(_read_result(frame, lengths))
         elif kind == ERROR:
-            future.set_exception(_error_from(bytes(frame[_REQUEST.size:])))
+            payload = bytes(frame[_REQUEST.size:])
+            submission.fail(lambda: _error_from(payload))
         else:
             raise ValueError(f"unexpected frame kind {kind} from the engine")
 
@@ -341,10 +424,10 @@ class EngineClient:
                 self.on_lost()
 
     def _fail_pending(self, message: str) -> None:
-        for future, _ in self._pending.values():
-            if not future.done():
-                future.set_exception(errors.NotReady(message))
+        for submission in [*(s for s, _ in self._pending.values()), *self._gathering.values()]:
+            submission.fail(lambda: errors.NotReady(message))
         self._pending.clear()
+        self._gathering.clear()
 
 
 # An HTTP worker tokenises on its event loop any request of up to this many characters in all (a few ms of
