@@ -49,6 +49,14 @@ class Sequences:
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
         return cls(np.concatenate(ids), np.concatenate(type_ids), lengths)
 
+    @classmethod
+    def joined(cls, parts: Sequence) -> "Sequences":
+        """`parts` end to end: anything with ids, type_ids and lengths (Sequences, queue entries)."""
+        if len(parts) == 1:
+            return cls(parts[0].ids, parts[0].type_ids, parts[0].lengths)
+        return cls(np.concatenate([p.ids for p in parts]), np.concatenate([p.type_ids for p in parts]),
+                   np.concatenate([p.lengths for p in parts]))
+
     def __len__(self) -> int:
         return len(self.lengths)
 
@@ -136,9 +144,6 @@ class Entry:
     @property
     def enqueued(self) -> float:
         return self.group.enqueued
-
-    def sequences(self) -> Sequences:
-        return Sequences(self.ids, self.type_ids, self.lengths)
 
     def split(self, rows: int) -> tuple["Entry", "Entry"]:
         """The first `rows` rows and the rest."""
@@ -419,7 +424,7 @@ class DynamicBatcher:
     def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
         """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call."""
         try:
-            batch = collate(_joined(entries), self.pad_id, outputs)
+            batch = collate(Sequences.joined(entries), self.pad_id, outputs)
             outcome: dict[str, np.ndarray] | Exception = self._run(batch)
             tokens = batch.input_ids.size
         except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
@@ -460,13 +465,6 @@ class DynamicBatcher:
         for group, spans in parts.items():
             if not group.future.done():  # else cancelled while running
                 group.fill(outcome, spans, started, inference_s, size)
-
-
-def _joined(entries: Sequence[Entry]) -> Sequences:
-    if len(entries) == 1:
-        return entries[0].sequences()
-    return Sequences(np.concatenate([e.ids for e in entries]), np.concatenate([e.type_ids for e in entries]),
-                     np.concatenate([e.lengths for e in entries]))
 
 
 def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch:

@@ -282,12 +282,6 @@ class _Submission:
         self.parts.append(sequences)
         self.rows += len(sequences)
 
-    def sequences(self) -> Sequences:
-        if len(self.parts) == 1:
-            return self.parts[0]
-        return Sequences(np.concatenate([p.ids for p in self.parts]), np.concatenate([p.type_ids for p in self.parts]),
-                         np.concatenate([p.lengths for p in self.parts]))
-
     def answer(self, result: GroupResult) -> None:
         first = 0
         for future, part in zip(self.futures, self.parts):
@@ -376,7 +370,7 @@ class EngineClient:
             submission.fail(lambda: errors.NotReady("the engine process is gone"))
             return
         rid = next(self._ids)
-        sequences = submission.sequences()
+        sequences = Sequences.joined(submission.parts)
         self._pending[rid] = (submission, sequences.lengths)
         self._link.send(_SUBMIT.pack(SUBMIT, mask, len(sequences), rid), sequences.lengths.astype(np.int32),
                         sequences.ids.astype(np.int32), sequences.type_ids.astype(np.uint8))
