@@ -22,6 +22,8 @@ real ones. A variant joins options with '+' onto DDP with torch's defaults:
     asview    gradient_as_bucket_view=True                (the trainer's default; --no-ddp-bucket-view)
     bf16      gradients averaged in bf16 by training.ddp's hook (--ddp-bf16-grads)
     bucketN   bucket_cap_mb=N                             (--ddp-bucket-mb N)
+    nobcast   broadcast_buffers=False                     (the trainer's default: its one buffer is constant)
+    onegraph  compiled as one graph, not one per bucket   (the trainer's default; --ddp-graph-per-bucket: off)
     static    static_graph=True                           (--ddp-static-graph; refused with --grad-accum above 1)
     torchbf16 torch's bf16_compress_hook instead of training.ddp's: the same arithmetic (torch built with CUDA only)
     nocomm    diagnostic, wrong gradients: a comm hook that all-reduces nothing (the step without communication)
@@ -63,9 +65,10 @@ from training.optim import WarmupLinearDecay, make_optimizer  # noqa: E402
 from training.trainer import (DistInfo, LogWindow, TrainConfig, build_learner, optimizer_step,  # noqa: E402
                               setup_distributed, teardown_distributed)
 
-# In order of what they tell: today's, the trainer's default, bf16 on top, fewer and larger buckets on top,
-# and the same step with no communication at all (the most any all-reduce setting could give).
-DEFAULT_VARIANTS = "plain,asview,bf16+asview,bf16+asview+bucket100,asview+nocomm"
+# In order of what they tell: torch's defaults, gradients as bucket views, the trainer's defaults (one compiled
+# graph, no buffer broadcast), bf16 on top, and the step with no communication at all (the most any all-reduce
+# setting could give).
+DEFAULT_VARIANTS = "plain,asview,trainer,trainer+bf16,trainer+nocomm"
 SINGLE = "single"  # the one-process run's only variant: no DDP
 
 
@@ -77,7 +80,7 @@ class Variant:
 
 
 def parse_variant(name: str) -> Variant:
-    options, hooks = DDPOptions(bucket_view=False), []  # torch's defaults
+    options, hooks = DDPOptions(bucket_view=False, broadcast_buffers=True, graph_per_bucket=True), []  # torch's
     for part in name.split("+"):
         if part == "plain":
             pass
@@ -87,6 +90,10 @@ def parse_variant(name: str) -> Variant:
             options = replace(options, bucket_view=True)
         elif part == "bf16":
             options = replace(options, bf16_grads=True)
+        elif part == "nobcast":
+            options = replace(options, broadcast_buffers=False)
+        elif part == "onegraph":
+            options = replace(options, graph_per_bucket=False)
         elif part == "static":
             options = replace(options, static_graph=True)
         elif part.startswith("bucket") and part[6:].replace(".", "", 1).isdigit():
@@ -97,7 +104,7 @@ def parse_variant(name: str) -> Variant:
             hooks.append(_no_comm)
         else:
             raise ValueError(f"unknown variant part {part!r} in {name!r}; "
-                             "use plain, trainer, asview, bf16, bucketN, static, torchbf16, nocomm")
+                             "use plain, trainer, asview, bf16, bucketN, nobcast, onegraph, static, torchbf16, nocomm")
     if len(hooks) + options.bf16_grads > 1:
         raise ValueError(f"{name!r} asks for two communication hooks (bf16, torchbf16, nocomm); DDP takes one")
     return Variant(name, options, hooks[0] if hooks else None)
@@ -189,17 +196,21 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dist.device)
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         optimizer_step(learner, stream, window, cfg, dist)
     _sync(dist.device)
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    profiled = _profile(learner, stream, window, cfg, dist, args.profile_steps) if args.profile_steps else None
     tokens = window.tokens  # this process's, before close() sums them over processes
     totals = window.close(dist)  # losses averaged over the timed micro-batches and processes
     elapsed_all = _gathered(elapsed, dist)
     per_process = _gathered(tokens / elapsed, dist)
     result = {
         "ms_per_step": max(elapsed_all) / args.steps * 1e3,  # the slowest process sets the pace
+        # CPU time of each process per step (all its threads): a step that needs as much CPU as wall time
+        # is bound by launching its work, not by the GPU
+        "cpu_ms_per_step_per_process": [c / args.steps * 1e3 for c in _gathered(cpu, dist)],
         "tokens_per_s_total": totals.tokens / max(elapsed_all),
         "tokens_per_s_per_process": per_process,
         "tokens_per_step_total": totals.tokens / args.steps,
@@ -207,9 +218,45 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
         "warmup_s": warmup_s,
         "loss": totals.loss, "mlm_loss": totals.mlm_loss, "nsp_loss": totals.nsp_loss,
         "peak_memory_gib": torch.cuda.max_memory_allocated(dist.device) / 2**30 if dist.device.type == "cuda" else None,
+        **({"profile": profiled} if profiled else {}),
     }
     del learner, model, optimizer, schedule
     return result
+
+
+def _busy_ms(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals in µs, as ms."""
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    return busy / 1e3
+
+
+def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: int) -> dict[str, Any]:
+    """`steps` more steps under torch.profiler (every rank: the collectives need them all): per step, the
+    wall time, how long the GPU ran anything (compute and NCCL kernels, and compute alone), and the CPU
+    operators that took the most of this process's own time. A GPU busy for much less than the wall time
+    waits for the CPU (launch-bound) or for another rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device.type == "cuda" else [])
+    _sync(dist.device)
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            optimizer_step(learner, stream, window, cfg, dist)
+        _sync(dist.device)
+        wall_ms = (time.perf_counter() - started) * 1e3 / steps
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
+    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    return {"steps": steps, "wall_ms_per_step": wall_ms,
+            "gpu_busy_ms_per_step": _busy_ms(spans) / steps, "gpu_compute_ms_per_step": _busy_ms(compute) / steps,
+            "cuda_kernels_per_step": len(kernels) / steps,
+            "top_self_cpu_ms_per_step": {a.key[:80]: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in top}}
 
 
 def allreduce_timings(numel: int, dist: DistInfo, repeats: int = 5) -> list[dict[str, Any]]:
@@ -286,9 +333,13 @@ def worker(args: argparse.Namespace) -> int:
                     pools[batch_size] = input_pool(args, batch_size, compiled, dist)
                 result = measure(args, variant, batch_size, pools[batch_size], compiled, dist)
                 record(**fields, **result)
+                if dist.is_main and "profile" in result:
+                    print(json.dumps({"variant": variant.name, "batch_size": batch_size, **result["profile"]},
+                                     indent=1), flush=True)
                 if dist.is_main:
                     print(f"N={dist.world_size} batch {batch_size} {variant.name}: {result['ms_per_step']:.1f} ms/step, "
-                          f"{result['tokens_per_s_total']:,.0f} tokens/s, loss {result['loss']:.4f} (first step "
+                          f"{result['tokens_per_s_total']:,.0f} tokens/s, CPU "
+                          f"{max(result['cpu_ms_per_step_per_process']):.1f} ms/step, loss {result['loss']:.4f} (first step "
                           f"{result['first_step_s']:.1f} s)", flush=True)
             except Exception as e:  # a variant this torch cannot run; the others still can
                 record(**fields, error=f"{type(e).__name__}: {e}")
@@ -348,17 +399,18 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(runs: list[dict[str, Any]]) -> None:
     print("\n| per-process batch | processes | variant | ms/step | tokens/s per process | tokens/s total | scaling "
-          "| loss | first step s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| CPU ms/step | loss | first step s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(runs, key=lambda r: (-r["batch_size"], r["nproc"])):
         if "tokens_per_s_total" not in r:
             why = r.get("error") or r.get("skipped")
-            print(f"| {r['batch_size']} | {r['nproc']} | {r['variant']} | {why} | | | | | |")
+            print(f"| {r['batch_size']} | {r['nproc']} | {r['variant']} | {why} | | | | | | |")
             continue
         per = " / ".join(f"{x:,.0f}" for x in r["tokens_per_s_per_process"])
         scale = f"{r['scaling']:.2f}x" if r["scaling"] is not None else "-"
         print(f"| {r['batch_size']} | {r['nproc']} | {r['variant']} | {r['ms_per_step']:.1f} | {per} | "
-              f"{r['tokens_per_s_total']:,.0f} | {scale} | {r['loss']:.4f} | {r['first_step_s']:.1f} |")
+              f"{r['tokens_per_s_total']:,.0f} | {scale} | {max(r['cpu_ms_per_step_per_process']):.1f} | "
+              f"{r['loss']:.4f} | {r['first_step_s']:.1f} |")
     print("\nscaling: N processes' total tokens/s over one process's at the same per-process batch "
           "(issue 15: >= 1.9x at 256 and >= 1.8x at 128 on 2 GPUs)")
 
@@ -409,6 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-predictions", type=int, default=20, help="MLM slots per sequence (BERT at 128: 20)")
     p.add_argument("--batches", default=None, help="real batches saved by bench/train_throughput.py --save-batches")
     p.add_argument("--pool", type=int, default=4, help="distinct batches per process, taken in turn")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed steps, this many more under torch.profiler: GPU busy time and the CPU's "
+                        "busiest operators per step (printed and in the JSON)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")

@@ -379,13 +379,14 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
             server_cpu = _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
         parts = pending.get()
     latencies = [x for p in parts for x in p["latencies"]]
-    requests = len(latencies)
+    errors = sum(p["errors"] for p in parts)
+    answered = len(latencies) - errors  # a refused request (429 past the queue limits) is not throughput
     cpu = sum(p["cpu_s"] for p in parts)
     return {"clients": processes * connections, "processes": processes, "texts_per_request": per_request,
-            "requests_per_s": round(requests / duration_s, 1), "texts_per_s": round(requests * per_request / duration_s, 1),
+            "requests_per_s": round(answered / duration_s, 1), "texts_per_s": round(answered * per_request / duration_s, 1),
             "p50_ms": round(_pct(latencies, 50) * 1e3, 2), "p99_ms": round(_pct(latencies, 99) * 1e3, 2),
-            "errors": sum(p["errors"] for p in parts),
-            "client_cpu_us_per_request": round(cpu / max(requests, 1) * 1e6, 1),
+            "errors": errors,
+            "client_cpu_us_per_request": round(cpu / max(len(latencies), 1) * 1e6, 1),
             "client_cpu_share": round(cpu / (processes * duration_s), 2),
             **({"server_cpu": server_cpu} if server_cpu else {})}
 

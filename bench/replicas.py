@@ -26,13 +26,19 @@ if str(ROOT) not in sys.path:
 from bench.http_load import _all_workers_up, make_texts, multiprocess_load, serve  # noqa: E402
 
 
+# Untimed load on every server after it starts: the first batches of each shape are slow, and the queue's
+# admission estimates the engine's speed from them.
+WARM_UP_S = 3.0
+
+
 def _settings(args, **extra) -> dict:
     settings = {"device": args.device, "max_wait_ms": 0, **extra}
     settings.update(item.split("=", 1) for item in args.set)
     return settings
 
 
-def _load_at_once(urls: list[str], args, texts: list[str], processes: int, workers: int) -> list[dict]:
+def _load_at_once(urls: list[str], args, texts: list[str], processes: int, workers: int,
+                  duration: float | None = None) -> list[dict]:
     """Each URL (a server of `workers` HTTP workers) loaded by its own `processes` client processes, all at
     the same time."""
     connections = max(1, args.max_inflight_texts // (args.texts_per_request * args.processes))
@@ -41,7 +47,7 @@ def _load_at_once(urls: list[str], args, texts: list[str], processes: int, worke
     def load(i: int) -> None:
         engine, pids = _all_workers_up(urls[i], workers)
         results[i] = multiprocess_load(urls[i], texts, args.texts_per_request, processes, connections,
-                                       args.duration, args.encoding_format, (engine, {engine, *pids}))
+                                       duration or args.duration, args.encoding_format, (engine, {engine, *pids}))
 
     threads = [threading.Thread(target=load, args=(i,)) for i in range(len(urls))]
     for t in threads:
@@ -78,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:  # one server per GPU, started once, loaded alone and together
         urls = [stack.enter_context(serve(args.artifact, **_settings(args, workers=args.workers,
                                                                      cuda_device_id=gpu))) for gpu in gpus]
+        _load_at_once(urls, args, texts, args.processes, args.workers, WARM_UP_S)
         rows.append(_row("one GPU, one server", _load_at_once(urls[:1], args, texts, args.processes, args.workers)))
         rows.append(_row(f"{len(gpus)} servers, one per GPU",
                          _load_at_once(urls, args, texts, args.processes, args.workers)))
@@ -86,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         with serve(args.artifact, **_settings(args, workers=args.workers * len(gpus),
                                               cuda_device_ids=args.gpus)) as url:
+            _load_at_once([url], args, texts, args.processes * len(gpus), args.workers * len(gpus), WARM_UP_S)
             rows.append(_row(f"one server, an engine per GPU ({len(gpus)} GPUs)",
                              _load_at_once([url], args, texts, args.processes * len(gpus),
                                            args.workers * len(gpus))))

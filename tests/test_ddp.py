@@ -37,7 +37,8 @@ def test_pretrain_ddp_flags_under_torchrun_follow_one_process(tmp_path):
     assert [r["loss"] for r in ddp] == pytest.approx([r["loss"] for r in single], abs=5e-3)
     summary = json.loads((tmp_path / "ddp" / "training_summary.json").read_text())
     assert summary["train_config"]["ddp"] == {"bf16_grads": True, "bucket_mb": 0.05, "bucket_view": True,
-                                              "static_graph": True}
+                                              "static_graph": True, "graph_per_bucket": False,
+                                              "broadcast_buffers": False}
 
 
 def test_static_graph_with_accumulation_is_refused(tmp_path, capsys):
@@ -69,3 +70,39 @@ def test_ddp_scaling_bench_on_cpu(tmp_path):
     assert measured["nocomm"]["loss"] != plain
     assert [r["dtype"] for r in report["allreduce"]] == ["float32", "bfloat16"]
     assert "| 8 | 2 | bf16 |" in done.stdout
+
+
+def test_the_compiled_ddp_model_is_one_graph_that_computes_what_the_model_does(tmp_path):
+    """The trainer's default under --compile: dynamo's DDP graph splitting off, and the compiled DDP model
+    gives the eager model's loss and gradients (one process over gloo: DDP's averaging is then the identity)."""
+    import dataclasses
+
+    import torch
+    import torch.distributed as torch_dist
+
+    from bench.train_throughput import make_batch
+    from training.ddp import DDPOptions, compile_ddp, wrap_ddp
+    from training.model import BertForPreTraining, preset_config
+    from training.model_inputs import cpu_inputs, inputs_to_device
+
+    config = dataclasses.replace(preset_config("tiny", vocab_size=500), hidden_dropout_prob=0.0,
+                                 attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    eager = BertForPreTraining(config)
+    inputs = inputs_to_device(cpu_inputs(make_batch(4, 32, 500, 5), 5, pad_to=32), torch.device("cpu"))
+    eager(**inputs).loss.backward()
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = BertForPreTraining(config)
+        compiled = compile_ddp(wrap_ddp(model, torch.device("cpu"), DDPOptions()), DDPOptions())
+        loss = compiled(**inputs).loss
+        loss.backward()
+        assert torch._dynamo.config.optimize_ddp is False
+    finally:
+        torch_dist.destroy_process_group()
+        torch._dynamo.reset()
+        torch._dynamo.config.optimize_ddp = True  # torch's default, for whatever runs next in this process
+    assert loss.item() == pytest.approx(eager(**inputs).loss.item(), abs=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-5), name

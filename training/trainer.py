@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from training.batch_stream import BatchSource, BatchStream
 from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from training.ddp import DDPOptions, wrap_ddp
+from training.ddp import DDPOptions, compile_ddp, wrap_ddp
 from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
@@ -478,7 +478,10 @@ def build_learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, s
     """Wrapped for DDP when distributed (after a restore: DDP starts every rank from rank 0's weights) and
     compiled when asked. Public, with optimizer_step, so that bench/ddp_scaling.py times the trainer's step."""
     ddp_model: nn.Module = wrap_ddp(model, dist.device, cfg.ddp) if dist.distributed else model
-    step_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    if not cfg.compile:
+        step_model = ddp_model
+    else:
+        step_model = compile_ddp(ddp_model, cfg.ddp) if dist.distributed else torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
     return Learner(model, ddp_model, step_model, optimizer, schedule, params)
 
