@@ -416,12 +416,33 @@ def _sequential_latency(url: str, text: str, requests: int) -> dict:
             "server_inference_p50_ms": round(float(np.median(inference)), 3), "client": "http.client keep-alive"}
 
 
-def _server_batches(url: str) -> tuple[float, float]:
-    """(batches, sequences) so far, from /metrics: their difference over a run gives the mean batch size."""
-    text = httpx.get(f"{url}/metrics").text
-    values = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith(("bertserve_batch_size_count ", "bertserve_batch_size_sum "))}
-    return values.get("bertserve_batch_size_count", 0.0), values.get("bertserve_batch_size_sum", 0.0)
+_STAGES = {"request": "bertserve_request_duration_seconds", "tokenize": "bertserve_tokenize_duration_seconds",
+           "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds",
+           "batch_size": "bertserve_batch_size"}
+
+
+def _server_totals(url: str) -> dict[str, float]:
+    """Each histogram's _sum and _count so far, from /metrics (summed over label values): differences over
+    a run give the mean batch size and where the server's time per request went."""
+    totals: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _STAGES.values():
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Over a run: the mean batch size, and mean ms per request in the worker's handler (request), in
+    tokenising, waiting for its batch (queue), and per batch in the engine (inference)."""
+    means = {}
+    for stage, metric in _STAGES.items():
+        count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
+        total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
+        scale = 1.0 if stage == "batch_size" else 1e3
+        means["mean_batch_size" if stage == "batch_size" else f"server_{stage}_ms"] = round(
+            total / max(count, 1) * scale, 3 if scale > 1 else 1)
+    return means
 
 
 def serving(args) -> dict:
@@ -444,13 +465,17 @@ def serving(args) -> dict:
             for per_request in (1, 16, 64):
                 # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
                 connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
-                before = _server_batches(url)
+                before = _server_totals(url)
                 print(f"HTTP, {workers} server process(es): {args.processes} client processes x {connections} "
                       f"connections, {per_request} text(s) per request ...", file=sys.stderr)
                 run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
                                         args.encoding_format, (engine_pid, server_pids))
-                after = _server_batches(url)
-                run["mean_batch_size"] = round((after[1] - before[1]) / max(after[0] - before[0], 1), 1)
+                run.update(_server_means(before, _server_totals(url)))
+                run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
+                print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
+                      f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
+                      f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
+                      f"{run['mean_batch_size']}", file=sys.stderr)
                 run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
                 runs[f"x{per_request}"] = run
             print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
