@@ -462,7 +462,7 @@ def serving(args) -> dict:
         with serve(args.artifact, **settings) as url:
             engine_pid, worker_pids = _all_workers_up(url, workers)
             server_pids = {engine_pid, *worker_pids}
-            for per_request in (1, 16, 64):
+            for per_request in [int(x) for x in args.texts_per_request.split(",")]:
                 # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
                 connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
                 before = _server_totals(url)
@@ -599,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--inference-workers", type=int, default=0, help="the server's setting (0: its default)")
     srv.add_argument("--encoding-format", choices=["float", "base64"], default="float",
                      help="how /embed answers the vectors (the openai client asks for base64)")
+    srv.add_argument("--texts-per-request", default="1,16,64", help="request sizes to load, in turn")
     srv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="a server setting, e.g. --set max_batch_size=128 (repeatable)")
     for p in (load, fmt, cmp_, srv):

