@@ -72,6 +72,7 @@ def test_ddp_scaling_bench_on_cpu(tmp_path):
     assert "| 8 | 2 | bf16 |" in done.stdout
 
 
+@pytest.mark.slow  # compiles on the CPU: about 35 s
 def test_the_compiled_ddp_model_is_one_graph_that_computes_what_the_model_does(tmp_path):
     """The trainer's default under --compile: dynamo's DDP graph splitting off, and the compiled DDP model
     gives the eager model's loss and gradients (one process over gloo: DDP's averaging is then the identity)."""
