@@ -157,13 +157,8 @@ class TextTokenizer:
             tokenizer = self._ascii_full if plain else self._full
         if plain and self._ascii.lowercase:  # BertNormalizer's lower-casing, in Python: a fraction of the cost
             batch = [x.lower() if isinstance(x, str) else (x[0].lower(), x[1].lower()) for x in batch]
-        if plain and not offsets and self._words is not None and all(isinstance(x, str) for x in batch):
-            rows = [self._words.ids(x, truncate) for x in batch]
-            lengths = [len(r) for r in rows]
-            self._check_lengths(items, lengths, field)
-            total = sum(lengths)
-            return Tokenized(Sequences(_joined(rows, total), np.zeros(total, dtype=np.int64),
-                                       np.array(lengths, dtype=np.int64)), None)
+        if plain and not offsets and self._words is not None:
+            return self._by_words(items, batch, truncate, field)
         try:
             encodings = _encode_all(tokenizer, batch, offsets)
         except Exception as e:  # lone surrogates ("\ud800") and the like cannot become UTF-8
@@ -180,6 +175,16 @@ class TextTokenizer:
         total = sum(lengths)
         ids, type_ids = _joined([e.ids for e in encodings], total), _joined([e.type_ids for e in encodings], total)
         return Tokenized(Sequences(ids, type_ids, np.array(lengths, dtype=np.int64)), encodings)
+
+    def _by_words(self, items: Sequence[Item], batch: list[Item], truncate: bool, field: str) -> Tokenized:
+        rows, firsts = zip(*(self._words.encode(x, truncate) for x in batch))
+        lengths = [len(r) for r in rows]
+        self._check_lengths(items, lengths, field)
+        total = sum(lengths)
+        type_ids = np.ones(total, dtype=np.int64)  # segment 1 but for each row's first `first` tokens
+        for start, first in zip(itertools.accumulate([0, *lengths[:-1]]), firsts):
+            type_ids[start:start + first] = 0
+        return Tokenized(Sequences(_joined(rows, total), type_ids, np.array(lengths, dtype=np.int64)), None)
 
     def _check_lengths(self, items: Sequence[Item], lengths: list[int], field: str) -> None:
         """InputTooLong past max_length (only without truncation); InvalidInput for an input that is only
@@ -266,11 +271,12 @@ _WORDS_REMEMBERED = 100_000  # distinct words kept (about 16 MB); past it the me
 
 
 class _AsciiWords:
-    """Plain ASCII text (already lower-cased where the tokenizer lower-cases) -> `[CLS] ... [SEP]` ids,
-    word by word: each word's WordPiece ids come from the tokenizer's own model, once, and are remembered.
-    WordPiece splits every word on its own, so a text's ids are its words' ids end to end; a short text
-    costs a few µs instead of the tokenizer's tens (offsets are not tracked, pairs go the tokenizer's way).
-    Safe from several threads: a dict's get and set are atomic under the GIL."""
+    """Plain ASCII texts and pairs (already lower-cased where the tokenizer lower-cases) -> `[CLS] a [SEP]`
+    or `[CLS] a [SEP] b [SEP]` ids, word by word: each word's WordPiece ids come from the tokenizer's own
+    model, once, and are remembered. WordPiece splits every word on its own, so a text's ids are its words'
+    ids end to end, and truncation is the tokenizer's (longest first); a short text costs a few µs instead
+    of the tokenizer's tens. Offsets are not tracked. Safe from several threads: a dict's get and set are
+    atomic under the GIL."""
 
     def __init__(self, model: models.WordPiece, cls: int, sep: int, max_length: int):
         self._model, self._cls, self._sep, self._max_length = model, cls, sep, max_length
@@ -279,22 +285,37 @@ class _AsciiWords:
     @classmethod
     def of(cls, tokenizer: Tokenizer, ascii_path: _AsciiPath, max_length: int) -> _AsciiWords | None:
         """For the ASCII path's tokenizer, or None where its ids could differ from this way's: a model
-        other than WordPiece, a template other than `[CLS] text [SEP]`, a pre-tokenizer other than
-        BertPreTokenizer's, or any disagreement on a probe text."""
+        other than WordPiece, templates other than BERT's, a pre-tokenizer other than BertPreTokenizer's,
+        or any disagreement on a probe text or pair."""
         if not isinstance(tokenizer.model, models.WordPiece) or "pre_tokenizer" not in ascii_path.parts:
             return None
-        if tokenizer.num_special_tokens_to_add(False) != 2:
+        if (tokenizer.num_special_tokens_to_add(False), tokenizer.num_special_tokens_to_add(True)) != (2, 3):
             return None
         ends = tokenizer.encode("a").ids
         words = cls(tokenizer.model, ends[0], ends[-1], max_length)
         text = "the quick, brown fox's 2nd jump-over (at 9:30pm) isn't x" + "y" * 120 + " ok?!"
-        probe = tokenizer.encode(text)
-        if words.ids(text, truncate=False) != probe.ids or any(probe.type_ids):
-            return None
+        for item in (text, (text, "and a second one.")):
+            probe = tokenizer.encode(item) if isinstance(item, str) else tokenizer.encode(*item)
+            ids, first = words.encode(item, truncate=False)
+            if ids != probe.ids or probe.type_ids != [0] * first + [1] * (len(ids) - first):
+                return None
         return words
 
-    def ids(self, text: str, truncate: bool) -> list[int]:
-        ids = [self._cls]
+    def encode(self, item: Item, truncate: bool) -> tuple[list[int], int]:
+        """(ids, how many of them are segment 0)."""
+        if isinstance(item, str):
+            pieces = self._pieces(item)
+            if truncate:
+                del pieces[self._max_length - 2:]
+            return [self._cls, *pieces, self._sep], len(pieces) + 2
+        first, second = self._pieces(item[0]), self._pieces(item[1])
+        if truncate:
+            n1, n2 = _longest_first(len(first), len(second), self._max_length - 3)
+            del first[n1:], second[n2:]
+        return [self._cls, *first, self._sep, *second, self._sep], len(first) + 2
+
+    def _pieces(self, text: str) -> list[int]:
+        ids: list[int] = []
         remembered = self._remembered
         for word in _WORDS.findall(text):
             pieces = remembered.get(word)
@@ -304,10 +325,21 @@ class _AsciiWords:
                     remembered.clear()
                 remembered[word] = pieces
             ids += pieces
-        if truncate and len(ids) >= self._max_length:  # as the tokenizer truncates: the end goes
-            del ids[self._max_length - 1:]
-        ids.append(self._sep)
         return ids
+
+
+def _longest_first(n1: int, n2: int, limit: int) -> tuple[int, int]:
+    """How many tokens of each of a pair the tokenizers library's `longest_first` truncation keeps, when
+    `limit` tokens are left for both: the shorter keeps all it can, the longer the rest, and when both are
+    past half of it, each about half."""
+    if n1 + n2 <= limit:
+        return n1, n2
+    short, long_ = min(n1, n2), max(n1, n2)
+    long_ = short if short > limit else max(short, limit - short)
+    if short + long_ > limit:
+        short = limit // 2
+        long_ = short + limit % 2
+    return (short, long_) if n1 <= n2 else (long_, short)
 
 
 def _encode_all(tokenizer: Tokenizer, batch: list[Item], offsets: bool) -> list[Encoding]:

