@@ -196,11 +196,11 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dist.device)
 
-    started, cpu_started = time.perf_counter(), time.process_time()
+    started = time.perf_counter()
     for _ in range(args.steps):
         optimizer_step(learner, stream, window, cfg, dist)
     _sync(dist.device)
-    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    elapsed = time.perf_counter() - started
     profiled = _profile(learner, stream, window, cfg, dist, args.profile_steps) if args.profile_steps else None
     tokens = window.tokens  # this process's, before close() sums them over processes
     totals = window.close(dist)  # losses averaged over the timed micro-batches and processes
@@ -208,9 +208,6 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     per_process = _gathered(tokens / elapsed, dist)
     result = {
         "ms_per_step": max(elapsed_all) / args.steps * 1e3,  # the slowest process sets the pace
-        # CPU time of each process per step (all its threads): a step that needs as much CPU as wall time
-        # is bound by launching its work, not by the GPU
-        "cpu_ms_per_step_per_process": [c / args.steps * 1e3 for c in _gathered(cpu, dist)],
         "tokens_per_s_total": totals.tokens / max(elapsed_all),
         "tokens_per_s_per_process": per_process,
         "tokens_per_step_total": totals.tokens / args.steps,
@@ -338,8 +335,7 @@ def worker(args: argparse.Namespace) -> int:
                                      indent=1), flush=True)
                 if dist.is_main:
                     print(f"N={dist.world_size} batch {batch_size} {variant.name}: {result['ms_per_step']:.1f} ms/step, "
-                          f"{result['tokens_per_s_total']:,.0f} tokens/s, CPU "
-                          f"{max(result['cpu_ms_per_step_per_process']):.1f} ms/step, loss {result['loss']:.4f} (first step "
+                          f"{result['tokens_per_s_total']:,.0f} tokens/s, loss {result['loss']:.4f} (first step "
                           f"{result['first_step_s']:.1f} s)", flush=True)
             except Exception as e:  # a variant this torch cannot run; the others still can
                 record(**fields, error=f"{type(e).__name__}: {e}")
@@ -399,18 +395,17 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def print_table(runs: list[dict[str, Any]]) -> None:
     print("\n| per-process batch | processes | variant | ms/step | tokens/s per process | tokens/s total | scaling "
-          "| CPU ms/step | loss | first step s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| loss | first step s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in sorted(runs, key=lambda r: (-r["batch_size"], r["nproc"])):
         if "tokens_per_s_total" not in r:
             why = r.get("error") or r.get("skipped")
-            print(f"| {r['batch_size']} | {r['nproc']} | {r['variant']} | {why} | | | | | | |")
+            print(f"| {r['batch_size']} | {r['nproc']} | {r['variant']} | {why} | | | | | |")
             continue
         per = " / ".join(f"{x:,.0f}" for x in r["tokens_per_s_per_process"])
         scale = f"{r['scaling']:.2f}x" if r["scaling"] is not None else "-"
         print(f"| {r['batch_size']} | {r['nproc']} | {r['variant']} | {r['ms_per_step']:.1f} | {per} | "
-              f"{r['tokens_per_s_total']:,.0f} | {scale} | {max(r['cpu_ms_per_step_per_process']):.1f} | "
-              f"{r['loss']:.4f} | {r['first_step_s']:.1f} |")
+              f"{r['tokens_per_s_total']:,.0f} | {scale} | {r['loss']:.4f} | {r['first_step_s']:.1f} |")
     print("\nscaling: N processes' total tokens/s over one process's at the same per-process batch "
           "(issue 15: >= 1.9x at 256 and >= 1.8x at 128 on 2 GPUs)")
 

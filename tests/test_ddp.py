@@ -50,11 +50,13 @@ def test_static_graph_with_accumulation_is_refused(tmp_path, capsys):
 def test_ddp_scaling_bench_on_cpu(tmp_path):
     """One process, then two, through the trainer's step: every variant runs; the options that only move
     memory or change bucketing give the same losses as plain DDP to the last bit, bf16 all-reduce nearly
-    the same, and skipping the all-reduce (nocomm) other ones. Accumulating, a static graph is refused."""
+    the same, and skipping the all-reduce (nocomm) other ones. Accumulating, a static graph is refused.
+    A profiled step reports its busiest operators."""
     out = tmp_path / "ddp_scaling.json"
     cmd = [sys.executable, "bench/ddp_scaling.py", "--device", "cpu", "--preset", "tiny", "--vocab-size", "500",
            "--seq-len", "32", "--max-predictions", "5", "--batch-sizes", "8", "--steps", "2", "--warmup", "2",
-           "--variants", "plain,asview+bucket1,bf16,nocomm,static", "--grad-accum", "2", "--json", str(out)]
+           "--variants", "plain,asview+bucket1,bf16,nocomm,static", "--grad-accum", "2", "--profile-steps", "1",
+           "--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -68,6 +70,9 @@ def test_ddp_scaling_bench_on_cpu(tmp_path):
     assert measured["asview+bucket1"]["loss"] == plain
     assert measured["bf16"]["loss"] == pytest.approx(plain, rel=1e-3) and measured["bf16"]["loss"] != plain
     assert measured["nocomm"]["loss"] != plain
+    profile = measured["plain"]["profile"]  # CPU only: no GPU time, the busiest operators
+    assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0 and profile["gpu_busy_ms_per_step"] == 0
+    assert any("mm" in name for name in profile["top_self_cpu_ms_per_step"]), profile
     assert [r["dtype"] for r in report["allreduce"]] == ["float32", "bfloat16"]
     assert "| 8 | 2 | bf16 |" in done.stdout
 
