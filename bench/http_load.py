@@ -539,8 +539,7 @@ def print_serving_table(r: dict) -> None:
     print(f"{'HTTP /embed (cls)':<34}{'texts/s':>10}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
           f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}{'engine (thread) / workers / busiest, cores':>44}")
     for workers, runs in r["http"].items():
-        for key in ("x1", "x16", "x64"):
-            h = runs[key]
+        for h in (run for key, run in runs.items() if key.startswith("x")):  # one per request size, in turn
             label = f"{workers}, {h['texts_per_request']} text(s), {h['clients']} cl"
             print(f"{label:<34}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
                   f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}"
