@@ -93,7 +93,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
 
 
 # One text below this many characters is tokenised on the event loop: a thread hop costs more. Several
-# texts go to a thread, where encode_batch runs without the GIL on the tokenizer's own threads.
+# texts go to a thread, where the tokenizers library runs without the GIL (plain ASCII without offsets is
+# tokenised word by word in Python and holds it, a few µs a text, while the loop still gets its turns).
 IN_PROCESS_INLINE_TOKENIZING = InlineTokenizing(max_texts=1, max_chars=4096)
 
 
