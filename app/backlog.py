@@ -15,12 +15,19 @@ class EngineSpeed:
     def __init__(self):
         self._tokens = 0.0  # running averages of a batch's tokens and of the time it stands for
         self._seconds = 0.0
+        self._assumed = False  # the averages are assume()'s, until the first batch finishes
+
+    def assume(self, tokens: int, seconds: float) -> None:
+        """A speed to go by until the first batch finishes, which then replaces it rather than joins it
+        (the start-up batch is larger than most, so it would weigh on the averages for many batches)."""
+        if tokens > 0 and seconds > 0 and not self.measured:
+            self._tokens, self._seconds, self._assumed = float(tokens), seconds, True
 
     def batch_finished(self, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds <= 0:
             return
-        if self._tokens == 0:
-            self._tokens, self._seconds = float(tokens), seconds
+        if self._tokens == 0 or self._assumed:
+            self._tokens, self._seconds, self._assumed = float(tokens), seconds, False
         else:
             self._tokens += _WEIGHT * (tokens - self._tokens)
             self._seconds += _WEIGHT * (seconds - self._seconds)

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
+import numpy as np
+
 from app.backend import Backend, EngineInfo, InlineTokenizing
-from app.batcher import DynamicBatcher
+from app.batcher import DynamicBatcher, Sequences, collate
 from app.engine import EngineError, OrtEngine, resolve_device_precision
 from app.metrics import Metrics
 from app.settings import Settings
 from app.tokenization import TextTokenizer
-from artifact.manifest import TOKENIZER_FILE, Manifest, read_manifest
+from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, Manifest, read_manifest
 from artifact.session import CPU
 
 log = logging.getLogger("app")
@@ -88,8 +91,31 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_queued=settings.max_queued_sequences, inference_workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device),
                              max_queue_ms=settings.max_queue_ms, metrics=metrics)
+    _measure_speed(engine, batcher, probe.ids, manifest.max_length)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher
+
+
+# Length of the start-up batch's sequences: a typical request's, not the longest the model takes.
+_WARM_UP_LENGTH = 128
+
+
+def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, max_length: int) -> None:
+    """Run one full batch of the kind the batcher forms before serving and time it: the speed the queue's
+    admission by time (max_queue_ms) goes by until the first real batch finishes. Without it the admission
+    knew no speed at start and refused a burst that came at once (41-101 requests answered 429 in
+    bench/replicas.py's first runs on H100s). On a GPU an untimed run goes first: it sets up the kernels for
+    the shape. Costs a batch's time at start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores)."""
+    length = min(_WARM_UP_LENGTH, max_length)
+    rows = max(1, min(batcher.max_batch_size, batcher.max_batch_tokens // length))
+    row = np.resize(ids, length)  # the probe's tokens repeated: what they are does not change the time
+    batch = collate(Sequences(np.tile(row, rows), np.zeros(rows * length, dtype=np.int64),
+                              np.full(rows, length, dtype=np.int64)), engine.pad_id, frozenset({CLS_EMBEDDING}))
+    if engine.device == "cuda":
+        engine.run(batch)
+    started = time.perf_counter()
+    engine.run(batch)
+    batcher.speed.assume(rows * length, time.perf_counter() - started)
 
 
 # One text below this many characters is tokenised on the event loop: a thread hop costs more. Several

@@ -73,7 +73,8 @@ class Settings(BaseSettings):
                                "batch never waits); 0: a lone request runs at once")
     max_queued_sequences: int = Field(4096, ge=1, description="queue limit: beyond it requests get 429")
     max_queue_ms: float | None = Field(2000.0, gt=0, description="a request is admitted only while the queued "
-                                       "work would start within this (estimated from the engine's measured speed), "
+                                       "work would start within this (estimated from the engine's measured speed, "
+                                       "from a batch timed at start until the first batch finishes), "
                                        "else 429 at once with Retry-After from the backlog; so clients are answered "
                                        "within about this plus their own inference time. Empty: no limit")
     max_concurrent_requests: int = Field(512, ge=1, description="requests being served at once; beyond: 429")

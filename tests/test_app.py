@@ -571,6 +571,26 @@ def test_admission_by_time_answers_429_at_once_past_the_queue_limit(artifact):
     assert max(ok) < 0.3 + 0.2 + 0.5  # within the limit, its own batch, and a margin for a busy host
 
 
+def test_a_burst_right_after_start_is_admitted_on_the_speed_measured_at_start(artifact):
+    """Start-up runs a full batch and times it, so the admission by time has a speed to go by before any
+    request finished: a burst queued behind a first, slow batch (here 1,920 tokens, past the 2 x 512 that an
+    unmeasured queue takes on two CPU cores) is admitted, not refused as "just started". The first real
+    batch then replaces that estimate: the batches after it are judged by the speed they show."""
+    async def go():
+        async with serving(artifact, inference_workers=2) as (c, app):
+            speed = app.state.service.batcher.speed
+            assert speed.measured
+            at_start = speed.seconds_for(512)
+            _slow_engine(app, 0.05)
+            burst = await asyncio.gather(*(c.post("/embed", json={"inputs": ["a b"] * 16}) for _ in range(30)))
+            return burst, at_start, speed.seconds_for(512)
+    burst, at_start, after = run(go())
+    assert [r.status_code for r in burst] == [200] * 30
+    # 512 tokens (one CPU batch) took 0.05 s on each of two workers: at least 0.025 s by the estimate now,
+    # where the start-up batch of the real engine said much less.
+    assert at_start < 0.02 <= after, (at_start, after)
+
+
 def test_concurrent_request_limit(artifact):
     async def go():
         async with serving(artifact, max_concurrent_requests=2) as (c, app):
