@@ -201,7 +201,10 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
         optimizer_step(learner, stream, window, cfg, dist)
     _sync(dist.device)
     elapsed = time.perf_counter() - started
-    profiled = _profile(learner, stream, window, cfg, dist, args.profile_steps) if args.profile_steps else None
+    profiled = None
+    if args.profile_steps:
+        trace = Path(args.trace_dir) / f"{variant.name}-b{batch_size}" if args.trace_dir else None
+        profiled = _all_ranks(_profile(learner, stream, window, cfg, dist, args.profile_steps, trace), dist)
     tokens = window.tokens  # this process's, before close() sums them over processes
     totals = window.close(dist)  # losses averaged over the timed micro-batches and processes
     elapsed_all = _gathered(elapsed, dist)
@@ -231,11 +234,17 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     return busy / 1e3
 
 
-def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: int) -> dict[str, Any]:
-    """`steps` more steps under torch.profiler (every rank: the collectives need them all): per step, the
-    wall time, how long the GPU ran anything (compute and NCCL kernels, and compute alone), and the CPU
-    operators that took the most of this process's own time. A GPU busy for much less than the wall time
-    waits for the CPU (launch-bound) or for another rank."""
+def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: int,
+             trace: Path | None = None) -> dict[str, Any]:
+    """`steps` more steps under torch.profiler (every rank: the collectives need them all), this rank's
+    view: per step, the wall time, how long the GPU ran anything (compute and NCCL kernels) and compute
+    alone, how far the CPU had run ahead of the GPU when the last step was launched (near 0: launching is
+    the limit), and the CPU operators that took the most of this process's own time. A GPU busy for much
+    less than the wall time waits for the CPU or for another rank; NCCL time well above an all-reduce's own
+    is waiting for another rank. `trace`: also a gzipped Chrome trace there."""
+    import gzip
+    import shutil
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device.type == "cuda" else [])
@@ -244,16 +253,35 @@ def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: i
         started = time.perf_counter()
         for _ in range(steps):
             optimizer_step(learner, stream, window, cfg, dist)
+        launched = time.perf_counter()
         _sync(dist.device)
-        wall_ms = (time.perf_counter() - started) * 1e3 / steps
+        done = time.perf_counter()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
     top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
-    return {"steps": steps, "wall_ms_per_step": wall_ms,
-            "gpu_busy_ms_per_step": _busy_ms(spans) / steps, "gpu_compute_ms_per_step": _busy_ms(compute) / steps,
+    if trace is not None:
+        trace.mkdir(parents=True, exist_ok=True)
+        plain = trace / f"rank{dist.rank}.json"
+        prof.export_chrome_trace(str(plain))
+        with plain.open("rb") as f, gzip.open(f"{plain}.gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        plain.unlink()
+    busy, busy_compute = _busy_ms(spans) / steps, _busy_ms(compute) / steps
+    return {"rank": dist.rank, "steps": steps, "wall_ms_per_step": (done - started) * 1e3 / steps,
+            "gpu_busy_ms_per_step": busy, "gpu_compute_ms_per_step": busy_compute,
+            "gpu_nccl_only_ms_per_step": busy - busy_compute,
+            "cpu_ahead_at_end_ms": (done - launched) * 1e3,
             "cuda_kernels_per_step": len(kernels) / steps,
             "top_self_cpu_ms_per_step": {a.key[:80]: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in top}}
+
+
+def _all_ranks(value: Any, dist: DistInfo) -> list[Any]:
+    if not dist.distributed:
+        return [value]
+    out: list[Any] = [None] * dist.world_size
+    torch_dist.all_gather_object(out, value)
+    return out
 
 
 def allreduce_timings(numel: int, dist: DistInfo, repeats: int = 5) -> list[dict[str, Any]]:
@@ -331,8 +359,9 @@ def worker(args: argparse.Namespace) -> int:
                 result = measure(args, variant, batch_size, pools[batch_size], compiled, dist)
                 record(**fields, **result)
                 if dist.is_main and "profile" in result:
-                    print(json.dumps({"variant": variant.name, "batch_size": batch_size, **result["profile"]},
-                                     indent=1), flush=True)
+                    for rank in result["profile"]:
+                        print(json.dumps({"variant": variant.name, "batch_size": batch_size, **rank}, indent=1),
+                              flush=True)
                 if dist.is_main:
                     print(f"N={dist.world_size} batch {batch_size} {variant.name}: {result['ms_per_step']:.1f} ms/step, "
                           f"{result['tokens_per_s_total']:,.0f} tokens/s, loss {result['loss']:.4f} (first step "
@@ -459,6 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after the timed steps, this many more under torch.profiler: GPU busy time and the CPU's "
                         "busiest operators per step (printed and in the JSON)")
+    p.add_argument("--trace-dir", default=None,
+                   help="with --profile-steps, also a gzipped Chrome trace of each rank under DIR/VARIANT-bBATCH/")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")

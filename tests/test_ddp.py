@@ -56,7 +56,7 @@ def test_ddp_scaling_bench_on_cpu(tmp_path):
     cmd = [sys.executable, "bench/ddp_scaling.py", "--device", "cpu", "--preset", "tiny", "--vocab-size", "500",
            "--seq-len", "32", "--max-predictions", "5", "--batch-sizes", "8", "--steps", "2", "--warmup", "2",
            "--variants", "plain,asview+bucket1,bf16,nocomm,static", "--grad-accum", "2", "--profile-steps", "1",
-           "--json", str(out)]
+           "--trace-dir", str(tmp_path / "traces"), "--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -70,9 +70,12 @@ def test_ddp_scaling_bench_on_cpu(tmp_path):
     assert measured["asview+bucket1"]["loss"] == plain
     assert measured["bf16"]["loss"] == pytest.approx(plain, rel=1e-3) and measured["bf16"]["loss"] != plain
     assert measured["nocomm"]["loss"] != plain
-    profile = measured["plain"]["profile"]  # CPU only: no GPU time, the busiest operators
-    assert profile["steps"] == 1 and profile["wall_ms_per_step"] > 0 and profile["gpu_busy_ms_per_step"] == 0
-    assert any("mm" in name for name in profile["top_self_cpu_ms_per_step"]), profile
+    ranks = measured["plain"]["profile"]  # each rank's view; CPU only: no GPU time, the busiest operators
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["steps"] == 1 and r["wall_ms_per_step"] > 0 and r["gpu_busy_ms_per_step"] == 0, r
+        assert any("mm" in name for name in r["top_self_cpu_ms_per_step"]), r
+    assert sorted(p.name for p in (tmp_path / "traces" / "plain-b8").iterdir()) == ["rank0.json.gz", "rank1.json.gz"]
     assert [r["dtype"] for r in report["allreduce"]] == ["float32", "bfloat16"]
     assert "| 8 | 2 | bf16 |" in done.stdout
 
