@@ -6,6 +6,8 @@ gradient all-reduce, clipping, fused AdamW, on BertForPreTraining compiled as th
     python bench/ddp_scaling.py                     # on a 2-GPU machine: N=1 and N=2, batches 256 and 128
     python bench/ddp_scaling.py --variants plain,bf16+asview --batch-sizes 128 --steps 40
     python bench/ddp_scaling.py --batches B.npz     # real batches (bench/train_throughput.py --save-batches)
+    python bench/ddp_scaling.py --batch-sizes 128 --variants trainer --profile-steps 4 --trace-dir $OUT/traces
+                                                    # where each rank's step goes, and a trace per rank
     python bench/ddp_scaling.py --device cpu --preset tiny --vocab-size 1000 --seq-len 32 --max-predictions 5 \\
         --batch-sizes 8 --steps 3 --warmup 1        # smoke test on CPU (gloo)
 
