@@ -263,6 +263,35 @@ def test_a_real_checkpoints_tokenizer_word_by_word_gives_its_ids(max_length):
                 assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
 
 
+def test_a_cased_tokenizer_word_by_word_gives_its_ids(artifact, tmp_path):
+    """A cased vocabulary (BertNormalizer without lower-casing, as bert-base-cased's): capitals stay, and
+    the word-by-word way still gives the library's ids and segments, texts and pairs, truncated or not."""
+    from app.tokenization import TextTokenizer
+
+    manifest = read_manifest(artifact)
+    config = json.loads((artifact / "tokenizer.json").read_text())
+    config["normalizer"]["lowercase"] = False
+    vocab = config["model"]["vocab"]
+    for word in ("The", "Cased", "##Word", "BERT"):  # a few cased pieces, so that capitals do not all go [UNK]
+        vocab.setdefault(word, len(vocab))
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(3)
+    words = ["The", "Cased", "CasedWord", "BERT", "bert", "the", "word", "Word", "a", "b", "x,", "(y)", "Z!"]
+    texts = [" ".join(rng.choice(words, size=int(rng.integers(1, 40)))) for _ in range(120)]
+    items = [t if k % 3 else (t, texts[-k]) for k, t in enumerate(texts)]
+    for truncate, max_length in ((True, 24), (False, 256)):
+        ours = TextTokenizer(tmp_path / "tokenizer.json", max_length, 10**6, manifest.special_tokens)
+        assert ours._words is not None and not ours._ascii.lowercase
+        theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        theirs.enable_truncation(max_length) if truncate else theirs.no_truncation()
+        for i in range(0, len(items), 12):
+            batch = items[i:i + 12]
+            expected = [theirs.encode(x) if isinstance(x, str) else theirs.encode(*x) for x in batch]
+            got = ours.encode(batch, truncate, offsets=False)
+            assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
+        assert any(theirs.token_to_id("BERT") in e.ids for e in map(theirs.encode, texts))  # capitals kept
+
+
 def test_ascii_lowercasing_makes_no_added_token_match(artifact, tmp_path):
     """Added tokens are matched in the text as sent: one that lower-casing the text first would create
     ("Zqx" -> "zqx") must not match, and one in the text must still match."""
