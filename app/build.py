@@ -90,7 +90,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_batch_size=settings.max_batch_size, max_wait_ms=settings.max_wait_ms,
                              max_queued=settings.max_queued_sequences, inference_workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device),
-                             max_queue_ms=settings.max_queue_ms, metrics=metrics)
+                             max_queue_ms=settings.max_queue_ms, overlap_min_tokens=settings.overlap_min_tokens,
+                             metrics=metrics)
     _measure_speed(engine, batcher, probe.ids, manifest.max_length)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher

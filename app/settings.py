@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(0.0, ge=0, le=1000, description="how long an idle batcher waits for more work "
                                "before running a batch that is not full (work that queued behind a running "
                                "batch never waits); 0: a lone request runs at once")
+    overlap_min_tokens: int | None = Field(None, ge=1, description="with several inference_workers: a batch "
+                                           "starts beside a running one only once this many tokens are queued, else "
+                                           "the work waits for the running batch and joins the next, larger one "
+                                           "(on a GPU small batches side by side run fewer texts a second). Empty: "
+                                           "queued work starts in any free slot at once")
     max_queued_sequences: int = Field(4096, ge=1, description="queue limit: beyond it requests get 429")
     max_queue_ms: float | None = Field(2000.0, gt=0, description="a request is admitted only while the queued "
                                        "work would start within this (estimated from the engine's measured speed, "

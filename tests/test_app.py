@@ -11,6 +11,7 @@ import shutil
 import string
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -769,6 +770,51 @@ def test_batcher_packs_by_length_within_the_budget():
     assert 10 in first and sorted(first) == [3, 4, 9, 10]  # oldest (10) + nearest lengths, 4 x 10 = 40
     assert second == [2] or sorted(second) == [2]  # 2 + 30 would cost 2 x 30 > 40
     assert third == [30] and left == 0
+
+
+@pytest.mark.parametrize("overlap_min_tokens", [None, 30])
+def test_work_waits_for_the_running_batch_below_overlap_min_tokens(overlap_min_tokens):
+    """Two inference workers. By default a request that comes while a batch runs starts its own batch
+    beside it at once. With overlap_min_tokens, small requests wait and go together in the next batch once
+    the running one finishes, and enough queued work (here 32 tokens) still starts beside it."""
+    running, most_at_once, sizes = [0], [0], []
+    lock = threading.Lock()
+
+    def engine(batch):
+        with lock:
+            running[0] += 1
+            most_at_once[0] = max(most_at_once[0], running[0])
+        sizes.append(len(batch.input_ids))
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
+
+    async def go():
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                           max_queued=1000, inference_workers=2, packed=True, overlap_min_tokens=overlap_min_tokens)
+        b.start()
+        first = b.submit_group(_zeros([4]), frozenset({"cls_embedding"}))
+        await asyncio.sleep(0.06)  # the first batch is running
+        small = [b.submit_group(_zeros([4]), frozenset({"cls_embedding"})) for _ in range(3)]
+        await asyncio.sleep(0.06)
+        small_started = len(sizes)
+        await asyncio.gather(first, *small)
+        large = [b.submit_group(_zeros([4]), frozenset({"cls_embedding"})) for _ in range(2)]
+        await asyncio.sleep(0.06)  # a batch of the two runs; then 8 x 4 tokens come while it runs
+        more = [b.submit_group(_zeros([4] * 8), frozenset({"cls_embedding"}))]
+        await asyncio.sleep(0.06)
+        beside = running[0]
+        await asyncio.gather(*large, *more)
+        await b.stop()
+        return small_started, beside
+    small_started, beside = run(go())
+    if overlap_min_tokens is None:
+        assert small_started == 2 and sizes[:2] == [1, 3]  # the small requests started beside the first
+    else:
+        assert small_started == 1 and sizes[:2] == [1, 3]  # they waited, then went as one batch
+    assert beside == 2  # 32 queued tokens >= 30: beside the running batch either way
+    assert most_at_once[0] == 2
 
 
 def test_batcher_stops_a_padded_batch_at_the_padding_limit():
