@@ -13,7 +13,8 @@
 # Settings come from BERTSERVE_* variables (`docker run -e BERTSERVE_MAX_BATCH_TOKENS=32768 ...`).
 # On a GPU host add `-e BERTSERVE_WORKERS=8` (about half the cores): HTTP worker processes around one
 # engine process; one Python process alone cannot keep the GPU busy (README, BENCHMARKS.md). Several GPUs:
-# `--gpus all -e BERTSERVE_CUDA_DEVICE_IDS=0,1 -e BERTSERVE_WORKERS=20`, one engine process per GPU.
+# `--gpus all -e BERTSERVE_CUDA_DEVICE_IDS=0,1 -e BERTSERVE_WORKERS=16`, one engine process per GPU (or
+# one container per GPU with `--gpus device=N`: both measured 1.97-2.02x one GPU on two H100s).
 # `docker stop` waits 10 s by default: enough for the default drain (BERTSERVE_DRAIN_SECONDS=5); give a
 # longer drain a longer `--stop-timeout`.
 # The install steps are scripts/install-serve.sh, which tests/test_server_install.py also runs;
