@@ -159,13 +159,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gathered(value: float, dist: DistInfo) -> list[float]:
+def _gathered(value: Any, dist: DistInfo) -> list[Any]:
+    """`value` of every rank, in rank order (anything picklable: a figure, a rank's profile)."""
     if not dist.distributed:
         return [value]
-    t = torch.tensor([value], dtype=torch.float64, device=dist.device)
-    out = [torch.zeros_like(t) for _ in range(dist.world_size)]
-    torch_dist.all_gather(out, t)
-    return [float(x) for x in out]
+    out: list[Any] = [None] * dist.world_size
+    torch_dist.all_gather_object(out, value)
+    return out
 
 
 def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: list[StreamBatch], compiled: bool,
@@ -206,7 +206,7 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     profiled = None
     if args.profile_steps:
         trace = Path(args.trace_dir) / f"{variant.name}-b{batch_size}" if args.trace_dir else None
-        profiled = _all_ranks(_profile(learner, stream, window, cfg, dist, args.profile_steps, trace), dist)
+        profiled = _gathered(_profile(learner, stream, window, cfg, dist, args.profile_steps, trace), dist)
     tokens = window.tokens  # this process's, before close() sums them over processes
     totals = window.close(dist)  # losses averaged over the timed micro-batches and processes
     elapsed_all = _gathered(elapsed, dist)
@@ -276,14 +276,6 @@ def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: i
             "cpu_ahead_at_end_ms": (done - launched) * 1e3,
             "cuda_kernels_per_step": len(kernels) / steps,
             "top_self_cpu_ms_per_step": {a.key[:80]: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in top}}
-
-
-def _all_ranks(value: Any, dist: DistInfo) -> list[Any]:
-    if not dist.distributed:
-        return [value]
-    out: list[Any] = [None] * dist.world_size
-    torch_dist.all_gather_object(out, value)
-    return out
 
 
 def allreduce_timings(numel: int, dist: DistInfo, repeats: int = 5) -> list[dict[str, Any]]:

@@ -417,17 +417,18 @@ def _sequential_latency(url: str, text: str, requests: int) -> dict:
 
 
 _STAGES = {"request": "bertserve_request_duration_seconds", "tokenize": "bertserve_tokenize_duration_seconds",
-           "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds",
-           "batch_size": "bertserve_batch_size"}
+           "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds"}
+_BATCH_SIZE = "bertserve_batch_size"
 
 
 def _server_totals(url: str) -> dict[str, float]:
     """Each histogram's _sum and _count so far, from /metrics (summed over label values): differences over
     a run give the mean batch size and where the server's time per request went."""
+    wanted = {*_STAGES.values(), _BATCH_SIZE}
     totals: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in _STAGES.values():
+        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in wanted:
             totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
@@ -435,14 +436,12 @@ def _server_totals(url: str) -> dict[str, float]:
 def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Over a run: the mean batch size, and mean ms per request in the worker's handler (request), in
     tokenising, waiting for its batch (queue), and per batch in the engine (inference)."""
-    means = {}
-    for stage, metric in _STAGES.items():
+    def mean(metric: str) -> float:
         count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
-        total = after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)
-        scale = 1.0 if stage == "batch_size" else 1e3
-        means["mean_batch_size" if stage == "batch_size" else f"server_{stage}_ms"] = round(
-            total / max(count, 1) * scale, 3 if scale > 1 else 1)
-    return means
+        return (after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)) / max(count, 1)
+
+    return {"mean_batch_size": round(mean(_BATCH_SIZE), 1),
+            **{f"server_{stage}_ms": round(mean(metric) * 1e3, 3) for stage, metric in _STAGES.items()}}
 
 
 def serving(args) -> dict:
