@@ -161,6 +161,11 @@ def test_offsets_slice_the_original_text(artifact):
     assert "東" in [texts[0][t["start"]:t["end"]] for t in body["data"][0]["tokens"]]
 
 
+def _library_encode(tokenizer: Tokenizer, item):
+    """The tokenizers library's own encoding of a text or a pair."""
+    return tokenizer.encode(item) if isinstance(item, str) else tokenizer.encode(*item)
+
+
 ASCII_EDGES = ["CAPITALS, punctuation!? (and) digits 12345.", "[CLS] special [MASK] tokens [cls] in text [SEP]",
                "".join(f"{c}x" for c in string.punctuation),
                "tab\tnew\nline\rreturn  spaces", "bell\x07and\x00nul and\x7fdel are dropped", "x\x0bvertical\x0cfeed",
@@ -183,7 +188,7 @@ def test_plain_ascii_texts_tokenize_as_the_artifacts_tokenizer(artifact, truncat
         items.append(ASCII_EDGES[-1])
     alone = [ours.encode([item], truncate)[0] for item in items]  # one control character sends a batch the full way
     for mine, item in zip(alone, items):
-        enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
+        enc = _library_encode(theirs, item)
         got = mine.encoding
         assert (mine.ids.tolist(), mine.type_ids.tolist(), got.tokens, got.offsets, got.special_tokens_mask) == \
                (enc.ids, enc.type_ids, enc.tokens, enc.offsets, enc.special_tokens_mask), item
@@ -217,7 +222,7 @@ def test_random_ascii_tokenizes_as_the_artifacts_tokenizer(artifact, truncate):
         for i in range(0, len(items), 20):
             batch = items[i:i + 20]
             for got, item in zip(ours.encode(batch, truncate), batch):
-                enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
+                enc = _library_encode(theirs, item)
                 assert (got.ids.tolist(), got.type_ids.tolist(), got.encoding.tokens, got.encoding.offsets) == \
                        (enc.ids, enc.type_ids, enc.tokens, enc.offsets), item
         # Without offsets a batch of plain texts and pairs is tokenised word by word (_AsciiWords): the same
@@ -225,7 +230,7 @@ def test_random_ascii_tokenizes_as_the_artifacts_tokenizer(artifact, truncate):
         for i in range(0, len(items), 20):
             batch = items[i:i + 20]
             got = ours.encode(batch, truncate, offsets=False)
-            expected = [theirs.encode(x) if isinstance(x, str) else theirs.encode(*x) for x in batch]
+            expected = [_library_encode(theirs, x) for x in batch]
             assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
 
 
@@ -255,7 +260,7 @@ def test_a_real_checkpoints_tokenizer_word_by_word_gives_its_ids(max_length):
         for _ in range(2):  # the second time every word is remembered
             for i in range(0, len(texts), 16):
                 batch = texts[i:i + 16]
-                expected = [theirs.encode(x) if isinstance(x, str) else theirs.encode(*x) for x in batch]
+                expected = [_library_encode(theirs, x) for x in batch]
                 if not truncate and max(len(e.ids) for e in expected) > max_length:
                     with pytest.raises(InputTooLong):
                         ours.encode(batch, truncate, offsets=False)
@@ -287,7 +292,7 @@ def test_a_cased_tokenizer_word_by_word_gives_its_ids(artifact, tmp_path):
         theirs.enable_truncation(max_length) if truncate else theirs.no_truncation()
         for i in range(0, len(items), 12):
             batch = items[i:i + 12]
-            expected = [theirs.encode(x) if isinstance(x, str) else theirs.encode(*x) for x in batch]
+            expected = [_library_encode(theirs, x) for x in batch]
             got = ours.encode(batch, truncate, offsets=False)
             assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
         assert any(theirs.token_to_id("BERT") in e.ids for e in map(theirs.encode, texts))  # capitals kept
@@ -323,7 +328,7 @@ def test_another_template_is_kept(artifact, tmp_path):
     theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
     items = ["Plain text.", "Ünïcode text", ("a question?", "an answer.")]
     for mine, item in zip(ours.encode(items, truncate=False), items):
-        enc = theirs.encode(item) if isinstance(item, str) else theirs.encode(*item)
+        enc = _library_encode(theirs, item)
         assert (mine.ids.tolist(), mine.type_ids.tolist()) == (enc.ids, enc.type_ids), item
     assert ours._words is None  # word by word would put the text in segment 0
     mine = ours.encode(["Plain text."], truncate=False, offsets=False)[0]
