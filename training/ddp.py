@@ -1,6 +1,6 @@
 """How a model is wrapped for DistributedDataParallel: bucket size, gradients kept in the all-reduce
-buckets, static graph, bf16 all-reduce and how a compiled model is split. The trainer and bench/ddp_scaling.py both wrap through here,
-so that the benchmark measures what training runs."""
+buckets, static graph, bf16 all-reduce, buffer broadcast and how a compiled model is split. The trainer
+and bench/ddp_scaling.py both wrap through here, so that the benchmark measures what training runs."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -285,8 +285,7 @@ def train_config(args: argparse.Namespace, default_lr: float) -> TrainConfig:
         keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile, unpad=args.unpad,
         data_workers=args.data_workers,
         ddp=DDPOptions(bf16_grads=args.ddp_bf16_grads, bucket_mb=args.ddp_bucket_mb, bucket_view=args.ddp_bucket_view,
-                        graph_per_bucket=args.ddp_graph_per_bucket,
-                       static_graph=args.ddp_static_graph),
+                       static_graph=args.ddp_static_graph, graph_per_bucket=args.ddp_graph_per_bucket),
     )
 
 
