@@ -241,9 +241,9 @@ def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: i
     """`steps` more steps under torch.profiler (every rank: the collectives need them all), this rank's
     view: per step, the wall time, how long the GPU ran anything (compute and NCCL kernels) and compute
     alone, how far the CPU had run ahead of the GPU when the last step was launched (near 0: launching is
-    the limit), and the CPU operators that took the most of this process's own time. A GPU busy for much
-    less than the wall time waits for the CPU or for another rank; NCCL time well above an all-reduce's own
-    is waiting for another rank. `trace`: also a gzipped Chrome trace there."""
+    the limit), the CPU operators that took the most of this process's own time and the GPU kernels that
+    took the most GPU time. A GPU busy for much less than the wall time waits for the CPU or for another
+    rank; NCCL time well above an all-reduce's own is waiting for another rank. `trace`: also a gzipped Chrome trace there."""
     import gzip
     import shutil
 
@@ -261,7 +261,9 @@ def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: i
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
     compute = [(e.time_range.start, e.time_range.end) for e in kernels if "nccl" not in e.name.lower()]
-    top = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    averages = prof.key_averages()
+    top = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)[:12]
+    top_gpu = sorted(averages, key=lambda a: a.self_device_time_total, reverse=True)[:25]
     if trace is not None:
         trace.mkdir(parents=True, exist_ok=True)
         plain = trace / f"rank{dist.rank}.json"
@@ -275,7 +277,9 @@ def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: i
             "gpu_nccl_only_ms_per_step": busy - busy_compute,
             "cpu_ahead_at_end_ms": (done - launched) * 1e3,
             "cuda_kernels_per_step": len(kernels) / steps,
-            "top_self_cpu_ms_per_step": {a.key[:80]: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in top}}
+            "top_self_cpu_ms_per_step": {a.key[:80]: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in top},
+            "top_gpu_ms_per_step": {a.key[:80]: round(a.self_device_time_total / 1e3 / steps, 3) for a in top_gpu
+                                    if a.self_device_time_total > 0}}
 
 
 def allreduce_timings(numel: int, dist: DistInfo, repeats: int = 5) -> list[dict[str, Any]]:

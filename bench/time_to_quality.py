@@ -68,33 +68,81 @@ class ReferenceModel:
 
 
 def run_arm(args: argparse.Namespace) -> None:
-    """One arm in this process: prepare the data (cached), build the model from the shared seed, train."""
-    import torch
-
+    """One arm in this process: prepare the data (cached), build the model from the shared seed, train
+    (or, with --step-times, time its steps)."""
     from training.data import DataConfig, prepare_data
-    from training.model import BertForPreTraining, preset_config
     from training.trainer import Phase, TrainConfig, setup_distributed, train
 
     dist = setup_distributed(args.device)
     data = prepare_data(DataConfig(corpus=tuple(args.corpus), max_seq_len=args.max_seq_len,
                                    heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir),
                         show_progress=False)
-    config = preset_config(args.preset, vocab_size=data.tokenizer.get_vocab_size())
-    torch.manual_seed(args.seed)
-    ours = BertForPreTraining(config)
-    model = ours
-    if args.arm == "reference":
-        model = ReferenceModel.build(config)
-        missing, unexpected = model.hf.load_state_dict(ours.state_dict(), strict=False)  # the same initial weights
-        assert not unexpected and all("position_ids" in k or "decoder" in k for k in missing), (missing, unexpected)
+    model = build_model(args, data.tokenizer.get_vocab_size())
     cfg = TrainConfig(batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
                       log_every=args.eval_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
-                      checkpoint_every=0, compile=True, unpad=args.arm == "ours")
+                      checkpoint_every=0, compile=True, unpad=args.arm == "ours", data_workers=args.data_workers)
     phase = Phase(name="phase1", train=data.train, heldout=data.heldout, steps=args.steps,
                   max_seq_len=args.max_seq_len, max_predictions=20, batch_size=args.batch_size)
     run_dir = Path(args.out) / args.arm
+    if args.step_times:
+        record = step_times(model, phase, cfg, dist, args.step_times)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "step_times.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"{args.arm}: " + json.dumps(record))
+        return
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     train(model, [phase], cfg, dist, run_dir, checkpoint_meta={}, show_progress=False)
+
+
+def build_model(args: argparse.Namespace, vocab_size: int):
+    """The arm's model, from the same seeded initial weights: the reference loads ours."""
+    import torch
+
+    from training.model import BertForPreTraining, preset_config
+
+    config = preset_config(args.preset, vocab_size=vocab_size)
+    torch.manual_seed(args.seed)
+    ours = BertForPreTraining(config)
+    if args.arm == "ours":
+        return ours
+    model = ReferenceModel.build(config)
+    missing, unexpected = model.hf.load_state_dict(ours.state_dict(), strict=False)
+    assert not unexpected and all("position_ids" in k or "decoder" in k for k in missing), (missing, unexpected)
+    return model
+
+
+def step_times(model, phase, cfg, dist, steps: int) -> dict:
+    """Where an arm's step goes: ms per optimiser step through the trainer's own data path (its worker
+    processes, the copy to the device), the same from batches prepared beforehand, and torch.profiler's
+    view of a few steps of each (GPU busy per step: well under the step time means the GPU waits)."""
+    from bench.ddp_scaling import _Cycle, _profile, _sync
+    from training.optim import WarmupLinearDecay, make_optimizer
+    from training.trainer import LogWindow, TrainState, batch_stream, build_learner, optimizer_step
+
+    model.to(dist.device).train()
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
+    schedule = WarmupLinearDecay(optimizer, cfg.lr, cfg.warmup_steps, phase.steps)
+    learner = build_learner(model, optimizer, schedule, cfg, dist)
+    window = LogWindow(dist.device)
+    record: dict = {}
+    with batch_stream(phase, TrainState(), cfg, dist) as stream:
+        pool = _Cycle([stream.next() for _ in range(16)])
+        for name, source in (("trainer_data_path", stream), ("prepared_batches", pool)):
+            for _ in range(30):  # compilation and warm-up
+                optimizer_step(learner, source, window, cfg, dist)
+            _sync(dist.device)
+            window.close(dist)
+            started = time.perf_counter()
+            for _ in range(steps):
+                optimizer_step(learner, source, window, cfg, dist)
+            _sync(dist.device)
+            elapsed = time.perf_counter() - started
+            totals = window.close(dist)
+            profiled = _profile(learner, source, window, cfg, dist, 5)
+            window.close(dist)
+            record[name] = {"ms_per_step": elapsed / steps * 1e3, "data_wait_ms_per_step": totals.data_wait_s / steps * 1e3,
+                            "tokens_per_s": totals.tokens / elapsed, **profiled}
+    return record
 
 
 def curve(metrics: Path) -> list[dict]:
@@ -216,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="documents held out for evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--data-workers", type=int, default=None, help="the trainer's default when left out")
+    p.add_argument("--step-times", type=int, default=0, metavar="STEPS",
+                   help="instead of training: time STEPS steps of each arm through the trainer's data path and "
+                        "from prepared batches, with GPU busy time (writes OUT/<arm>/step_times.json)")
     p.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -232,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         from training.data import DataConfig, prepare_data
         prepare_data(DataConfig(corpus=tuple(args.corpus), max_seq_len=args.max_seq_len, cache_dir=args.cache_dir))
         batches = [arms] if devices else [[a] for a in arms]
-        for group in batches:
+        for group in batches:  # --step-times: each arm in turn, or at once with --device-ids
             procs = []
             for i, arm in enumerate(group):
                 env = dict(os.environ)
@@ -247,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGTERM)
                     proc.wait()
-    report(out)
+    if not args.step_times:
+        report(out)
     return 0
 
 

@@ -132,3 +132,27 @@ def test_training_with_and_without_workers_is_the_same(tmp_path):
         runs[workers] = [(r["loss"], r["tokens_seen"], r["epoch"]) for r in read_metrics(run_dir)]
     assert runs["0"] == runs["2"]
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA device")
+def test_pinned_batches_are_the_workers_batches_in_page_locked_memory(data):
+    """With pin_memory, the DataLoader's thread receives and pins; next() hands over the same batches."""
+    prepare_inputs = functools.partial(cpu_inputs, max_predictions=8, unpad=True)
+    with BatchStream(data, 4, seed=1, prepare=prepare_inputs, workers=2, pin_memory=True) as pinned, \
+            BatchStream(data, 4, seed=1, prepare=prepare_inputs) as sync:
+        expected, got = _take(sync, 5), _take(pinned, 5)
+    for i, (e, g) in enumerate(zip(expected, got)):
+        assert g[:3] == e[:3] and _same(g[3], e[3]), f"batch {i}"
+        tensors = [g[3]["input_ids"], g[3]["masked_positions"], g[3]["packed"].cu_seqlens]
+        assert all(t.is_pinned() for t in tensors), f"batch {i}"
+
+
+@pytest.mark.parametrize("cores, local_processes, device, expected", [
+    (16, 1, "cuda", 8), (32, 2, "cuda", 8), (16, 2, "cuda", 4), (4, 1, "cuda", 2), (64, 1, "cuda", 8),
+    (16, 1, "cpu", 2)])
+def test_the_trainers_default_data_workers_follow_the_cores_of_its_share(monkeypatch, cores, local_processes,
+                                                                        device, expected):
+    from training.trainer import DistInfo, default_data_workers
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_processes))
+    assert default_data_workers(DistInfo(device=torch.device(device))) == expected

@@ -39,6 +39,12 @@ class StreamBatch:
     tokens: int  # real (non-padding) tokens
     inputs: Any  # what `prepare` made of the collated batch
 
+    def pin_memory(self) -> StreamBatch:
+        """DataLoader's pinning thread calls this (pin_memory=True): the arrays a worker sent become
+        tensors in page-locked memory, ready for an asynchronous copy to the GPU."""
+        self.inputs = map_leaves(lambda a: torch.from_numpy(a).pin_memory(), np.ndarray, self.inputs)
+        return self
+
 
 def _collated(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return batch
@@ -50,16 +56,19 @@ class BatchStream:
     stream at the very next batch; batches the workers built ahead do not move it.
 
     `prepare` turns each collated batch into what the caller wants (the trainer: its CPU model inputs),
-    in the workers when there are any. `workers` = 0 builds every batch in `next()`."""
+    in the workers when there are any. `workers` = 0 builds every batch in `next()`. `pin_memory` (with
+    workers, on a CUDA host): a thread of this process receives the workers' batches and pins them, so
+    that next() neither reads them from the workers' pipes (milliseconds a batch, on the thread that
+    launches the GPU's work) nor copies them into page-locked memory."""
 
     def __init__(self, data: BatchSource, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
                  epoch: int = 0, batch_in_epoch: int = 0, *, prepare: Callable[[dict], Any] = _collated,
-                 workers: int = 0, prefetch: int = 2):
+                 workers: int = 0, prefetch: int = 2, pin_memory: bool = False):
         if workers < 0:
             raise ValueError(f"--data-workers must not be negative, got {workers}")
         self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
         self._plan = _Plan(data, batch_size, seed, rank, world_size, prepare)
-        self._workers, self._prefetch = workers, prefetch
+        self._workers, self._prefetch, self._pin_memory = workers, prefetch, pin_memory
         self._local: Iterator[StreamBatch] | None = None
         self._loader: Any = None  # the DataLoader's iterator over the workers, started on the first next()
 
@@ -100,6 +109,7 @@ class BatchStream:
         return torch.utils.data.DataLoader(
             _WorkerShares(self._plan, self.epoch, self.batch_in_epoch), batch_size=None,
             num_workers=self._workers, prefetch_factor=self._prefetch, multiprocessing_context=context,
+            pin_memory=self._pin_memory,
             # Worker seeds come from this generator instead of the global RNG, which holds the
             # training's dropout state (a resumed run must draw the same masks as a straight one).
             generator=torch.Generator().manual_seed(0),

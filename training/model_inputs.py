@@ -87,6 +87,6 @@ def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int) -> dict
 
 
 def _on_device(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    if device.type == "cuda":
+    if device.type == "cuda":  # pin_memory() returns a tensor the stream's thread already pinned as it is
         return map_leaves(lambda t: t.pin_memory().to(device, non_blocking=True), torch.Tensor, inputs)
     return map_leaves(lambda t: t.to(device), torch.Tensor, inputs)

@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--data-workers", type=int, default=t.data_workers,
                    help="processes per training process that build the next batches while it trains; "
-                        "0: build each batch in the training process, between steps (default: 4 on a GPU, 2 on a CPU)")
+                        "0: build each batch in the training process, between steps (default: on a GPU half the "
+                        "process's share of the cores, 2 to 8; on a CPU 2)")
 
     g = p.add_argument_group("distributed (under torchrun; bench/ddp_scaling.py measures each)")
     g.add_argument("--ddp-bf16-grads", action="store_true",

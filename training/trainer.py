@@ -434,7 +434,7 @@ def train(
             continue
         if i != state.phase:  # entering a later phase than the checkpoint's: its data starts afresh
             state.phase, state.epoch, state.batch_in_epoch = i, 0, 0
-        with _batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
+        with batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
             window = LogWindow(dist.device)
             while state.step < phase_end:
                 lr, grad_norm = optimizer_step(learner, stream, window, cfg, dist)
@@ -486,14 +486,26 @@ def build_learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, s
     return Learner(model, ddp_model, step_model, optimizer, schedule, params)
 
 
-def _batch_stream(phase: Phase, state: TrainState, cfg: TrainConfig, dist: DistInfo) -> BatchStream:
+def batch_stream(phase: Phase, state: TrainState, cfg: TrainConfig, dist: DistInfo) -> BatchStream:
     """The phase's training batches from the state's data position, as CPU model inputs. Compiled, every
-    batch is padded to the phase's length, so that the model sees one shape."""
+    batch is padded to the phase's length, so that the model sees one shape. Public, with optimizer_step,
+    so that bench/time_to_quality.py times the trainer's own data path."""
     fixed_len = phase.max_seq_len if cfg.compile else None
-    workers = cfg.data_workers if cfg.data_workers is not None else 4 if dist.device.type == "cuda" else 2
+    workers = cfg.data_workers if cfg.data_workers is not None else default_data_workers(dist)
     prepare = functools.partial(cpu_inputs, max_predictions=phase.max_predictions, pad_to=fixed_len, unpad=cfg.unpad)
     return BatchStream(phase.train, phase.batch_size, cfg.seed, dist.rank, dist.world_size, state.epoch,
-                       state.batch_in_epoch, prepare=prepare, workers=workers)
+                       state.batch_in_epoch, prepare=prepare, workers=workers,
+                       pin_memory=dist.device.type == "cuda")
+
+
+def default_data_workers(dist: DistInfo) -> int:
+    """On a GPU, half this process's share of the host's cores, 2 to 8: on a 16-core H100 host a BERT-base
+    step at batch 256 outpaces 4 workers (3 ms a step waiting for data) but not 8 (BENCHMARKS.md). On a
+    CPU the workers take cores from the step itself: 2."""
+    if dist.device.type != "cuda":
+        return 2
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(2, min(8, (os.cpu_count() or 4) // local_processes // 2))
 
 
 def optimizer_step(learner: Learner, stream: BatchStream, window: LogWindow, cfg: TrainConfig,
