@@ -616,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         print_serving_table(result)
         if os.environ.get("OUT"):
             path = Path(os.environ["OUT"]) / "http_serving.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(result, indent=2))
             print(f"wrote {path}", file=sys.stderr)
         return 0
