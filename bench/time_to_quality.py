@@ -140,7 +140,8 @@ def step_times(model, phase, cfg, dist, steps: int) -> dict:
             totals = window.close(dist)
             profiled = _profile(learner, source, window, cfg, dist, 5)
             window.close(dist)
-            record[name] = {"ms_per_step": elapsed / steps * 1e3, "data_wait_ms_per_step": totals.data_wait_s / steps * 1e3,
+            record[name] = {"ms_per_step": elapsed / steps * 1e3,
+                            "data_wait_ms_per_step": totals.data_wait_s / steps * 1e3,
                             "tokens_per_s": totals.tokens / elapsed, **profiled}
     return record
 

@@ -212,3 +212,26 @@ def test_torchrun_two_cpu_processes(corpus, cache_dir, tmp_path):
     summary = json.loads((tmp_path / "ddp" / "training_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 3
     assert [p.name for p in list_checkpoints(tmp_path / "run2")] == ["ckpt-00000003.pt"]
+
+
+def test_training_leaves_garbage_collection_as_it_found_it(corpus, cache_dir, tmp_path, monkeypatch):
+    """Automatic collection is off while steps run (collected on a schedule instead) and back on after,
+    also when a step fails."""
+    import gc
+
+    import training.trainer as trainer
+    seen = []
+    real_step = trainer.optimizer_step
+
+    def step(*args, **kwargs):
+        seen.append(gc.isenabled())
+        if len(seen) == 3:
+            raise RuntimeError("a failing step")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "optimizer_step", step)
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="a failing step"):
+        main(small_args(corpus, cache_dir, tmp_path / "model", tmp_path / "run", "--max-steps", "5",
+                        "--data-workers", "0"))
+    assert seen == [False, False, False] and gc.isenabled()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import itertools
 import json
 import math
 import os
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -429,27 +430,31 @@ def train(
     most_frequent = phases[0].train.most_frequent_token_id()
     evals: list[dict[str, Any]] = []
 
-    for i, (phase, phase_end) in enumerate(zip(phases, itertools.accumulate(p.steps for p in phases))):
-        if state.step >= phase_end:
-            continue
-        if i != state.phase:  # entering a later phase than the checkpoint's: its data starts afresh
-            state.phase, state.epoch, state.batch_in_epoch = i, 0, 0
-        with batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
-            window = LogWindow(dist.device)
-            while state.step < phase_end:
-                lr, grad_norm = optimizer_step(learner, stream, window, cfg, dist)
-                state.step += 1
-                state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch  # after the batches taken
-                log.progress.update(1)
-                if state.step % cfg.log_every == 0 or state.step == phase_end:
-                    totals = window.close(dist)
-                    state.tokens_seen += totals.tokens
-                    log.train(state, phase, totals, lr, grad_norm)
-                if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step != total_steps:
-                    evals.append(log.eval(state.step, phase, evaluate(model, phase.heldout, phase, cfg, dist,
-                                                                      most_frequent)))
-                if (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end:
-                    _checkpoint(learner, state, run_dir, dist, checkpoint_meta, cfg.keep_checkpoints)
+    with _collecting_between_steps():
+        for i, (phase, phase_end) in enumerate(zip(phases, itertools.accumulate(p.steps for p in phases))):
+            if state.step >= phase_end:
+                continue
+            if i != state.phase:  # entering a later phase than the checkpoint's: its data starts afresh
+                state.phase, state.epoch, state.batch_in_epoch = i, 0, 0
+            with batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
+                window = LogWindow(dist.device)
+                while state.step < phase_end:
+                    lr, grad_norm = optimizer_step(learner, stream, window, cfg, dist)
+                    state.step += 1
+                    # the position after the batches taken
+                    state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
+                    log.progress.update(1)
+                    if state.step % cfg.log_every == 0 or state.step == phase_end:
+                        totals = window.close(dist)
+                        state.tokens_seen += totals.tokens
+                        log.train(state, phase, totals, lr, grad_norm)
+                    if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step != total_steps:
+                        evals.append(log.eval(state.step, phase, evaluate(model, phase.heldout, phase, cfg, dist,
+                                                                          most_frequent)))
+                    if (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end:
+                        _checkpoint(learner, state, run_dir, dist, checkpoint_meta, cfg.keep_checkpoints)
+                    if state.step % GC_EVERY_STEPS == 0:
+                        gc.collect(1)
     log.progress.close()
     if not evals or evals[-1]["step"] != state.step:
         evals.append(log.eval(state.step, phases[-1], evaluate(model, phases[-1].heldout, phases[-1], cfg, dist,
@@ -458,6 +463,23 @@ def train(
     log.end(state, wall)
     final = {k: v for k, v in evals[-1].items() if k not in ("step", "phase")}
     return TrainResult(state.step, state.tokens_seen, wall, final, evals)
+
+
+# Python's automatic collection, left on, starts at random points of a step and stalls the thread that
+# launches the GPU's work, which only just keeps ahead of the device (BENCHMARKS.md). Large trainers turn
+# it off while training and collect the young generations on a schedule instead.
+GC_EVERY_STEPS = 100
+
+
+@contextlib.contextmanager
+def _collecting_between_steps() -> Iterator[None]:
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _restore(checkpoint: dict[str, Any], path: Path, model: BertForPreTraining, optimizer: torch.optim.Optimizer,
