@@ -80,7 +80,8 @@ def run_arm(args: argparse.Namespace) -> None:
     model = build_model(args, data.tokenizer.get_vocab_size())
     cfg = TrainConfig(batch_size=args.batch_size, lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed,
                       log_every=args.eval_every, eval_every=args.eval_every, eval_batches=args.eval_batches,
-                      checkpoint_every=0, compile=True, unpad=args.arm == "ours", data_workers=args.data_workers)
+                      checkpoint_every=0, compile=True, unpad=args.arm == "ours", data_workers=args.data_workers,
+                      cuda_graphs=args.cuda_graphs and args.arm == "ours")
     phase = Phase(name="phase1", train=data.train, heldout=data.heldout, steps=args.steps,
                   max_seq_len=args.max_seq_len, max_predictions=20, batch_size=args.batch_size)
     run_dir = Path(args.out) / args.arm
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda")
     p.add_argument("--data-workers", type=int, default=None, help="the trainer's default when left out")
+    p.add_argument("--cuda-graphs", action="store_true", help="our arm trains with --cuda-graphs")
     p.add_argument("--step-times", type=int, default=0, metavar="STEPS",
                    help="instead of training: time STEPS steps of each arm through the trainer's data path and "
                         "from prepared batches, with GPU busy time (writes OUT/<arm>/step_times.json)")

@@ -3,12 +3,15 @@ give what the padded model gives. On CPU the packed attention pads again interna
 (tests marked torch_cuda) it is FlashAttention's variable-length kernel, checked against padded SDPA."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from tests.test_model import padded_batch
+from training.batch_stream import StreamBatch
 from training.model import BertForPreTraining, preset_config
-from training.packed import PackedSequences, QueryRows, pack, varlen_attention
+from training.packed import QueryRows, filler_lengths, pack, varlen_attention
 from training.model_inputs import model_inputs
 
 
@@ -58,6 +61,30 @@ def test_encoder_output_rows_are_those_rows_of_the_full_output():
     assert torch.allclose(subset, full[rows.index], atol=1e-5)
 
 
+def test_filler_sequences_take_the_tokens_to_the_multiple_in_a_fixed_number_of_sequences():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]])
+    token_index, packed = pack(mask, token_multiple=16)
+    assert token_index.tolist() == [0, 1, 2, 5, 10, 11, 12, 13]  # the real tokens, as without fillers
+    # 4 fillers of 1-5 tokens can take any count to a multiple of 16; here 8 tokens are missing
+    assert packed.cu_seqlens.tolist() == [0, 3, 4, 8, 10, 12, 14, 16] and packed.sequences == 3
+    assert packed.fillers == 4 and packed.position_ids.tolist() == [0, 1, 2, 0, 0, 1, 2, 3] + [0, 1] * 4
+    assert packed.first_tokens.tolist() == [0, 3, 4]
+    for tokens in range(1, 400):
+        for multiple, width in ((16, 5), (256, 128), (128, 128), (256, 32), (7, 2)):
+            lengths = filler_lengths(tokens, multiple, width)
+            assert (tokens + int(lengths.sum())) % multiple == 0, (tokens, multiple, width)
+            assert int(lengths.min()) >= 1 and int(lengths.max()) <= width, (tokens, multiple, width, lengths)
+            assert len(lengths) == len(filler_lengths(1, multiple, width))  # one count for every batch
+
+
+def test_query_rows_give_fillers_no_query_rows():
+    _, packed = pack(torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]]), token_multiple=8)
+    rows = QueryRows.for_heads(packed, torch.tensor([[1, 2], [3, 3]]))
+    assert rows.index.tolist() == [0, 1, 2, 3, 3, 3] and rows.sequences == 2
+    assert rows.cu_seqlens.tolist() == [0, 3, 6] + [6] * packed.fillers
+    assert len(rows.cu_seqlens) == len(packed.cu_seqlens)  # one entry per sequence of the keys' layout
+
+
 @pytest.mark.parametrize("mask, problem", [
     ([[0, 1, 1], [1, 1, 0]], "right-padded"),
     ([[1, 0, 1], [1, 1, 0]], "right-padded"),
@@ -88,14 +115,20 @@ def test_a_label_on_padding_is_refused():
 
 
 @pytest.mark.parametrize("lengths", [[37, 12, 64, 5, 50], [16, 16], [2, 30]])
-def test_packed_model_matches_padded_model(lengths):
+@pytest.mark.parametrize("token_multiple", [None, 64])
+def test_packed_model_matches_padded_model(lengths, token_multiple):
+    """Packed, and packed with filler sequences up to a token multiple: the same outputs and gradients."""
     torch.manual_seed(0)
     model = without_dropout(BertForPreTraining(preset_config("mini", vocab_size=300)))
     b = padded_batch(300, lengths, seed=2)
     runs = []
     for unpad in (False, True):
         model.zero_grad()
-        out = model(**model_inputs(b, max_predictions=20, device=torch.device("cpu"), unpad=unpad))
+        inputs = model_inputs(b, max_predictions=20, device=torch.device("cpu"), unpad=unpad,
+                              token_multiple=token_multiple if unpad else None)
+        if unpad and token_multiple:
+            assert inputs["input_ids"].shape[0] % token_multiple == 0 and inputs["packed"].fillers > 0
+        out = model(**inputs)
         out.loss.backward()
         runs.append((out, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (padded, padded_grads), (packed, packed_grads) = runs
@@ -133,7 +166,7 @@ def _cuda_qkv(lengths: list[int], heads: int = 4, size: int = 64, seed: int = 0)
     g = torch.Generator(device="cuda").manual_seed(seed)
     mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
     _, packed = pack(mask)
-    packed = PackedSequences(packed.cu_seqlens.cuda(), packed.max_len, packed.position_ids.cuda())
+    packed = packed._replace(cu_seqlens=packed.cu_seqlens.cuda(), position_ids=packed.position_ids.cuda())
     t = sum(lengths)
     q, k, v = (torch.randn(t, heads, size, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
                for _ in range(3))
@@ -195,3 +228,46 @@ def test_compiled_packed_training_step_on_cuda_matches_padded():
         losses.append(out.loss.item())
         out.loss.backward()
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+
+
+class _Batches:
+    """The trainer's stream reduced to what optimizer_step reads: prepared batches in turn."""
+
+    def __init__(self, inputs: list[dict]):
+        self._turns = itertools.cycle(inputs)
+
+    def next(self) -> StreamBatch:
+        return StreamBatch(0, 0, 0, next(self._turns))
+
+
+@pytest.mark.torch_cuda
+def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
+    """Eight optimiser steps over four batches of different token counts (each shape recorded, then
+    replayed): the CUDA-graph steps, filler sequences included, give the plain compiled steps' losses
+    and weights."""
+    from training.model_inputs import cpu_inputs
+    from training.optim import WarmupLinearDecay, make_optimizer
+    from training.trainer import (CUDA_GRAPH_TOKEN_MULTIPLE, DistInfo, LogWindow, TrainConfig, build_learner,
+                                  optimizer_step)
+
+    dist = DistInfo(device=torch.device("cuda"))
+    shapes = ([128, 40, 77, 3], [3, 100, 128, 64], [128, 128, 128, 128], [50, 60, 9, 2])
+    batches = [padded_batch(300, lengths, seed=i) for i, lengths in enumerate(shapes)]
+    runs = []
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = without_dropout(BertForPreTraining(preset_config("mini", vocab_size=300))).to(dist.device)
+        cfg = TrainConfig(batch_size=4, lr=1e-3, warmup_steps=0, compile=True, cuda_graphs=graphs)
+        optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
+        learner = build_learner(model, optimizer, WarmupLinearDecay(optimizer, cfg.lr, 0, 100), cfg, dist)
+        multiple = CUDA_GRAPH_TOKEN_MULTIPLE if graphs else None
+        stream = _Batches([cpu_inputs(b, 40, pad_to=128, unpad=True, token_multiple=multiple) for b in batches])
+        window, losses = LogWindow(dist.device), []
+        for _ in range(8):
+            optimizer_step(learner, stream, window, cfg, dist)
+            losses.append(window.close(dist).loss)
+        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (plain, plain_weights), (graphed, graphed_weights) = runs
+    assert graphed == pytest.approx(plain, rel=1e-3)
+    for name, weight in plain_weights.items():
+        assert torch.allclose(graphed_weights[name], weight, atol=1e-4), name

@@ -88,7 +88,8 @@ def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
     fails_in_one_line(capsys, [*args, "--resume", "--max-steps", "6"], str(newest), "ckpt-00000002.pt")
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "one_document", "unknown_preset", "bad_steps"])
+@pytest.mark.parametrize("case", ["missing", "empty", "one_document", "unknown_preset", "bad_steps",
+                                  "graphs_uncompiled", "graphs_on_cpu"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     extra: list[str] = []
@@ -96,12 +97,15 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
         corpus.write_text("\n\n   \n")
     elif case == "one_document":
         corpus.write_text("Just one document.\nIt has two sentences but nothing to pair it with.\n")
-    elif case in ("unknown_preset", "bad_steps"):
+    elif case != "missing":
         write_corpus(corpus, n_docs=10)
-        extra = ["--preset", "huge"] if case == "unknown_preset" else ["--max-steps", "0"]
+        extra = {"unknown_preset": ["--preset", "huge"], "bad_steps": ["--max-steps", "0"],
+                 "graphs_uncompiled": ["--cuda-graphs"],
+                 "graphs_on_cpu": ["--cuda-graphs", "--compile", "--device", "cpu"]}[case]
     out = tmp_path / "model"
     expected = {"missing": "does not exist", "empty": "", "one_document": "document",
-                "unknown_preset": "unknown preset 'huge'", "bad_steps": "--max-steps"}[case]
+                "unknown_preset": "unknown preset 'huge'", "bad_steps": "--max-steps",
+                "graphs_uncompiled": "--cuda-graphs needs --compile", "graphs_on_cpu": "needs a CUDA device"}[case]
     fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either

@@ -28,25 +28,26 @@ def gather_masked(mlm_labels: torch.Tensor, max_predictions: int) -> tuple[torch
 
 
 def model_inputs(batch: dict[str, torch.Tensor], max_predictions: int, device: torch.device,
-                 pad_to: int | None = None, unpad: bool = False) -> dict[str, Any]:
+                 pad_to: int | None = None, unpad: bool = False, token_multiple: int | None = None) -> dict[str, Any]:
     """A batch from the data pipeline as keyword arguments of BertForPreTraining, on `device`."""
-    return inputs_to_device(cpu_inputs(batch, max_predictions, pad_to, unpad), device)
+    return inputs_to_device(cpu_inputs(batch, max_predictions, pad_to, unpad, token_multiple), device)
 
 
 def cpu_inputs(batch: dict[str, torch.Tensor], max_predictions: int, pad_to: int | None = None,
-               unpad: bool = False) -> dict[str, Any]:
+               unpad: bool = False, token_multiple: int | None = None) -> dict[str, Any]:
     """The CPU half of model_inputs (a data worker runs it).
 
     The pipeline pads each batch to its longest row; `pad_to` pads further to a fixed length so that a
     compiled model sees one shape (eager mode is better off without the extra padding). `unpad` then
-    removes all padding: the model runs on the real tokens only (training.packed)."""
+    removes all padding: the model runs on the real tokens only (training.packed), filled up to a multiple
+    of `token_multiple` tokens with filler sequences if given (for CUDA graphs: few distinct shapes)."""
     if pad_to is not None and batch["input_ids"].shape[1] < pad_to:
         extra = pad_to - batch["input_ids"].shape[1]
         batch = {**batch, **{k: F.pad(batch[k], (0, extra), value=0) for k in
                              ("input_ids", "token_type_ids", "attention_mask")},
                  "mlm_labels": F.pad(batch["mlm_labels"], (0, extra), value=-100)}
     if unpad:
-        return _packed_inputs(batch, max_predictions)
+        return _packed_inputs(batch, max_predictions, token_multiple)
     positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
     return {
         "input_ids": batch["input_ids"],
@@ -68,16 +69,18 @@ def inputs_to_device(inputs: dict[str, Any], device: torch.device) -> dict[str, 
     return inputs
 
 
-def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int) -> dict[str, Any]:
+def _packed_inputs(batch: dict[str, torch.Tensor], max_predictions: int,
+                   token_multiple: int | None) -> dict[str, Any]:
     if bool(((batch["mlm_labels"] != -100) & (batch["attention_mask"] == 0)).any()):
         raise ValueError("an MLM label sits on a padding position")
     positions, labels = gather_masked(batch["mlm_labels"], max_predictions)
-    token_index, packed = pack(batch["attention_mask"])
+    token_index, packed = pack(batch["attention_mask"], token_multiple)
     # Masked positions move to the packed rows; unused slots (label -100) point at their row's [CLS].
-    positions = positions + packed.cu_seqlens[:-1, None].long()
+    positions = positions + packed.first_tokens[:, None]
+    extra = int(packed.cu_seqlens[-1]) - token_index.numel()  # filler tokens: id 0, segment 0
     return {
-        "input_ids": batch["input_ids"].flatten()[token_index],  # [T]
-        "token_type_ids": batch["token_type_ids"].flatten()[token_index],
+        "input_ids": F.pad(batch["input_ids"].flatten()[token_index], (0, extra)),  # [T]
+        "token_type_ids": F.pad(batch["token_type_ids"].flatten()[token_index], (0, extra)),
         "attention_mask": None,
         "mlm_labels": labels,
         "nsp_labels": batch["nsp_labels"],

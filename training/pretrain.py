@@ -25,8 +25,8 @@ from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
 from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
                                    sentence_transformers_files)
-from training.trainer import (DistInfo, Phase, TrainConfig, barrier, setup_distributed, teardown_distributed,
-                              train)
+from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, setup_distributed,
+                              teardown_distributed, train)
 from training.writes import WriteError, check_writable
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--precision", default=t.precision, choices=("auto", "fp32", "bf16"),
                    help="auto: bf16 autocast on GPU, fp32 on CPU")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU: faster after warm-up)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="with --compile on one GPU: replay each step from a CUDA graph (one per token count; "
+                        "batches are filled up to a multiple of 256 tokens), so that no launch work is left "
+                        "on the CPU")
     g.add_argument("--no-unpad", dest="unpad", action="store_false",
                    help="run the encoder on padded batches (default: on real tokens only, padding removed)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
@@ -284,7 +288,7 @@ def train_config(args: argparse.Namespace, default_lr: float) -> TrainConfig:
         clip_norm=args.clip_norm, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
         keep_checkpoints=args.keep_checkpoints, precision=args.precision, compile=args.compile, unpad=args.unpad,
-        data_workers=args.data_workers,
+        cuda_graphs=args.cuda_graphs, data_workers=args.data_workers,
         ddp=DDPOptions(bf16_grads=args.ddp_bf16_grads, bucket_mb=args.ddp_bucket_mb, bucket_view=args.ddp_bucket_view,
                        static_graph=args.ddp_static_graph, graph_per_bucket=args.ddp_graph_per_bucket),
     )
@@ -341,6 +345,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     source = model_source(args)
     check_lengths(args, source)
     cfg = train_config(args, source.default_lr)
+    check_config(cfg, dist)
     dcfgs = data_configs(args, source.folder)
 
     # Decide how the run starts before spending time on data: a wrong checkpoint or a folder that

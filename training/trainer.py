@@ -53,8 +53,11 @@ class TrainConfig:
     precision: str = "auto"  # auto | fp32 | bf16
     compile: bool = False
     unpad: bool = True  # run the encoder on real tokens only (training.packed)
-    # Processes that build the next training batches during the step (0: in the step). None: 4 on a GPU,
-    # where a base step takes ~36 ms and one batch of 256 ~60-100 ms of CPU; 2 on a CPU.
+    # Capture the compiled step in CUDA graphs, one per token count (packed batches are filled up to a
+    # multiple of CUDA_GRAPH_TOKEN_MULTIPLE tokens): no launch work left on the CPU.
+    cuda_graphs: bool = False
+    # Processes that build the next training batches during the step (0: in the step). None:
+    # default_data_workers().
     data_workers: int | None = None
     ddp: DDPOptions = field(default_factory=DDPOptions)  # how gradients are averaged under torchrun
 
@@ -73,6 +76,9 @@ class TrainConfig:
             raise ValueError(f"--warmup-fraction must lie in [0, 1], got {self.warmup_fraction}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ValueError(f"--precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.cuda_graphs and not (self.compile and self.unpad and self.grad_accum == 1):
+            raise ValueError("--cuda-graphs needs --compile, padding removed (no --no-unpad) and --grad-accum 1 "
+                             "(a replay overwrites the gradients a previous micro-batch left)")
         if self.ddp.static_graph and self.grad_accum > 1:
             raise ValueError("--ddp-static-graph does not go with --grad-accum above 1: DDP's static graph fails "
                              "under no_sync (pytorch/pytorch#143580)")
@@ -391,6 +397,17 @@ class RunLog:
         self.metrics.write("end", step=state.step, tokens_seen=state.tokens_seen, wall_time_s=wall_time_s)
 
 
+# Packed batches under --cuda-graphs are filled up to a multiple of this many tokens: a batch of 256 at
+# length 128 then takes about 25 distinct token counts (one graph each) for 0.6% filler tokens.
+CUDA_GRAPH_TOKEN_MULTIPLE = 256
+
+
+def check_config(cfg: TrainConfig, dist: DistInfo) -> None:
+    """What the configuration needs of the hardware and the process group, before anything is spent."""
+    if cfg.cuda_graphs and (dist.device.type != "cuda" or dist.distributed):
+        raise ValueError("--cuda-graphs needs a CUDA device and one process (not torchrun)")
+
+
 def train(
     model: BertForPreTraining,
     phases: list[Phase],
@@ -408,6 +425,7 @@ def train(
     `checkpoint_meta` (model / data / train configuration) goes into every checkpoint so that a
     resume can be checked against it; `resume_from` (and its already loaded `resume_state`, if the
     caller has it) continues from that checkpoint exactly."""
+    check_config(cfg, dist)
     torch.backends.cuda.matmul.allow_tf32 = True  # only matters for fp32 on GPU
     torch.backends.cudnn.allow_tf32 = True
     model.to(dist.device).train()
@@ -503,7 +521,8 @@ def build_learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, s
     if not cfg.compile:
         step_model = ddp_model
     else:
-        step_model = compile_ddp(ddp_model, cfg.ddp) if dist.distributed else torch.compile(model)
+        mode = "reduce-overhead" if cfg.cuda_graphs else None  # reduce-overhead: Inductor's CUDA graphs
+        step_model = compile_ddp(ddp_model, cfg.ddp) if dist.distributed else torch.compile(model, mode=mode)
     params = [p for p in model.parameters() if p.requires_grad]
     return Learner(model, ddp_model, step_model, optimizer, schedule, params)
 
@@ -514,7 +533,8 @@ def batch_stream(phase: Phase, state: TrainState, cfg: TrainConfig, dist: DistIn
     so that bench/time_to_quality.py times the trainer's own data path."""
     fixed_len = phase.max_seq_len if cfg.compile else None
     workers = cfg.data_workers if cfg.data_workers is not None else default_data_workers(dist)
-    prepare = functools.partial(cpu_inputs, max_predictions=phase.max_predictions, pad_to=fixed_len, unpad=cfg.unpad)
+    prepare = functools.partial(cpu_inputs, max_predictions=phase.max_predictions, pad_to=fixed_len, unpad=cfg.unpad,
+                                token_multiple=CUDA_GRAPH_TOKEN_MULTIPLE if cfg.cuda_graphs else None)
     return BatchStream(phase.train, phase.batch_size, cfg.seed, dist.rank, dist.world_size, state.epoch,
                        state.batch_in_epoch, prepare=prepare, workers=workers,
                        pin_memory=dist.device.type == "cuda")
@@ -541,6 +561,8 @@ def optimizer_step(learner: Learner, stream: BatchStream, window: LogWindow, cfg
         inputs = inputs_to_device(batch.inputs, dist.device)
         accumulating = dist.distributed and micro < cfg.grad_accum - 1
         with learner.ddp_model.no_sync() if accumulating else contextlib.nullcontext():
+            if cfg.cuda_graphs:  # the previous step's graph outputs (loss, gradients) are used up
+                torch.compiler.cudagraph_mark_step_begin()
             with autocast_context(cfg.precision, dist.device):
                 out = learner.step_model(**inputs)
             (out.loss / cfg.grad_accum).backward()
