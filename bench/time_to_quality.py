@@ -6,6 +6,7 @@ sooner do we reach the reference's accuracy (equal accuracy at less time).
 
     python bench/time_to_quality.py --minutes 8 --preset base --batch-size 256 --out OUT   # both arms, in turn
     python bench/time_to_quality.py --arms ours --device-ids 0 ... / --arms reference --device-ids 1 ...
+    python bench/time_to_quality.py --arms reference,ours --until-reference --minutes 30 ...  # ours stops there
     python bench/time_to_quality.py --report OUT                                             # table + plot again
 
 Both arms go through `training.trainer.train` (bf16 autocast, fused AdamW, warm-up + linear decay); the
@@ -18,6 +19,7 @@ Writes OUT/<arm>/metrics.jsonl, OUT/time_to_quality.json and OUT/time_to_quality
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -164,6 +166,28 @@ def curve(metrics: Path) -> list[dict]:
     return points
 
 
+def has_reached(metrics: Path, accuracy: float) -> bool:
+    """Whether a running arm's held-out MLM accuracy has reached `accuracy` (its last line may be half
+    written)."""
+    try:
+        return metrics.is_file() and any(p["mlm_accuracy"] >= accuracy for p in curve(metrics))
+    except ValueError:
+        return False
+
+
+def _wait(procs: list[subprocess.Popen], deadline: float, stop=None) -> None:
+    """Until every arm has ended, the deadline has passed or `stop()` says so; arms still running are
+    then stopped."""
+    while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
+        if stop is not None and stop():
+            break
+        time.sleep(2)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+
+
 def time_to_reach(points: list[dict], accuracy: float) -> float | None:
     """Minutes until the held-out MLM accuracy first reaches `accuracy`, linearly interpolated."""
     previous = None
@@ -268,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--data-workers", type=int, default=None, help="the trainer's default when left out")
     p.add_argument("--cuda-graphs", action="store_true", help="our arm trains with --cuda-graphs")
+    p.add_argument("--until-reference", action="store_true",
+                   help="with --arms reference,ours (in turn): stop ours as soon as it reaches the reference's "
+                        "final held-out MLM accuracy, instead of after --minutes (saves the GPU's time)")
     p.add_argument("--step-times", type=int, default=0, metavar="STEPS",
                    help="instead of training: time STEPS steps of each arm through the trainer's data path and "
                         "from prepared batches, with GPU busy time (writes OUT/<arm>/step_times.json)")
@@ -286,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         # Data preparation once, before any clock starts (the arms then find it in the cache).
         from training.data import DataConfig, prepare_data
         prepare_data(DataConfig(corpus=tuple(args.corpus), max_seq_len=args.max_seq_len, cache_dir=args.cache_dir))
+        if args.until_reference and (devices or arms != ["reference", "ours"]):
+            p.error("--until-reference runs the arms in turn, the reference first: --arms reference,ours "
+                    "without --device-ids")
         batches = [arms] if devices else [[a] for a in arms]
         for group in batches:  # --step-times: each arm in turn, or at once with --device-ids
             procs = []
@@ -295,13 +325,11 @@ def main(argv: list[str] | None = None) -> int:
                     env["CUDA_VISIBLE_DEVICES"] = devices[i]
                 procs.append(subprocess.Popen([sys.executable, __file__, *forwarded, "--arm", arm], env=env,
                                               start_new_session=True))
-            deadline = time.monotonic() + args.minutes * 60 + 60  # + start-up, data loading
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                    proc.wait()
+            reached = None
+            if args.until_reference and group == ["ours"]:
+                target = curve(out / "reference" / "metrics.jsonl")[-1]["mlm_accuracy"]
+                reached = functools.partial(has_reached, out / "ours" / "metrics.jsonl", target)
+            _wait(procs, time.monotonic() + args.minutes * 60 + 60, reached)  # + start-up, data loading
     if not args.step_times:
         report(out)
     return 0
