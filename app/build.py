@@ -75,7 +75,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     workers, threads = inference_threads(settings, device)
     try:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
-                           settings.custom_kernels, settings.cuda_graphs)
+                           settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise

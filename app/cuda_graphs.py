@@ -21,9 +21,16 @@ import onnxruntime as ort
 
 from artifact.manifest import INPUT_NAMES
 
-ROWS = (1, 2, 4, 8, 16)  # batch sizes captured; a larger batch runs on the packed graph
+MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
 LENGTHS = (16, 32, 64, 128)  # sequence lengths captured (up to the model's maximum)
 _RUNS_TO_CAPTURE = 3  # ORT runs a graph normally before it captures it
+
+
+def rows_up_to(max_rows: int) -> tuple[int, ...]:
+    """Batch sizes captured: the powers of two below `max_rows`, then `max_rows`."""
+    if max_rows < 1:
+        raise ValueError(f"CUDA graphs need at least 1 row, not {max_rows}")
+    return tuple(1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows) + (max_rows,)
 
 
 @dataclass
@@ -42,9 +49,9 @@ class CudaGraphBuckets:
     batch's own rows and length. One batch at a time, on the buckets' own thread."""
 
     def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int, pad_id: int,
-                 rows: tuple[int, ...] | None = None, lengths: tuple[int, ...] | None = None):
+                 max_rows: int = MAX_ROWS, lengths: tuple[int, ...] | None = None):
         self.session, self.device, self.device_id, self.pad_id = session, device, device_id, pad_id
-        self.rows = tuple(sorted(rows or ROWS))
+        self.rows = rows_up_to(max_rows)
         self.lengths = tuple(sorted({min(n, max_length) for n in lengths or LENGTHS}))
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
         self._buckets: dict[tuple[int, int], _Bucket] = {}

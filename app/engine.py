@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from app.cuda_graphs import CudaGraphBuckets
+from app.cuda_graphs import MAX_ROWS, CudaGraphBuckets
 from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo, Manifest
 from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
@@ -56,7 +56,7 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
-                 cuda_graphs: str = "auto"):
+                 cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
@@ -80,7 +80,7 @@ class OrtEngine:
         self.packed = graph.packed  # padded tokens cost nothing: the batcher packs by tokens, not rows
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
         self.graph_buckets = self._open_graph_buckets(folder, graph, library if self.custom_kernels else None,
-                                                      cuda_graphs, manifest.max_length)
+                                                      cuda_graphs, manifest.max_length, cuda_graph_rows)
         self._running = 0  # batches on the GPU now, from any inference thread
         self._running_lock = threading.Lock()
 
@@ -89,7 +89,7 @@ class OrtEngine:
         return self.graph_buckets is not None
 
     def _open_graph_buckets(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str,
-                            max_length: int) -> CudaGraphBuckets | None:
+                            max_length: int, max_rows: int) -> CudaGraphBuckets | None:
         """Small batches on the padded twin as CUDA graphs (app/cuda_graphs.py), captured now. choice
         "auto": when on CUDA and the artifact has the twin; "on": both required; "off": never. With the
         custom kernels running (`library`), the twin's kernels variant."""
@@ -104,7 +104,8 @@ class OrtEngine:
             path, session = open_graph(folder, graph.padded, self.device, library=library,
                                        kernels_required=library is not None, device_id=self.cuda_device_id,
                                        cuda_graph=True, intra_op_threads=self.intra_op_threads)
-            buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id)
+            buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id,
+                                       max_rows=max_rows)
             buckets.capture()
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             if choice == "on":

@@ -37,10 +37,14 @@ class Settings(BaseSettings):
         "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
         "built in the checkout), else the plain graph; on: fail without them; off: never")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="CUDA: a batch of up to 16 texts x 128 tokens that finds the GPU otherwise idle "
-        "replays a CUDA graph of the artifact's padded fp16 twin (written by python -m export --device cuda), "
+        "auto", description="CUDA: a batch of up to cuda_graph_rows texts x 128 tokens that finds the GPU "
+        "otherwise idle replays a CUDA graph of the artifact's padded fp16 twin (written by python -m export --device cuda), "
         "captured at start: a lone short text is answered sooner, for GPU memory and start-up time "
         "(BENCHMARKS.md). auto: when the artifact has the twin; on: fail without it; off: never")
+    cuda_graph_rows: int = Field(16, ge=1, le=256, description="CUDA: the largest batch (texts) replayed from a "
+                                 "CUDA graph; one is captured for each power of two below it and for it, at each "
+                                 "length bucket. More rows: more GPU memory (BERT-base on an H100: 2,065 MiB "
+                                 "in all with 16 rows, 2,385 MiB with 32; BENCHMARKS.md)")
     workers: int = Field(1, ge=1, le=64, description="HTTP worker processes (not inference_workers), handed the "
                          "port's connections in turn. Above 1 they parse, tokenise and answer around one engine "
                          "process that holds the session and the batcher (app/multiprocess/), metrics summed over "

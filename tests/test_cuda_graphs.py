@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from app.cuda_graphs import CudaGraphBuckets
+from app.cuda_graphs import CudaGraphBuckets, rows_up_to
 from app.engine import EngineError, OrtEngine
 from artifact.manifest import INPUT_NAMES, read_manifest
 
@@ -33,7 +33,7 @@ def batch(rng, rows: int, length: int, vocab: int, pad: int):
 def test_a_batch_padded_into_a_bucket_gives_its_own_outputs(graph, rows, length):
     manifest, session = graph
     pad = manifest.special_tokens["[PAD]"]
-    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, pad, rows=(1, 4, 8), lengths=(16, 32))
+    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, pad, max_rows=8, lengths=(16, 32))
     assert buckets.fits(rows, length)
     ids, mask, types = batch(np.random.default_rng(rows * 100 + length), rows, length, manifest.vocab_size, pad)
     names = tuple(o.name for o in session.get_outputs())
@@ -48,9 +48,17 @@ def test_a_batch_padded_into_a_bucket_gives_its_own_outputs(graph, rows, length)
 def test_only_batches_within_the_largest_bucket_fit(graph):
     manifest, session = graph
     buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, manifest.special_tokens["[PAD]"],
-                               rows=(1, 4), lengths=(16, 32, 4096))
+                               max_rows=4, lengths=(16, 32, 4096))
     assert buckets.lengths[-1] == manifest.max_length  # no bucket longer than the model takes
-    assert buckets.fits(4, manifest.max_length) and not buckets.fits(5, 8) and not buckets.fits(1, manifest.max_length + 1)
+    assert buckets.fits(4, manifest.max_length) and not buckets.fits(5, 8)
+    assert not buckets.fits(1, manifest.max_length + 1)
+
+
+def test_the_captured_batch_sizes_are_powers_of_two_up_to_the_largest():
+    assert rows_up_to(16) == (1, 2, 4, 8, 16) and rows_up_to(1) == (1,)
+    assert rows_up_to(48) == (1, 2, 4, 8, 16, 32, 48)
+    with pytest.raises(ValueError, match="at least 1 row"):
+        rows_up_to(0)
 
 
 def test_cuda_graphs_need_cuda_and_a_padded_twin(tiny_artifact_dir):
