@@ -271,3 +271,22 @@ def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
     assert graphed == pytest.approx(plain, rel=1e-3)
     for name, weight in plain_weights.items():
         assert torch.allclose(graphed_weights[name], weight, atol=1e-4), name
+
+
+@pytest.mark.torch_cuda
+def test_cuda_graph_replays_draw_new_dropout_masks():
+    """A replayed step must not repeat its dropout: the same batch and weights twice give two losses."""
+    from training.model_inputs import cpu_inputs, inputs_to_device
+    from training.trainer import CUDA_GRAPH_TOKEN_MULTIPLE
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(preset_config("mini", vocab_size=300)).cuda().train()  # dropout 0.1
+    step = torch.compile(model, mode="reduce-overhead")
+    inputs = cpu_inputs(padded_batch(300, [128, 40, 77, 3], seed=1), 40, pad_to=128, unpad=True,
+                        token_multiple=CUDA_GRAPH_TOKEN_MULTIPLE)
+    losses = []
+    for _ in range(5):  # warm-up, recording, then replays
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses.append(step(**inputs_to_device(inputs, torch.device("cuda"))).loss.item())
+    assert len(set(losses[2:])) == 3, losses
