@@ -119,7 +119,7 @@ def _no_comm(state, bucket):  # no annotations: DDP checks them against the clas
     return done
 
 
-class _Cycle:
+class PreparedBatches:
     """The trainer's BatchStream reduced to what optimizer_step reads: prepared batches in turn."""
 
     def __init__(self, batches: list[StreamBatch]):
@@ -154,7 +154,7 @@ def input_pool(args: argparse.Namespace, batch_size: int, compiled: bool, dist: 
             for i, b in enumerate(batches)]
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -182,15 +182,15 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     learner = build_learner(model, optimizer, schedule, cfg, dist)
     if variant.hook is not None:
         learner.ddp_model.register_comm_hook(None, variant.hook)
-    stream, window = _Cycle(pool), LogWindow(dist.device)
+    stream, window = PreparedBatches(pool), LogWindow(dist.device)
 
     started = time.perf_counter()
     optimizer_step(learner, stream, window, cfg, dist)
-    _sync(dist.device)
+    sync_device(dist.device)
     first_step_s = time.perf_counter() - started
     for _ in range(args.warmup - 1):
         optimizer_step(learner, stream, window, cfg, dist)
-    _sync(dist.device)
+    sync_device(dist.device)
     warmup_s = time.perf_counter() - started
     window.close(dist)  # the timed window starts empty
     if dist.distributed:
@@ -201,12 +201,12 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     started = time.perf_counter()
     for _ in range(args.steps):
         optimizer_step(learner, stream, window, cfg, dist)
-    _sync(dist.device)
+    sync_device(dist.device)
     elapsed = time.perf_counter() - started
     profiled = None
     if args.profile_steps:
         trace = Path(args.trace_dir) / f"{variant.name}-b{batch_size}" if args.trace_dir else None
-        profiled = _gathered(_profile(learner, stream, window, cfg, dist, args.profile_steps, trace), dist)
+        profiled = _gathered(profile_steps(learner, stream, window, cfg, dist, args.profile_steps, trace), dist)
     tokens = window.tokens  # this process's, before close() sums them over processes
     totals = window.close(dist)  # losses averaged over the timed micro-batches and processes
     elapsed_all = _gathered(elapsed, dist)
@@ -236,7 +236,7 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
     return busy / 1e3
 
 
-def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: int,
+def profile_steps(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: int,
              trace: Path | None = None) -> dict[str, Any]:
     """`steps` more steps under torch.profiler (every rank: the collectives need them all), this rank's
     view: per step, the wall time, how long the GPU ran anything (compute and NCCL kernels) and compute
@@ -250,13 +250,13 @@ def _profile(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: i
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dist.device.type == "cuda" else [])
-    _sync(dist.device)
+    sync_device(dist.device)
     with profile(activities=activities) as prof:
         started = time.perf_counter()
         for _ in range(steps):
             optimizer_step(learner, stream, window, cfg, dist)
         launched = time.perf_counter()
-        _sync(dist.device)
+        sync_device(dist.device)
         done = time.perf_counter()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = [(e.time_range.start, e.time_range.end) for e in kernels]
@@ -290,12 +290,12 @@ def allreduce_timings(numel: int, dist: DistInfo, repeats: int = 5) -> list[dict
         t = torch.ones(numel, dtype=dtype, device=dist.device)
         for _ in range(2):
             torch_dist.all_reduce(t)
-        _sync(dist.device)
+        sync_device(dist.device)
         torch_dist.barrier()
         started = time.perf_counter()
         for _ in range(repeats):
             torch_dist.all_reduce(t)
-        _sync(dist.device)
+        sync_device(dist.device)
         seconds = max(_gathered((time.perf_counter() - started) / repeats, dist))
         size = numel * t.element_size()
         rows.append({"dtype": str(dtype).removeprefix("torch."), "mb": size / 1e6, "ms": seconds * 1e3,

@@ -118,7 +118,7 @@ def step_times(model, phase, cfg, dist, steps: int) -> dict:
     """Where an arm's step goes: ms per optimiser step through the trainer's own data path (its worker
     processes, the copy to the device), the same from batches prepared beforehand, and torch.profiler's
     view of a few steps of each (GPU busy per step: well under the step time means the GPU waits)."""
-    from bench.ddp_scaling import _Cycle, _profile, _sync
+    from bench.ddp_scaling import PreparedBatches, profile_steps, sync_device
     from training.optim import WarmupLinearDecay, make_optimizer
     from training.trainer import LogWindow, TrainState, batch_stream, build_learner, optimizer_step
 
@@ -129,19 +129,19 @@ def step_times(model, phase, cfg, dist, steps: int) -> dict:
     window = LogWindow(dist.device)
     record: dict = {}
     with batch_stream(phase, TrainState(), cfg, dist) as stream:
-        pool = _Cycle([stream.next() for _ in range(16)])
+        pool = PreparedBatches([stream.next() for _ in range(16)])
         for name, source in (("trainer_data_path", stream), ("prepared_batches", pool)):
             for _ in range(30):  # compilation and warm-up
                 optimizer_step(learner, source, window, cfg, dist)
-            _sync(dist.device)
+            sync_device(dist.device)
             window.close(dist)
             started = time.perf_counter()
             for _ in range(steps):
                 optimizer_step(learner, source, window, cfg, dist)
-            _sync(dist.device)
+            sync_device(dist.device)
             elapsed = time.perf_counter() - started
             totals = window.close(dist)
-            profiled = _profile(learner, source, window, cfg, dist, 5)
+            profiled = profile_steps(learner, source, window, cfg, dist, 5)
             window.close(dist)
             record[name] = {"ms_per_step": elapsed / steps * 1e3,
                             "data_wait_ms_per_step": totals.data_wait_s / steps * 1e3,
