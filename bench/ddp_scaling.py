@@ -29,6 +29,8 @@ real ones. A variant joins options with '+' onto DDP with torch's defaults:
     static    static_graph=True                           (--ddp-static-graph; refused with --grad-accum above 1)
     torchbf16 torch's bf16_compress_hook instead of training.ddp's: the same arithmetic (torch built with CUDA only)
     nocomm    diagnostic, wrong gradients: a comm hook that all-reduces nothing (the step without communication)
+    graphs    the compiled step replayed from CUDA graphs (the trainer's --cuda-graphs, which it allows on one
+              GPU only so far); the one-process run then also times single+graphs
 
 The whole run stops starting measurements when --budget-s would be exceeded (the rest are listed as skipped).
 Prints `nvidia-smi topo -m` (NVLink or PCIe between the GPUs), an all-reduce of the model's gradient size in
@@ -64,8 +66,8 @@ from training.ddp import DDPOptions  # noqa: E402
 from training.model import BertForPreTraining, preset_config  # noqa: E402
 from training.model_inputs import cpu_inputs  # noqa: E402
 from training.optim import WarmupLinearDecay, make_optimizer  # noqa: E402
-from training.trainer import (DistInfo, LogWindow, TrainConfig, build_learner, optimizer_step,  # noqa: E402
-                              setup_distributed, teardown_distributed)
+from training.trainer import (CUDA_GRAPH_TOKEN_MULTIPLE, DistInfo, LogWindow, TrainConfig,  # noqa: E402
+                              build_learner, optimizer_step, setup_distributed, teardown_distributed)
 
 # In order of what they tell: torch's defaults, gradients as bucket views, the trainer's defaults (one compiled
 # graph, no buffer broadcast), bf16 on top, and the step with no communication at all (the most any all-reduce
@@ -79,10 +81,12 @@ class Variant:
     name: str
     options: DDPOptions
     hook: Callable | None = None  # a communication hook registered after training.ddp's wrapping
+    cuda_graphs: bool = False
 
 
 def parse_variant(name: str) -> Variant:
     options, hooks = DDPOptions(bucket_view=False, broadcast_buffers=True, graph_per_bucket=True), []  # torch's
+    graphs = False
     for part in name.split("+"):
         if part == "plain":
             pass
@@ -104,12 +108,14 @@ def parse_variant(name: str) -> Variant:
             hooks.append(default_hooks.bf16_compress_hook)
         elif part == "nocomm":
             hooks.append(_no_comm)
+        elif part == "graphs":
+            graphs = True
         else:
-            raise ValueError(f"unknown variant part {part!r} in {name!r}; "
-                             "use plain, trainer, asview, bf16, bucketN, nobcast, onegraph, static, torchbf16, nocomm")
+            raise ValueError(f"unknown variant part {part!r} in {name!r}; use plain, trainer, asview, bf16, "
+                             "bucketN, nobcast, onegraph, static, torchbf16, nocomm, graphs")
     if len(hooks) + options.bf16_grads > 1:
         raise ValueError(f"{name!r} asks for two communication hooks (bf16, torchbf16, nocomm); DDP takes one")
-    return Variant(name, options, hooks[0] if hooks else None)
+    return Variant(name, options, hooks[0] if hooks else None, graphs)
 
 
 def _no_comm(state, bucket):  # no annotations: DDP checks them against the classes, and ours are strings
@@ -129,7 +135,8 @@ class PreparedBatches:
         return next(self._turns)
 
 
-def input_pool(args: argparse.Namespace, batch_size: int, compiled: bool, dist: DistInfo) -> list[StreamBatch]:
+def input_pool(args: argparse.Namespace, batch_size: int, compiled: bool, dist: DistInfo,
+               cuda_graphs: bool = False) -> list[StreamBatch]:
     """This rank's batches, prepared as the trainer's data workers prepare them (CPU model inputs)."""
     if args.batches:
         arrays = load_batches(args.batches)
@@ -148,9 +155,10 @@ def input_pool(args: argparse.Namespace, batch_size: int, compiled: bool, dist: 
         batches = [make_batch(batch_size, args.seq_len, args.vocab_size, masked, seed=1000 * dist.rank + i)
                    for i in range(args.pool)]
     # Compiled, the trainer pads every batch to the phase's length, so that the model sees one shape.
+    multiple = CUDA_GRAPH_TOKEN_MULTIPLE if cuda_graphs else None
     return [StreamBatch(0, i, int(b["attention_mask"].sum()),
                         cpu_inputs(b, args.max_predictions, pad_to=args.seq_len if compiled else None,
-                                   unpad=args.unpad))
+                                   unpad=args.unpad, token_multiple=multiple))
             for i, b in enumerate(batches)]
 
 
@@ -175,7 +183,7 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
     torch.manual_seed(args.seed)
     model = BertForPreTraining(preset_config(args.preset, vocab_size=args.vocab_size)).to(dist.device).train()
     cfg = TrainConfig(batch_size=batch_size, grad_accum=args.grad_accum, lr=args.lr, precision=args.precision,
-                      compile=compiled, ddp=variant.options)
+                      compile=compiled, ddp=variant.options, cuda_graphs=variant.cuda_graphs)
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
     schedule = WarmupLinearDecay(optimizer, cfg.lr, args.warmup, args.warmup + args.steps)
     torch.manual_seed(args.seed + dist.rank)  # as the trainer: dropout differs by rank
@@ -243,7 +251,8 @@ def profile_steps(learner, stream, window, cfg: TrainConfig, dist: DistInfo, ste
     alone, how far the CPU had run ahead of the GPU when the last step was launched (near 0: launching is
     the limit), the CPU operators that took the most of this process's own time and the GPU kernels that
     took the most GPU time. A GPU busy for much less than the wall time waits for the CPU or for another
-    rank; NCCL time well above an all-reduce's own is waiting for another rank. `trace`: also a gzipped Chrome trace there."""
+    rank; NCCL time well above an all-reduce's own is waiting for another rank. `trace`: also a gzipped
+    Chrome trace there."""
     import gzip
     import shutil
 
@@ -338,9 +347,10 @@ def worker(args: argparse.Namespace) -> int:
                 if dist.is_main:
                     print(f"all-reduce of {row['mb']:.0f} MB in {row['dtype']} over {dist.world_size} processes: "
                           f"{row['ms']:.2f} ms ({row['bus_gb_per_s']:.1f} GB/s bus bandwidth)", flush=True)
-        variants = [parse_variant(v) for v in args.variants.split(",")] if dist.distributed else [
-            Variant(SINGLE, DDPOptions())]
-        pools: dict[int, list[StreamBatch]] = {}
+        asked = [parse_variant(v) for v in args.variants.split(",")]
+        variants = asked if dist.distributed else [Variant(SINGLE, DDPOptions())] + (
+            [Variant(SINGLE + "+graphs", DDPOptions(), cuda_graphs=True)] if any(v.cuda_graphs for v in asked) else [])
+        pools: dict[tuple[int, bool], list[StreamBatch]] = {}
         longest = 0.0
         for variant, batch_size in itertools.product(variants, args.batch_sizes):  # each variant at every batch first
             fields = {"kind": "run", "variant": variant.name, "batch_size": batch_size,
@@ -352,9 +362,10 @@ def worker(args: argparse.Namespace) -> int:
                 continue
             started = time.perf_counter()
             try:
-                if batch_size not in pools:
-                    pools[batch_size] = input_pool(args, batch_size, compiled, dist)
-                result = measure(args, variant, batch_size, pools[batch_size], compiled, dist)
+                key = batch_size, variant.cuda_graphs
+                if key not in pools:
+                    pools[key] = input_pool(args, batch_size, compiled, dist, variant.cuda_graphs)
+                result = measure(args, variant, batch_size, pools[key], compiled, dist)
                 record(**fields, **result)
                 if dist.is_main and "profile" in result:
                     for rank in result["profile"]:

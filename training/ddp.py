@@ -54,12 +54,12 @@ def wrap_ddp(model: nn.Module, device: torch.device, options: DDPOptions) -> Dis
     return ddp
 
 
-def compile_ddp(ddp: DistributedDataParallel, options: DDPOptions) -> nn.Module:
-    """`ddp` under torch.compile, split at bucket boundaries or not as `options` say. optimize_ddp is
-    dynamo's documented switch for this and is read when the model first runs, so it is set here, for the
-    process: one process trains one model."""
+def compile_ddp(ddp: DistributedDataParallel, options: DDPOptions, mode: str | None = None) -> nn.Module:
+    """`ddp` under torch.compile (`mode` as torch.compile takes it), split at bucket boundaries or not as
+    `options` say. optimize_ddp is dynamo's documented switch for this and is read when the model first
+    runs, so it is set here, for the process: one process trains one model."""
     torch._dynamo.config.optimize_ddp = options.graph_per_bucket
-    return torch.compile(ddp)
+    return torch.compile(ddp, mode=mode)
 
 
 def bf16_all_reduce(group: torch_dist.ProcessGroup | None, bucket):

@@ -403,7 +403,8 @@ CUDA_GRAPH_TOKEN_MULTIPLE = 256
 
 
 def check_config(cfg: TrainConfig, dist: DistInfo) -> None:
-    """What the configuration needs of the hardware and the process group, before anything is spent."""
+    """What the configuration needs of the hardware and the process group, before anything is spent. (CUDA
+    graphs under DDP are bench/ddp_scaling.py's `graphs` variant until measured.)"""
     if cfg.cuda_graphs and (dist.device.type != "cuda" or dist.distributed):
         raise ValueError("--cuda-graphs needs a CUDA device and one process (not torchrun)")
 
@@ -522,7 +523,7 @@ def build_learner(model: BertForPreTraining, optimizer: torch.optim.Optimizer, s
         step_model = ddp_model
     else:
         mode = "reduce-overhead" if cfg.cuda_graphs else None  # reduce-overhead: Inductor's CUDA graphs
-        step_model = compile_ddp(ddp_model, cfg.ddp) if dist.distributed else torch.compile(model, mode=mode)
+        step_model = compile_ddp(ddp_model, cfg.ddp, mode) if dist.distributed else torch.compile(model, mode=mode)
     params = [p for p in model.parameters() if p.requires_grad]
     return Learner(model, ddp_model, step_model, optimizer, schedule, params)
 
