@@ -245,7 +245,7 @@ def _busy_ms(intervals: list[tuple[float, float]]) -> float:
 
 
 def profile_steps(learner, stream, window, cfg: TrainConfig, dist: DistInfo, steps: int,
-             trace: Path | None = None) -> dict[str, Any]:
+                  trace: Path | None = None) -> dict[str, Any]:
     """`steps` more steps under torch.profiler (every rank: the collectives need them all), this rank's
     view: per step, the wall time, how long the GPU ran anything (compute and NCCL kernels) and compute
     alone, how far the CPU had run ahead of the GPU when the last step was launched (near 0: launching is

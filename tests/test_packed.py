@@ -3,8 +3,6 @@ give what the padded model gives. On CPU the packed attention pads again interna
 (tests marked torch_cuda) it is FlashAttention's variable-length kernel, checked against padded SDPA."""
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
@@ -230,21 +228,12 @@ def test_compiled_packed_training_step_on_cuda_matches_padded():
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
 
 
-class _Batches:
-    """The trainer's stream reduced to what optimizer_step reads: prepared batches in turn."""
-
-    def __init__(self, inputs: list[dict]):
-        self._turns = itertools.cycle(inputs)
-
-    def next(self) -> StreamBatch:
-        return StreamBatch(0, 0, 0, next(self._turns))
-
-
 @pytest.mark.torch_cuda
 def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
     """Eight optimiser steps over four batches of different token counts (each shape recorded, then
     replayed): the CUDA-graph steps, filler sequences included, give the plain compiled steps' losses
     and weights."""
+    from bench.ddp_scaling import PreparedBatches  # what optimizer_step reads of the trainer's stream
     from training.model_inputs import cpu_inputs
     from training.optim import WarmupLinearDecay, make_optimizer
     from training.trainer import (CUDA_GRAPH_TOKEN_MULTIPLE, DistInfo, LogWindow, TrainConfig, build_learner,
@@ -261,7 +250,9 @@ def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
         optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
         learner = build_learner(model, optimizer, WarmupLinearDecay(optimizer, cfg.lr, 0, 100), cfg, dist)
         multiple = CUDA_GRAPH_TOKEN_MULTIPLE if graphs else None
-        stream = _Batches([cpu_inputs(b, 40, pad_to=128, unpad=True, token_multiple=multiple) for b in batches])
+        stream = PreparedBatches([StreamBatch(0, i, 0, cpu_inputs(b, 40, pad_to=128, unpad=True,
+                                                                  token_multiple=multiple))
+                                  for i, b in enumerate(batches)])
         window, losses = LogWindow(dist.device), []
         for _ in range(8):
             optimizer_step(learner, stream, window, cfg, dist)
