@@ -228,11 +228,10 @@ def test_compiled_packed_training_step_on_cuda_matches_padded():
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
 
 
-@pytest.mark.torch_cuda
-def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
-    """Eight optimiser steps over four batches of different token counts (each shape recorded, then
-    replayed): the CUDA-graph steps, filler sequences included, give the plain compiled steps' losses
-    and weights."""
+def compiled_training_steps(cuda_graphs: bool, filled: bool, steps: int = 8, decay_steps: int = 10):
+    """`steps` optimiser steps of a dropout-free mini model over four batches of different token counts
+    (each shape recorded, then replayed, under CUDA graphs); the learning rate falls to 0 over
+    `decay_steps`, so a replay that kept its recorded rate would drift. Returns (losses, weights)."""
     from bench.ddp_scaling import PreparedBatches  # what optimizer_step reads of the trainer's stream
     from training.model_inputs import cpu_inputs
     from training.optim import WarmupLinearDecay, make_optimizer
@@ -241,27 +240,37 @@ def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
 
     dist = DistInfo(device=torch.device("cuda"))
     shapes = ([128, 40, 77, 3], [3, 100, 128, 64], [128, 128, 128, 128], [50, 60, 9, 2])
-    batches = [padded_batch(300, lengths, seed=i) for i, lengths in enumerate(shapes)]
-    runs = []
-    for graphs in (False, True):
-        torch.manual_seed(0)
-        model = without_dropout(BertForPreTraining(preset_config("mini", vocab_size=300))).to(dist.device)
-        cfg = TrainConfig(batch_size=4, lr=1e-3, warmup_steps=0, compile=True, cuda_graphs=graphs)
-        optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
-        learner = build_learner(model, optimizer, WarmupLinearDecay(optimizer, cfg.lr, 0, 100), cfg, dist)
-        multiple = CUDA_GRAPH_TOKEN_MULTIPLE if graphs else None
-        stream = PreparedBatches([StreamBatch(0, i, 0, cpu_inputs(b, 40, pad_to=128, unpad=True,
-                                                                  token_multiple=multiple))
-                                  for i, b in enumerate(batches)])
-        window, losses = LogWindow(dist.device), []
-        for _ in range(8):
-            optimizer_step(learner, stream, window, cfg, dist)
-            losses.append(window.close(dist).loss)
-        runs.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
-    (plain, plain_weights), (graphed, graphed_weights) = runs
+    torch.manual_seed(0)
+    model = without_dropout(BertForPreTraining(preset_config("mini", vocab_size=300))).to(dist.device)
+    cfg = TrainConfig(batch_size=4, lr=1e-3, warmup_steps=0, compile=True, cuda_graphs=cuda_graphs)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
+    learner = build_learner(model, optimizer, WarmupLinearDecay(optimizer, cfg.lr, 0, decay_steps), cfg, dist)
+    multiple = CUDA_GRAPH_TOKEN_MULTIPLE if filled else None
+    stream = PreparedBatches([StreamBatch(0, i, 0, cpu_inputs(padded_batch(300, lengths, seed=i), 40, pad_to=128,
+                                                              unpad=True, token_multiple=multiple))
+                              for i, lengths in enumerate(shapes)])
+    window, losses = LogWindow(dist.device), []
+    for _ in range(steps):
+        optimizer_step(learner, stream, window, cfg, dist)
+        losses.append(window.close(dist).loss)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.torch_cuda
+def test_cuda_graph_training_steps_follow_the_plain_compiled_steps():
+    """The CUDA-graph steps give the plain compiled steps' losses, fillers or not, and their weights on the
+    same filled batches. Weights are compared by the mean difference over all elements: bf16 products and
+    the embeddings' atomic gradient sums differ from run to run, and Adam turns that noise in near-zero
+    gradients into lr-sized steps of single elements, whereas a replay with a stale batch, rate or
+    optimiser state moves every element. On an H100: two plain runs 4.0e-6 apart, plain and graphs 4.0e-6,
+    a rate that stays at its first value 8.6e-4."""
+    plain, _ = compiled_training_steps(cuda_graphs=False, filled=False)
+    _, filled_weights = compiled_training_steps(cuda_graphs=False, filled=True)
+    graphed, graphed_weights = compiled_training_steps(cuda_graphs=True, filled=True)
     assert graphed == pytest.approx(plain, rel=1e-3)
-    for name, weight in plain_weights.items():
-        assert torch.allclose(graphed_weights[name], weight, atol=1e-4), name
+    total = sum((graphed_weights[n] - w).abs().sum().item() for n, w in filled_weights.items())
+    elements = sum(w.numel() for w in filled_weights.values())
+    assert total / elements < 1e-5
 
 
 @pytest.mark.torch_cuda
