@@ -1,7 +1,9 @@
 """GPU kernel time by kind (matrix products, GELU, attention, LayerNorm, ...) for one batch of b x 128 on
-PyTorch fp16 SDPA, the ORT fp16 padded graph and the ORT fp16 packed graph (BERT-base shape, random
-weights, built as bench/engine_throughput.py builds them). torch.profiler's CUPTI trace sees every
-kernel of the process, ORT's included; ORT's own node profile times launches on the host, not the GPU.
+PyTorch fp16 SDPA and the ORT fp16 graphs: padded, packed on PackedAttention, packed on
+PackedMultiHeadAttention, each also on custom_kernels' operator when its library is built (BERT-base
+shape, random weights, built as bench/engine_throughput.py builds them). torch.profiler's CUPTI trace
+sees every kernel of the process, ORT's included; ORT's own node profile times launches on the host,
+not the GPU.
 
   python bench/engine_kernel_profile.py 256        # GPU machine, with onnxruntime-gpu
 """
@@ -18,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.engine_throughput import DeviceBoundSession, TorchEngine, build, fixed_batch, stdlib_docstrings  # noqa: E402
+from artifact.session import kernels_library  # noqa: E402
+from bench.engine_throughput import (PACKED_KINDS, DeviceBoundSession, TorchEngine, build, fixed_batch,  # noqa: E402
+                                     stdlib_docstrings)
 
 # First match wins: attention and LayerNorm kernels before the generic product names.
 KINDS = [("attention", r"fmha|flash|attention|Attention|softmax"),
@@ -57,10 +61,14 @@ def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     work = Path(tempfile.mkdtemp())
-    _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000))
-    engines = {"torch sdpa": TorchEngine(model, "cuda", torch.float16),
-               "ort padded": DeviceBoundSession(work / "padded" / artifacts["padded"].graph("fp16").file, "cuda"),
-               "ort packed": DeviceBoundSession(work / "packed" / artifacts["packed"].graph("fp16").file, "cuda")}
+    _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000), list(PACKED_KINDS))
+    library = kernels_library("auto", "cuda")
+    engines = {"torch sdpa": TorchEngine(model, "cuda", torch.float16)}
+    for kind, artifact in artifacts.items():  # padded, packed, packed-mha; each with our kernels when built
+        engines[f"ort {kind}"] = DeviceBoundSession(work / kind / artifact.graph("fp16").file, "cuda")
+        if kernels := artifact.graph("fp16").custom_kernels:
+            engines[f"ort {kind}+kernels"] = DeviceBoundSession(work / kind / kernels.file, "cuda",
+                                                                kernels_library=library)
     feed = fixed_batch(batch, 128, np.random.default_rng(0))
     product_flops = 2 * 12 * (12 * 768 * 768) * batch * 128  # the encoder's Q/K/V, output and FFN products
     for name, engine in engines.items():

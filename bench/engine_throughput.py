@@ -7,6 +7,7 @@ fixed length (--seq) at each of --batches, and real text of varying length (Pyth
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
 
   python bench/engine_throughput.py --device cuda --preset base              # GPU machine
+  python bench/engine_throughput.py --device cuda --packed-attention PackedAttention,PackedMultiHeadAttention
   python bench/engine_throughput.py --device cpu --preset tiny --batches 1,8 --iters 3   # smoke test
 
 Prints a table; writes engine_throughput.json under $OUT when set (or --json PATH).
@@ -63,8 +64,12 @@ def stdlib_docstrings(limit: int) -> list[str]:
     return texts
 
 
-def build(preset: str, device: str, work: Path, texts: list[str]):
-    """Tokenizer trained on `texts`, a random-weight model of `preset`, and its artifact(s)."""
+PACKED_KINDS = {"PackedAttention": "packed", "PackedMultiHeadAttention": "packed-mha"}  # artifact name per operator
+
+
+def build(preset: str, device: str, work: Path, texts: list[str], packed_attention: list[str]):
+    """Tokenizer trained on `texts`, a random-weight model of `preset`, and its artifact(s): on CUDA the
+    padded one and a packed one per operator in `packed_attention`."""
     tokenizer = train_wordpiece(texts[:5000], vocab_size=8000, min_frequency=2)
     save_tokenizer(tokenizer, work / "tokenizer")
     torch.manual_seed(0)
@@ -77,10 +82,13 @@ def build(preset: str, device: str, work: Path, texts: list[str]):
     else:
         # padded first: CUDA graphs need its fixed shapes, and it stands in if packing fails here
         artifacts["padded"] = export_artifact(model_dir, work / "padded", device="cuda", remove_padding=False)
-        try:
-            artifacts["packed"] = export_artifact(model_dir, work / "packed", device="cuda")
-        except ExportError as e:
-            print(f"packed fp16 export failed, benchmarking without it: {e}", flush=True)
+        for op in packed_attention:
+            kind = PACKED_KINDS[op]
+            try:
+                artifacts[kind] = export_artifact(model_dir, work / kind, device="cuda", packed_attention=op,
+                                                  padded_twin=False)  # "padded" above is that graph
+            except ExportError as e:
+                print(f"{kind} fp16 export failed, benchmarking without it: {e}", flush=True)
     print(f"export ({device}): {time.perf_counter() - t:.1f} s", flush=True)
     return tokenizer, model, artifacts
 
@@ -192,11 +200,17 @@ def main(argv=None) -> int:
     p.add_argument("--texts", type=int, default=8000, help="docstrings to read (fewer: faster start)")
     p.add_argument("--threads", type=int, default=2, help="CPU mode: threads per engine")
     p.add_argument("--no-cuda-graph", action="store_true")
+    p.add_argument("--packed-attention", default="PackedAttention",
+                   help=f"comma-separated ORT operators of the packed graphs to build and time: {', '.join(PACKED_KINDS)}")
     p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     text_sizes = [int(b) for b in args.text_batches.split(",") if b]
     cuda = args.device == "cuda"
+    packed_attention = [op for op in args.packed_attention.split(",") if op]
+    if unknown := [op for op in packed_attention if op not in PACKED_KINDS]:
+        p.error(f"--packed-attention: unknown {', '.join(unknown)} (known: {', '.join(PACKED_KINDS)})")
+    args.packed_attention = packed_attention
 
     if cuda:
         require_cuda()
@@ -211,7 +225,7 @@ def main(argv=None) -> int:
 
 def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes: list[int], card: str) -> int:
     cuda = args.device == "cuda"
-    tokenizer, model, artifacts = build(args.preset, args.device, work, texts)
+    tokenizer, model, artifacts = build(args.preset, args.device, work, texts, args.packed_attention)
 
     def graph_file(kind: str, precision: str) -> Path:
         return work / kind / artifacts[kind].graph(precision).file
@@ -224,10 +238,11 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
     library = kernels_library("auto", args.device)
     if cuda:
         engines = {"torch fp16 sdpa": lambda: TorchEngine(model, "cuda", torch.float16)}
-        if "packed" in artifacts:
-            engines["ort fp16 packed"] = lambda: DeviceBoundSession(graph_file("packed", "fp16"), "cuda")
+        packed = [kind for kind in PACKED_KINDS.values() if kind in artifacts]
+        for kind in packed:
+            engines[f"ort fp16 {kind}"] = lambda kind=kind: DeviceBoundSession(graph_file(kind, "fp16"), "cuda")
         engines["ort fp16 padded"] = lambda: DeviceBoundSession(graph_file("padded", "fp16"), "cuda")
-        for kind in ("packed", "padded"):
+        for kind in (*packed, "padded"):
             if kind in artifacts and kernels_file(kind):
                 engines[f"ort fp16 {kind}+kernels"] = (
                     lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))

@@ -20,6 +20,11 @@ from training.model import BertConfig
 # Fused kernels recorded in the manifest (fp32 / fp16 graphs: ORT's statistics; int8: op counts).
 ATTENTION_OPS = ("Attention", "MultiHeadAttention")
 GELU_OPS = ("BiasGelu", "FastGelu", "Gelu")
+# ORT's attention operators on a packed batch: PackedAttention runs the Q, K and V product itself (one
+# GEMM, then a bias-and-transpose kernel and, on Hopper, the memory-efficient attention kernel);
+# PackedMultiHeadAttention reads Q, K and V from MatMuls before it and can run FlashAttention's
+# variable-length kernel on them.
+PACKED_ATTENTION_OPS = ("PackedAttention", "PackedMultiHeadAttention")
 INT8_OPS = ("QAttention", "Attention", "QEmbedLayerNormalization", "EmbedLayerNormalization",
             "SkipLayerNormalization", "BiasGelu", "FastGelu", "Gelu", "MatMulInteger", "DynamicQuantizeMatMul")
 
@@ -50,15 +55,22 @@ def check_fusions(counts: dict[str, int], num_layers: int, what: str) -> None:
 
 
 def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, float16: bool,
-                   remove_padding: bool = False) -> dict[str, int]:
+                   remove_padding: bool = False, packed_attention: str = PACKED_ATTENTION_OPS[0]) -> dict[str, int]:
     """Fuse `raw` (fp32, as traced) into `dst`, fp16 inside with float32 inputs/outputs if `float16`.
 
     `remove_padding` (CUDA only: ORT has no CPU kernels for it) packs the real tokens of the batch
     before the first layer and restores the padded shape after the last, so the matmuls skip padding;
-    the graph's inputs and outputs stay the same. Returns the fused-operator counts, with
-    PackedAttention / RemovePadding counts when packed; raises FusionError when the encoder did not
-    fully fuse."""
+    the graph's inputs and outputs stay the same; `packed_attention` (one of PACKED_ATTENTION_OPS) is
+    the attention operator it then runs. Returns the fused-operator counts, with the packed attention /
+    RemovePadding counts when packed; raises FusionError when the encoder did not fully fuse."""
     from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    if packed_attention not in PACKED_ATTENTION_OPS:
+        raise ValueError(f"packed attention must be one of {', '.join(PACKED_ATTENTION_OPS)}, not {packed_attention!r}")
+    options = FusionOptions("bert")
+    # MultiHeadAttention (the Q, K, V MatMuls left outside) is what packing turns into PackedMultiHeadAttention
+    options.use_multi_head_attention = remove_padding and packed_attention == "PackedMultiHeadAttention"
 
     opt = optimizer.optimize_model(
         str(raw),
@@ -67,6 +79,7 @@ def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, f
         hidden_size=config.hidden_size,
         opt_level=1,  # ORT's default for BERT: basic, provider-independent rewrites, then the Python fusions
         use_gpu=use_gpu,
+        optimization_options=options,
     )
     counts = {k: int(v) for k, v in opt.get_fused_operator_statistics().items()}
     check_fusions(counts, config.num_hidden_layers, "fp16 graph" if float16 else "fp32 graph")
@@ -74,20 +87,22 @@ def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, f
         # keep_io_types: the server feeds int64 ids and reads float32 outputs, with no cast of its own
         opt.convert_float_to_float16(keep_io_types=True)
     if remove_padding:
-        counts.update(_pack(opt, config.num_hidden_layers))
+        counts.update(_pack(opt, config.num_hidden_layers, packed_attention))
     opt.save_model_to_file(str(dst))
     return counts
 
 
-def _pack(opt, num_layers: int) -> dict[str, int]:
+def _pack(opt, num_layers: int, attention: str) -> dict[str, int]:
     """ORT's packing mode: RemovePadding after the embeddings (it reads the per-row token counts that
-    EmbedLayerNormalization makes from the mask), PackedAttention per layer, RestorePadding at the end."""
+    EmbedLayerNormalization makes from the mask), `attention` per layer, RestorePadding at the end."""
     from onnxruntime.transformers.convert_to_packing_mode import PackingMode
 
-    PackingMode(opt).convert()
+    # ORT's symbolic shape inference knows PackedAttention but not PackedMultiHeadAttention; the session
+    # infers shapes when it loads the graph either way
+    PackingMode(opt).convert(use_symbolic_shape_infer=attention == "PackedAttention")
     ops = Counter(node.op_type for node in opt.model.graph.node)
-    counts = {op: ops.get(op, 0) for op in ("PackedAttention", "RemovePadding", "RestorePadding")}
-    if counts != {"PackedAttention": num_layers, "RemovePadding": 1, "RestorePadding": 1}:
+    counts = {op: ops.get(op, 0) for op in (attention, "RemovePadding", "RestorePadding")}
+    if counts != {attention: num_layers, "RemovePadding": 1, "RestorePadding": 1}:
         raise FusionError(f"packing (padding removal) did not apply to every layer: {counts}")
     return counts
 

@@ -27,7 +27,7 @@ from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
-from export.optimize import optimize_graph, quantize_int8
+from export.optimize import PACKED_ATTENTION_OPS, optimize_graph, quantize_int8
 from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
                            text_batches)
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
@@ -42,12 +42,13 @@ MIN_MAX_LENGTH = 8  # room for [CLS] A [SEP] B [SEP] with a few tokens of each t
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
-    padded_twin: bool | None = None, max_length: int | None = None,
+    padded_twin: bool | None = None, max_length: int | None = None, packed_attention: str = PACKED_ATTENTION_OPS[0],
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
     Always an fp32 graph for the CPU; with device="cuda" also an fp16 graph, built and checked on the
-    GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`); with int8 also
+    GPU (by default in ORT's packing mode, which skips the padding: `remove_padding`, with
+    `packed_attention` as its attention operator, export.optimize.PACKED_ATTENTION_OPS); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
     on parity like the others. `padded_twin` (default: with device="cuda"): the server may replay the
@@ -98,7 +99,8 @@ def export_artifact(
         graphs = {}
         for precision in precisions:
             graphs[precision] = _build_graph(precision, traced, tmp, loaded, graph, batches, references,
-                                             remove_padding, calibration=calibration)
+                                             remove_padding, calibration=calibration,
+                                             packed_attention=packed_attention)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
         if padded_twin:
@@ -177,13 +179,14 @@ def parity_feeds(tokenizer: Tokenizer, specials: dict[str, int], vocab_size: int
 def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, graph: EmbeddingGraph,
                  batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
                  remove_padding: bool, file: str | None = None,
-                 calibration: list[dict[str, np.ndarray]] | None = None) -> GraphInfo:
+                 calibration: list[dict[str, np.ndarray]] | None = None,
+                 packed_attention: str = PACKED_ATTENTION_OPS[0]) -> GraphInfo:
     path = tmp / (file or GRAPH_FILES[precision])
     if precision == "fp32":
         counts = optimize_graph(traced, path, loaded.config, use_gpu=False, float16=False)
     elif precision == "fp16":
         counts = optimize_graph(traced, path, loaded.config, use_gpu=True, float16=True,
-                                remove_padding=remove_padding)
+                                remove_padding=remove_padding, packed_attention=packed_attention)
     else:
         counts = quantize_int8(tmp / GRAPH_FILES["fp32"], path, loaded.config, calibration)
     device = "cuda" if precision == "fp16" else "cpu"

@@ -307,6 +307,18 @@ def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
     import onnx
     packed = onnx.load(str(tmp_path / "packed.onnx"))
     assert [o.name for o in packed.graph.output] == graph.outputs
+    counts = optimize_graph(tmp_path / "traced.onnx", tmp_path / "packed_mha.onnx", loaded.config, use_gpu=False,
+                            float16=True, remove_padding=True, packed_attention="PackedMultiHeadAttention")
+    assert (counts["PackedMultiHeadAttention"], counts["RemovePadding"], counts["RestorePadding"]) == (2, 1, 1)
+    packed_mha = onnx.load(str(tmp_path / "packed_mha.onnx"))
+    ops = [node.op_type for node in packed_mha.graph.node]
+    assert "PackedAttention" not in ops and [o.name for o in packed_mha.graph.output] == graph.outputs
+    for node in packed_mha.graph.node:  # Q, K, V from three products of the layer's input, no packed QKV
+        if node.op_type == "PackedMultiHeadAttention":
+            assert all(node.input[:3]) and len({n for n in node.input[:3]}) == 3
+    with pytest.raises(ValueError, match="packed attention must be one of"):
+        optimize_graph(tmp_path / "traced.onnx", tmp_path / "x.onnx", loaded.config, use_gpu=False, float16=True,
+                       remove_padding=True, packed_attention="FlashAttention")
 
 
 @pytest.mark.slow

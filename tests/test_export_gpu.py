@@ -63,6 +63,23 @@ def test_keep_padding_fp16_graph(tiny_model_dir, tmp_path):
     assert fp16.parity["cls_embedding_min_cosine"] >= 0.999
 
 
+def test_packed_multi_head_attention_graph(tiny_model_dir, tmp_path):
+    """The packed graph on PackedMultiHeadAttention (Q, K, V products before it) passes the same gate and
+    answers a padded batch as the model does, with padding in the batch to remove."""
+    m = export_artifact(tiny_model_dir, tmp_path / "art", device="cuda", packed_attention="PackedMultiHeadAttention",
+                        padded_twin=False)
+    fp16 = m.graph("fp16")
+    assert fp16.fused_operators["PackedMultiHeadAttention"] == m.num_layers and fp16.packed
+    assert "PackedAttention" not in fp16.fused_operators
+    tok = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))
+    feed = padded_feed([tok.encode("a short one"), tok.encode("a much longer sentence with more words", "and a pair")])
+    want = reference_outputs(EmbeddingGraph(load_model_folder(tiny_model_dir).model, True, True), feed)
+    got = dict(zip(fp16.outputs, open_session(tmp_path / "art" / fp16.file, "cuda").run(fp16.outputs, feed)))
+    real = feed["attention_mask"].astype(bool)
+    assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.999
+    assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.999
+
+
 @pytest.mark.slow
 def test_base_sized_fp16_export(tmp_path, tiny_tokenizer_dir):
     """The production shape: 12 layers, 768 hidden, every layer's attention fused, fp16 within tolerance."""
