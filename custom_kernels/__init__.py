@@ -2,8 +2,9 @@
 
 ONNX Runtime's CUDA provider runs a BERT feed-forward block as a MatMul and then a separate BiasGelu
 kernel that reads the whole [tokens, 4·hidden] product back from memory. `libbertserve_ops.so`
-(src/matmul_bias_gelu.cc, built by build.sh) does both in one cuBLASLt GEMM whose epilogue adds the
-bias and applies GELU. `python -m export --device cuda` writes a second fp16 graph that uses it
+(src/matmul_epilogues.cc, built by build.sh) does both in one cuBLASLt GEMM whose epilogue adds the
+bias and applies GELU (MatMulBiasGelu); MatMulBias adds the attention's bias to its Q, K and V
+products the same way. `python -m export --device cuda` writes a second fp16 graph that uses them
 (fusion.py) and gates it on parity like every graph; the server runs that graph when it can load the
 library. This module imports nothing but the standard library: the server uses it.
 """

@@ -24,7 +24,7 @@ flags=(-std=c++17 -O2 -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werror -W
        -Wl,--version-script="$exports")
 
 if [ -n "$host_reference" ]; then
-  "$CXX" "${flags[@]}" -DBERTSERVE_HOST_REFERENCE "$here/src/matmul_bias_gelu.cc" -o "$out/libbertserve_ops_hostref.so"
+  "$CXX" "${flags[@]}" -DBERTSERVE_HOST_REFERENCE "$here/src/matmul_epilogues.cc" -o "$out/libbertserve_ops_hostref.so"
   echo "built $out/libbertserve_ops_hostref.so"
   exit 0
 fi
@@ -48,6 +48,6 @@ for d in $CUDA_INC; do [ -d "$d" ] || continue; inc+=(-I"$d")
 for d in $CUDA_LIB; do [ -d "$d" ] && lib+=(-L"$d"); done
 [ -n "$have_lt" ] || { echo "build.sh: no cublasLt.h in: $CUDA_INC (set CUDA_INC; pip: the nvidia-cublas wheel's nvidia/cu13/include)" >&2; exit 1; }
 [ -n "$have_crt" ] || { echo "build.sh: no crt/host_defines.h in: $CUDA_INC (it comes with a CUDA toolkit, e.g. a CUDA devel image; set CUDA_INC)" >&2; exit 1; }
-"$CXX" "${flags[@]}" "${inc[@]}" "$here/src/matmul_bias_gelu.cc" -o "$out/libbertserve_ops.so" "${lib[@]}" \
+"$CXX" "${flags[@]}" "${inc[@]}" "$here/src/matmul_epilogues.cc" -o "$out/libbertserve_ops.so" "${lib[@]}" \
   -l:libcublasLt.so.13 -l:libcudart.so.13
 echo "built $out/libbertserve_ops.so"

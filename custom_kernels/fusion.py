@@ -1,15 +1,20 @@
-"""Graph rewrite: each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one
-bertserve.MatMulBiasGelu node (needs onnx; export runs it, the server never does)."""
+"""Graph rewrites onto our operators (needs onnx; export runs them, the server never does):
+each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one bertserve.MatMulBiasGelu
+node, and the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
+add the attention's bias themselves."""
 from __future__ import annotations
 
 from collections import Counter
 
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from custom_kernels import DOMAIN
 
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
+MATMUL_BIAS = "MatMulBias"
+# ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
+MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
 
 def fuse_matmul_bias_gelu(model: onnx.ModelProto) -> int:
@@ -42,17 +47,73 @@ def fuse_matmul_bias_gelu(model: onnx.ModelProto) -> int:
         dropped.add(j)
     if not fused:
         return 0
-    # Copies: the messages in `nodes` belong to graph.node, which is emptied next.
-    kept = [_copy(fused.get(i, node)) for i, node in enumerate(nodes) if i not in dropped]
+    _rewrite(model, fused, dropped)
     gone = {nodes[j].output[0] for j in dropped}
     value_info = [_copy(v) for v in graph.value_info if v.name not in gone]
-    del graph.node[:]
-    graph.node.extend(kept)
     del graph.value_info[:]
     graph.value_info.extend(value_info)
+    return len(fused)
+
+
+def fuse_attention_bias(model: onnx.ModelProto) -> int:
+    """Rewrites `model` in place and returns how many MatMuls it replaced (three per attention). For each
+    MultiHeadAttention / PackedMultiHeadAttention whose Q, K and V each come from a MatMul read by that
+    node alone (weight a 2-D initializer) and whose bias is a 1-D initializer of their three widths, the
+    MatMuls become MatMulBias nodes with their third of the bias, and the attention loses its bias input:
+    with none, ORT's attention reads Q, K and V where they are instead of adding the bias into a copy."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    nodes = list(graph.node)
+    producer = {out: i for i, node in enumerate(nodes) for out in node.output}
+    uses = Counter(name for node in nodes for name in node.input)
+    graph_outputs = {o.name for o in graph.output}
+    replaced: dict[int, onnx.NodeProto] = {}
+    new_initializers: list[onnx.TensorProto] = []
+    for attention in nodes:
+        if (attention.op_type not in MULTI_HEAD_ATTENTION_OPS or attention.domain != "com.microsoft"
+                or len(attention.input) < 4 or not all(attention.input[:4])):
+            continue
+        bias = initializers.get(attention.input[3])
+        matmuls = [producer.get(name) for name in attention.input[:3]]
+        if bias is None or len(bias.dims) != 1 or None in matmuls or len(set(matmuls)) != 3:
+            continue
+        parts = [nodes[j] for j in matmuls]
+        weights = [initializers.get(m.input[1]) for m in parts]
+        if any(m.op_type != "MatMul" or m.domain not in ("", "ai.onnx") or uses[m.output[0]] != 1
+               or m.output[0] in graph_outputs for m in parts):
+            continue
+        if any(w is None or len(w.dims) != 2 for w in weights) or sum(w.dims[1] for w in weights) != bias.dims[0]:
+            continue
+        values, start = numpy_helper.to_array(bias), 0
+        for j, matmul, weight, part in zip(matmuls, parts, weights, "qkv"):
+            piece = numpy_helper.from_array(values[start:start + weight.dims[1]], f"{attention.input[3]}_{part}")
+            start += weight.dims[1]
+            new_initializers.append(piece)
+            replaced[j] = helper.make_node(MATMUL_BIAS, [matmul.input[0], matmul.input[1], piece.name],
+                                           list(matmul.output), name=f"{matmul.name or matmul.output[0]}_bias",
+                                           domain=DOMAIN)
+        attention.input[3] = ""  # the messages in `nodes` are graph.node's own: this edits the graph
+    if not replaced:
+        return 0
+    graph.initializer.extend(new_initializers)
+    _rewrite(model, replaced, set())
+    still_read = {name for node in graph.node for name in node.input}
+    kept = [_copy(t) for t in graph.initializer if t.name in still_read or t.name in graph_outputs]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return len(replaced)
+
+
+def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], dropped: set[int]) -> None:
+    """graph.node with node i replaced by replaced[i] and the nodes in `dropped` left out, in the same
+    order, and our domain imported."""
+    graph = model.graph
+    # Copies: the messages in graph.node go when it is emptied.
+    kept = [_copy(replaced.get(i, node)) for i, node in enumerate(graph.node) if i not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return len(fused)
 
 
 def _copy(message):

@@ -199,14 +199,15 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
 def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
                          file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
-    """The fp16 graph `source` with its MatMul + BiasGelu pairs on our fused operator, checked like the
-    graph itself."""
+    """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
+    multi-head attention where it has that, on our fused operators; checked like the graph itself."""
     import onnx
 
-    from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
+    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
 
     model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
+    operators = {MATMUL_BIAS_GELU: fused, MATMUL_BIAS: fuse_attention_bias(model)}
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")
@@ -219,7 +220,7 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                           f"off") from e
     figures = compare(session, graph, batches, references)
     check_parity("fp16", figures)
-    return CustomKernelsGraph(file=path.name, operators={MATMUL_BIAS_GELU: fused}, parity=figures)
+    return CustomKernelsGraph(file=path.name, operators={op: n for op, n in operators.items() if n}, parity=figures)
 
 
 def _session(path: Path, device: str):

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
-from custom_kernels.fusion import MATMUL_BIAS_GELU, fuse_matmul_bias_gelu
+from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
 from export import ExportError
 from export.pipeline import export_artifact
 from tests.feeds import padded_feed
@@ -114,6 +114,58 @@ def test_fusion_leaves_a_product_that_is_read_elsewhere():
     model = helper.make_model(graph)
     assert fuse_matmul_bias_gelu(model) == 0
     assert [n.op_type for n in model.graph.node] == ["MatMul", "BiasGelu", "Identity"]
+
+
+def _multi_head_attention_graph(model_dir: Path, tmp_path: Path) -> onnx.ModelProto:
+    """The model fused by ORT with MultiHeadAttention (Q, K, V MatMuls outside it, their bias inside), fp32:
+    the unpacked form of the packed graph on PackedMultiHeadAttention, which has a CPU kernel."""
+    from onnxruntime.transformers import optimizer
+    from onnxruntime.transformers.fusion_options import FusionOptions
+
+    from export.onnx_graph import EmbeddingGraph, trace_to_onnx
+    from training.model_folder import load_model_folder
+
+    loaded = load_model_folder(model_dir)
+    trace_to_onnx(EmbeddingGraph(loaded.model, True, True).eval(), tmp_path / "traced.onnx")
+    options = FusionOptions("bert")
+    options.use_multi_head_attention = True
+    fused = optimizer.optimize_model(str(tmp_path / "traced.onnx"), model_type="bert", opt_level=1,
+                                     num_heads=loaded.config.num_attention_heads,
+                                     hidden_size=loaded.config.hidden_size, optimization_options=options)
+    assert fused.get_fused_operator_statistics()["MultiHeadAttention"] == loaded.config.num_hidden_layers
+    return fused.model
+
+
+def test_attention_bias_moves_into_the_q_k_v_products(tiny_model_dir, tmp_path, hostref_library):
+    model = _multi_head_attention_graph(tiny_model_dir, tmp_path)
+    plain = _session(model.SerializeToString())
+    layers = sum(n.op_type == "MultiHeadAttention" for n in model.graph.node)
+    assert fuse_attention_bias(model) == 3 * layers
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops[MATMUL_BIAS] == 3 * layers
+    for node in model.graph.node:
+        if node.op_type == "MultiHeadAttention":
+            assert node.input[3] == ""  # no bias left for the attention to add into a copy
+    initializers = {t.name for t in model.graph.initializer}
+    assert all(name in initializers for n in model.graph.node if n.op_type == MATMUL_BIAS for name in n.input[1:])
+    assert not any(name.endswith("qkv_bias") for name in initializers)  # the [3·hidden] bias is gone
+    fused = _session(model.SerializeToString(), hostref_library)
+    feed = _padded_feed(tiny_model_dir)
+    names = [o.name for o in plain.get_outputs()]
+    for name, want, got in zip(names, plain.run(names, feed), fused.run(names, feed)):
+        np.testing.assert_allclose(got, want, atol=2e-5, err_msg=name)
+
+
+def test_attention_bias_stays_when_a_product_is_read_elsewhere(tiny_model_dir, tmp_path):
+    model = _multi_head_attention_graph(tiny_model_dir, tmp_path)
+    first = next(n for n in model.graph.node if n.op_type == "MultiHeadAttention")
+    name, key = first.name, first.input[1]
+    model.graph.node.append(helper.make_node("Identity", [key], ["key_too"]))
+    model.graph.output.append(helper.make_tensor_value_info("key_too", TensorProto.FLOAT, None))
+    layers = sum(n.op_type == "MultiHeadAttention" for n in model.graph.node)
+    assert fuse_attention_bias(model) == 3 * (layers - 1)
+    assert next(n for n in model.graph.node if n.name == name).input[3]  # that layer keeps its bias
+    assert next(n for n in model.graph.node if key in n.output).op_type == "MatMul"
 
 
 def test_the_kernels_choice_is_read_in_one_place(tmp_path, monkeypatch):

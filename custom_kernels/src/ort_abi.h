@@ -1,4 +1,4 @@
-// ort_abi.h: the few pieces of ONNX Runtime's C ABI that matmul_bias_gelu.cc uses, declared by hand
+// ort_abi.h: the few pieces of ONNX Runtime's C ABI that matmul_epilogues.cc uses, declared by hand
 // (the onnxruntime wheels ship no C headers). Written against the layout of
 // include/onnxruntime/core/session/onnxruntime_c_api.h at ORT_API_VERSION 30 (1.30). OrtApi only
 // ever grows at the end, so a slot's index is the same in every release from the one that added it

@@ -1,18 +1,22 @@
-// ONNX Runtime custom-op library: bertserve.MatMulBiasGelu on the CUDA execution provider.
+// ONNX Runtime custom-op library: matrix products with their epilogue fused, on the CUDA provider.
 //
-//   Y = gelu(X·W + bias)   X [..., K] fp16, W [K, N] fp16, bias [N] fp16  ->  Y [..., N] fp16
+//   bertserve.MatMulBiasGelu  Y = gelu(X·W + bias)
+//   bertserve.MatMulBias      Y = X·W + bias
+//   X [..., K] fp16, W [K, N] fp16, bias [N] fp16  ->  Y [..., N] fp16
 //
-// One cublasLtMatmul with the CUBLASLT_EPILOGUE_GELU_BIAS epilogue, fp32 accumulation. Row-major
+// One cublasLtMatmul with the CUBLASLT_EPILOGUE_GELU_BIAS / _BIAS epilogue, fp32 accumulation. Row-major
 // tensors are handed to column-major cuBLASLt as their transposes: Yᵀ[N×M] = Wᵀ[N×K] · Xᵀ[K×M], bias
 // one value per row of Yᵀ. Load with SessionOptions.register_custom_ops_library(path).
 //
-// It replaces ORT's MatMul + com.microsoft.BiasGelu pair of every feed-forward block (custom_kernels/
-// fusion.py rewrites the graph): the GEMM writes gelu(x) directly instead of x for a second kernel to
-// read back, which saved about 1.4 ms of 14.4 per BERT-base batch of 256 x 128 on an H100.
+// MatMulBiasGelu replaces ORT's MatMul + com.microsoft.BiasGelu pair of every feed-forward block
+// (custom_kernels/fusion.py rewrites the graph): the GEMM writes gelu(x) directly instead of x for a
+// second kernel to read back, which saved about 1.4 ms of 14.4 per BERT-base batch of 256 x 128 on an
+// H100. MatMulBias gives PackedMultiHeadAttention its Q, K and V with their biases added, so that the
+// attention reads them where they are instead of adding the bias into a copy first.
 //
 // Built with -DBERTSERVE_HOST_REFERENCE (build.sh --host-reference) the library has no CUDA at all:
-// the same op runs on the CPU provider (fp16 and fp32, plain loops, exact-erf GELU), so the hand-made
-// ABI (ort_abi.h) and the graph rewrite are tested on machines without a GPU (tests/test_custom_kernels.py).
+// the same ops run on the CPU provider (fp16 and fp32, plain loops, exact-erf GELU), so the hand-made
+// ABI (ort_abi.h) and the graph rewrites are tested on machines without a GPU (tests/test_custom_kernels.py).
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -34,12 +38,12 @@ namespace {
 
 constexpr uint32_t kOpVersion = 16;  // OrtCustomOp layout and OrtApi version asked for (ORT >= 1.16)
 constexpr const char* kDomain = "bertserve";
-constexpr const char* kOpName = "MatMulBiasGelu";
 
 const OrtApi* api = nullptr;  // set by RegisterCustomOps
 
-OrtStatusPtr fail(OrtErrorCode code, const std::string& msg) {
-  return api->CreateStatus(code, (std::string(kOpName) + ": " + msg).c_str());
+// `op`: the operator's name, which starts every message.
+OrtStatusPtr fail(const char* op, OrtErrorCode code, const std::string& msg) {
+  return api->CreateStatus(code, (std::string(op) + ": " + msg).c_str());
 }
 
 #define RETURN_IF_ERROR(expr)                          \
@@ -67,8 +71,10 @@ OrtStatusPtr type_and_shape(const OrtValue* v, ONNXTensorElementDataType* type, 
   return s;
 }
 
-// One registered variant of the op: element type and execution provider.
+// One registered operator: its name and epilogue, element type and execution provider.
 struct OpDef : OrtCustomOp {
+  const char* name;
+  bool gelu;  // GELU after the bias, or the bias alone
   ONNXTensorElementDataType type;
   const char* provider;
 };
@@ -76,11 +82,11 @@ struct OpDef : OrtCustomOp {
 #ifdef BERTSERVE_HOST_REFERENCE
 
 struct Kernel {
-  ONNXTensorElementDataType type;
+  const OpDef* def;
 };
 
 template <typename T>
-void host_ffn(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t K, int64_t N) {
+void host_matmul(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t K, int64_t N, bool gelu) {
   std::vector<float> wf(w, w + K * N), acc(N);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) acc[n] = float(b[n]);
@@ -88,23 +94,24 @@ void host_ffn(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t K, in
       const float xv = float(x[m * K + k]);
       for (int64_t n = 0; n < N; ++n) acc[n] += xv * wf[k * N + n];
     }
-    for (int64_t n = 0; n < N; ++n) y[m * N + n] = T(0.5f * acc[n] * (1.0f + std::erf(acc[n] * 0.70710678f)));
+    for (int64_t n = 0; n < N; ++n)
+      y[m * N + n] = T(gelu ? 0.5f * acc[n] * (1.0f + std::erf(acc[n] * 0.70710678f)) : acc[n]);
   }
 }
 
 OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** out) {
-  *out = new Kernel{static_cast<const OpDef*>(op)->type};
+  *out = new Kernel{static_cast<const OpDef*>(op)};
   return nullptr;
 }
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
                  void* y, void* /*stream: none on the CPU provider*/) {
-  if (k.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
-    host_ffn(static_cast<const _Float16*>(x), static_cast<const _Float16*>(w), static_cast<const _Float16*>(b),
-             static_cast<_Float16*>(y), M, K, N);
+  if (k.def->type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+    host_matmul(static_cast<const _Float16*>(x), static_cast<const _Float16*>(w), static_cast<const _Float16*>(b),
+                static_cast<_Float16*>(y), M, K, N, k.def->gelu);
   else
-    host_ffn(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(b),
-             static_cast<float*>(y), M, K, N);
+    host_matmul(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(b),
+                static_cast<float*>(y), M, K, N, k.def->gelu);
   return nullptr;
 }
 
@@ -119,10 +126,10 @@ std::string cuda_error(const char* what, cudaError_t e) {
 std::string lt_error(const char* what, cublasStatus_t s) {
   return std::string(what) + " failed: " + cublasLtGetStatusString(s) + " (" + std::to_string(int(s)) + ")";
 }
-#define LT_CHECK(call)                                                               \
-  do {                                                                               \
-    cublasStatus_t st_ = (call);                                                     \
-    if (st_ != CUBLAS_STATUS_SUCCESS) return fail(ORT_EP_FAIL, lt_error(#call, st_)); \
+#define LT_CHECK(op, call)                                                               \
+  do {                                                                                   \
+    cublasStatus_t st_ = (call);                                                         \
+    if (st_ != CUBLAS_STATUS_SUCCESS) return fail(op, ORT_EP_FAIL, lt_error(#call, st_)); \
   } while (0)
 
 // Descriptors and the chosen algorithm for one problem size (they hold no device memory).
@@ -141,7 +148,7 @@ struct Plan {
 // One per node of the graph. Handle, workspace and event are made here, once: Compute never
 // allocates, so it may run inside ORT's CUDA-graph capture.
 struct Kernel {
-  ONNXTensorElementDataType type;
+  const OpDef* def = nullptr;
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -161,39 +168,42 @@ struct Kernel {
 
 OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** out) {
   auto k = std::make_unique<Kernel>();
-  k->type = static_cast<const OpDef*>(op)->type;
+  k->def = static_cast<const OpDef*>(op);
+  const char* name = k->def->name;
   int device = -1;
   cudaError_t e = cudaGetDevice(&device);
-  if (e != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaGetDevice", e));
-  LT_CHECK(cublasLtCreate(&k->lt));
+  if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaGetDevice", e));
+  LT_CHECK(name, cublasLtCreate(&k->lt));
   e = cudaEventCreateWithFlags(&k->done, cudaEventDisableTiming);
-  if (e != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaEventCreate", e));
+  if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaEventCreate", e));
   const char* mb = std::getenv("BERTSERVE_KERNELS_WORKSPACE_MB");
   k->workspace_bytes = size_t(mb ? std::atol(mb) : 32) << 20;
   if (k->workspace_bytes) {
     e = cudaMalloc(&k->workspace, k->workspace_bytes);
-    if (e != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaMalloc(cuBLASLt workspace)", e));
+    if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaMalloc(cuBLASLt workspace)", e));
   }
   *out = k.release();
   return nullptr;
 }
 
 OrtStatusPtr make_plan(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Plan* p) {
-  LT_CHECK(cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const char* name = k.def->name;
+  LT_CHECK(name, cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t no = CUBLAS_OP_N;
-  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_GELU_BIAS;
+  const cublasLtEpilogue_t epilogue = k.def->gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
   const cudaDataType_t bias_type = CUDA_R_16F;
-  LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &no, sizeof(no)));
-  LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &no, sizeof(no)));
-  LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  LT_CHECK(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  LT_CHECK(name, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &no, sizeof(no)));
+  LT_CHECK(name, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &no, sizeof(no)));
+  LT_CHECK(name, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  LT_CHECK(name, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                sizeof(bias_type)));
   // Column-major views of the row-major tensors: Wᵀ is N×K (ld N), Xᵀ is K×M (ld K), Yᵀ is N×M (ld N).
-  LT_CHECK(cublasLtMatrixLayoutCreate(&p->w, CUDA_R_16F, N, K, N));
-  LT_CHECK(cublasLtMatrixLayoutCreate(&p->x, CUDA_R_16F, K, M, K));
-  LT_CHECK(cublasLtMatrixLayoutCreate(&p->y, CUDA_R_16F, N, M, N));
+  LT_CHECK(name, cublasLtMatrixLayoutCreate(&p->w, CUDA_R_16F, N, K, N));
+  LT_CHECK(name, cublasLtMatrixLayoutCreate(&p->x, CUDA_R_16F, K, M, K));
+  LT_CHECK(name, cublasLtMatrixLayoutCreate(&p->y, CUDA_R_16F, N, M, N));
 
   cublasLtMatmulPreference_t pref = nullptr;
-  LT_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  LT_CHECK(name, cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t max_ws = k.workspace_bytes;
   const uint32_t a = uint32_t(align);
   cublasStatus_t s = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof(max_ws));
@@ -205,9 +215,10 @@ OrtStatusPtr make_plan(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Pl
   if (s == CUBLAS_STATUS_SUCCESS)
     s = cublasLtMatmulAlgoGetHeuristic(k.lt, p->op, p->w, p->x, p->y, p->y, pref, 1, &result, &found);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS) return fail(ORT_EP_FAIL, lt_error("cublasLtMatmulAlgoGetHeuristic", s));
+  if (s != CUBLAS_STATUS_SUCCESS) return fail(name, ORT_EP_FAIL, lt_error("cublasLtMatmulAlgoGetHeuristic", s));
   if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
-    return fail(ORT_EP_FAIL, "cuBLASLt has no algorithm with the GELU_BIAS epilogue for M=" + std::to_string(M) +
+    return fail(name, ORT_EP_FAIL, std::string("cuBLASLt has no algorithm with the ") +
+                                       (k.def->gelu ? "GELU_BIAS" : "BIAS") + " epilogue for M=" + std::to_string(M) +
                                  " K=" + std::to_string(K) + " N=" + std::to_string(N) + " (alignment " +
                                  std::to_string(align) + " B, workspace " + std::to_string(max_ws) + " B)");
   p->algo = result.algo;
@@ -216,7 +227,8 @@ OrtStatusPtr make_plan(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Pl
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
                  void* y, void* stream) {
-  if (!stream) return fail(ORT_EP_FAIL, "ORT gave no CUDA compute stream (is the node on CUDAExecutionProvider?)");
+  const char* name = k.def->name;
+  if (!stream) return fail(name, ORT_EP_FAIL, "ORT gave no CUDA compute stream (is the node on CUDAExecutionProvider?)");
   const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y);
   int align = 256;
   while (align > 2 && (bits & uintptr_t(align - 1))) align >>= 1;
@@ -237,15 +249,15 @@ OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, cons
     it = k.plans.emplace(key, p).first;
   }
   Plan& p = it->second;
-  LT_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)));
+  LT_CHECK(name, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)));
   const auto s = static_cast<cudaStream_t>(stream);
   cudaError_t e = k.last && k.last != s ? cudaStreamWaitEvent(s, k.done, 0) : cudaSuccess;
-  if (e != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaStreamWaitEvent", e));
+  if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaStreamWaitEvent", e));
   const float alpha = 1.0f, beta = 0.0f;
-  LT_CHECK(cublasLtMatmul(k.lt, p.op, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &p.algo, k.workspace,
-                          k.workspace_bytes, s));
+  LT_CHECK(name, cublasLtMatmul(k.lt, p.op, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &p.algo, k.workspace,
+                                k.workspace_bytes, s));
   e = cudaEventRecord(k.done, s);
-  if (e != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaEventRecord", e));
+  if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaEventRecord", e));
   k.last = s;
   return nullptr;
 }
@@ -257,19 +269,21 @@ const char* const kProvider = "CUDAExecutionProvider";
 
 OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   Kernel& k = *static_cast<Kernel*>(kernel);
+  const char* name = k.def->name;
   const OrtValue* in[3];
   ONNXTensorElementDataType type[3];
   std::vector<int64_t> dims[3];
   for (size_t i = 0; i < 3; ++i) {
     RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
-    if (!in[i]) return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
+    if (!in[i]) return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
     RETURN_IF_ERROR(type_and_shape(in[i], &type[i], &dims[i]));
-    if (type[i] != k.type) return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " has an unexpected element type");
+    if (type[i] != k.def->type)
+      return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " has an unexpected element type");
   }
   const auto &xd = dims[0], &wd = dims[1], &bd = dims[2];
   if (xd.size() < 2 || wd.size() != 2 || bd.size() != 1 || xd.back() != wd[0] || bd[0] != wd[1] || wd[0] <= 0)
-    return fail(ORT_INVALID_ARGUMENT, "shapes X " + dims_str(xd) + ", W " + dims_str(wd) + ", bias " + dims_str(bd) +
-                                          " do not fit X [..., K], W [K, N], bias [N]");
+    return fail(name, ORT_INVALID_ARGUMENT, "shapes X " + dims_str(xd) + ", W " + dims_str(wd) + ", bias " +
+                                                dims_str(bd) + " do not fit X [..., K], W [K, N], bias [N]");
   const int64_t K = wd[0], N = wd[1];
   int64_t M = 1;
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
@@ -287,13 +301,15 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   return run(k, M, K, N, ptr[0], ptr[1], ptr[2], ptr[3], stream);
 }
 
-OpDef make_op(ONNXTensorElementDataType type, const char* provider) {
+OpDef make_op(const char* name, bool gelu, ONNXTensorElementDataType type, const char* provider) {
   OpDef op;
   std::memset(static_cast<void*>(&op), 0, sizeof(op));
   op.version = kOpVersion;
+  op.name = name;
+  op.gelu = gelu;
   op.type = type;
   op.provider = provider;
-  op.GetName = [](const OrtCustomOp*) { return kOpName; };
+  op.GetName = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->name; };
   op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->provider; };
   op.GetInputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
@@ -327,7 +343,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatusPtr RegisterCustomOps
   }
   static std::vector<OpDef> ops = [] {
     std::vector<OpDef> v;
-    for (auto t : kTypes) v.push_back(make_op(t, kProvider));
+    for (auto t : kTypes) {
+      v.push_back(make_op("MatMulBiasGelu", true, t, kProvider));
+      v.push_back(make_op("MatMulBias", false, t, kProvider));
+    }
     return v;
   }();
   OrtCustomOpDomain* domain = nullptr;
