@@ -416,20 +416,27 @@ def _sequential_latency(url: str, text: str, requests: int) -> dict:
             "server_inference_p50_ms": round(float(np.median(inference)), 3), "client": "http.client keep-alive"}
 
 
+_LINK = "bertserve_engine_link_duration_seconds"  # with workers > 1, by way (label): to / in / from the engine
 _STAGES = {"request": "bertserve_request_duration_seconds", "tokenize": "bertserve_tokenize_duration_seconds",
-           "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds"}
+           "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds",
+           **{f"link_{way}": f"{_LINK}:{way}" for way in ("to_engine", "in_engine", "from_engine")}}
 _BATCH_SIZE = "bertserve_batch_size"
 
 
 def _server_totals(url: str) -> dict[str, float]:
-    """Each histogram's _sum and _count so far, from /metrics (summed over label values): differences over
-    a run give the mean batch size and where the server's time per request went."""
-    wanted = {*_STAGES.values(), _BATCH_SIZE}
+    """Each histogram's _sum and _count so far, from /metrics (summed over label values, but the link's
+    by way, as NAME:WAY_sum): differences over a run give the mean batch size and where the server's
+    time per request went."""
+    wanted = {*(stage.split(":")[0] for stage in _STAGES.values()), _BATCH_SIZE}
     totals: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name.endswith(("_sum", "_count")) and name.rsplit("_", 1)[0] in wanted:
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        base, suffix = name.rsplit("_", 1) if "_" in name else (name, "")
+        if suffix in ("sum", "count") and base in wanted:
+            if base == _LINK and 'way="' in line:
+                base += ":" + line.split('way="', 1)[1].split('"', 1)[0]
+            key = f"{base}_{suffix}"
+            totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
 
@@ -474,7 +481,10 @@ def serving(args) -> dict:
                 print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
                       f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
                       f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
-                      f"{run['mean_batch_size']}", file=sys.stderr)
+                      f"{run['mean_batch_size']}" + (
+                          f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
+                          f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
+                          if workers > 1 else ""), file=sys.stderr)
                 run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
                 runs[f"x{per_request}"] = run
             print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)

@@ -690,6 +690,7 @@ def test_metrics_count_requests_failures_and_stages(artifact):
                  "bertserve_inference_duration_seconds_count", "bertserve_batch_tokens_count"):
         assert _metric(m, name) >= 1, name
     assert 'bertserve_model_info{model="tiny",precision="fp32",provider="CPUExecutionProvider"} 1.0' in m
+    assert _metric(m, 'bertserve_engine_link_duration_seconds_count{way="to_engine"}') == 0  # one process: no link
 
 
 def _metric(text: str, name: str) -> float:

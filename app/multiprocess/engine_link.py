@@ -13,7 +13,8 @@ A frame is a 4-byte little-endian length, then a 1-byte kind:
   SUBMIT  worker -> engine: <kind, outputs bit mask, n, group id> (16 bytes), lengths int32[n],
           ids int32[total], type ids uint8[total]
   CANCEL  worker -> engine: <kind, group id> (16 bytes)
-  RESULT  engine -> worker: <kind, arrays, batch size, group id, queue s, inference s> (32 bytes), one
+  RESULT  engine -> worker: <kind, arrays, batch size, group id, queue s, inference s, received at, answered
+          at> (48 bytes; the engine process's time.monotonic(), one clock for every process of the host), one
           <output, dtype, rows, cols> (12 bytes) per array, then each array's bytes, 8-byte aligned; token
           vectors go as one [total, H] array, which the worker cuts by the lengths it sent
   ERROR   engine -> worker: <kind, group id> (16 bytes), then "ErrorType\\nmessage" in UTF-8
@@ -25,13 +26,14 @@ import itertools
 import logging
 import pickle
 import struct
+import time
 from collections.abc import Callable
 
 import numpy as np
 
 from app import errors
 from app.backend import Backend, EngineInfo, InlineTokenizing
-from app.batcher import DynamicBatcher, GroupResult, Sequences
+from app.batcher import DynamicBatcher, GroupResult, LinkTimes, Sequences
 from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
@@ -41,7 +43,7 @@ HELLO, SUBMIT, CANCEL, RESULT, ERROR = range(5)
 _HELLO = struct.Struct("<B7x")
 _SUBMIT = struct.Struct("<BBxxIQ")
 _REQUEST = struct.Struct("<B7xQ")  # CANCEL and ERROR
-_RESULT = struct.Struct("<BBxxIQdd")
+_RESULT = struct.Struct("<BBxxIQdddd")
 _ARRAY = struct.Struct("<BBxxII")
 _OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
 _OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1) for mask in range(16)]
@@ -148,9 +150,10 @@ class _Framed(asyncio.BufferedProtocol):
 
 
 # -- engine side ------------------------------------------------------------------------------------------
-def _result_frame(rid: int, result: GroupResult) -> list:
-    """The RESULT frame's parts; TooManyInputs when they would pass the frame limit (token vectors of
-    very many long inputs), which the worker answers with 413 while the link stays up."""
+def _result_frame(rid: int, result: GroupResult, received_at: float) -> list:
+    """The RESULT frame's parts (`received_at`: when the engine process read the request); TooManyInputs
+    when they would pass the frame limit (token vectors of very many long inputs), which the worker
+    answers with 413 while the link stays up."""
     arrays = []
     for name, value in result.outputs.items():
         if isinstance(value, list):  # token vectors: [len_i, H] each -> [total, H]
@@ -160,7 +163,8 @@ def _result_frame(rid: int, result: GroupResult) -> list:
     if size > _FRAME_LIMIT - 1024:
         raise errors.TooManyInputs(f"the answer would take {size / 2**30:.1f} GiB; send fewer inputs per request, "
                                    f"or ask for token vectors of fewer inputs at a time")
-    parts = [_RESULT.pack(RESULT, len(arrays), result.batch_size, rid, result.queue_s, result.inference_s)]
+    parts = [_RESULT.pack(RESULT, len(arrays), result.batch_size, rid, result.queue_s, result.inference_s,
+                          received_at, time.monotonic())]
     parts += [_ARRAY.pack(index, _DTYPES.index(a.dtype), *a.shape) for index, a in arrays]
     offset = _RESULT.size + _ARRAY.size * len(arrays)
     for _, a in arrays:
@@ -181,14 +185,14 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
     def connection() -> _Framed:
         pending: dict[int, asyncio.Future] = {}
 
-        def reply(rid: int, future: asyncio.Future) -> None:
+        def reply(rid: int, received_at: float, future: asyncio.Future) -> None:
             pending.pop(rid, None)
             if future.cancelled() or link.transport.is_closing():
                 return
             error = future.exception()
             if error is None:
                 try:
-                    link.send(*_result_frame(rid, future.result()))
+                    link.send(*_result_frame(rid, future.result(), received_at))
                     return
                 except errors.ServiceError as e:
                     error = e
@@ -196,6 +200,7 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
 
         def on_frame(kind: int, frame: bytearray) -> None:
             if kind == SUBMIT:
+                received_at = time.monotonic()
                 _, mask, n, rid = _SUBMIT.unpack_from(frame)
                 ids_at = _SUBMIT.size + 4 * n
                 total = (len(frame) - ids_at) // 5  # int32 ids + uint8 type ids per token
@@ -208,7 +213,7 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
                     link.send(_REQUEST.pack(ERROR, rid), _error_payload(e))
                     return
                 pending[rid] = future
-                future.add_done_callback(lambda f, rid=rid: reply(rid, f))
+                future.add_done_callback(lambda f, rid=rid, at=received_at: reply(rid, at, f))
             elif kind == CANCEL:
                 future = pending.pop(_REQUEST.unpack_from(frame)[1], None)
                 if future is not None:
@@ -246,8 +251,11 @@ def _error_from(payload: bytes) -> errors.ServiceError:
     return error
 
 
-def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
-    _, count, batch_size, _, queue_s, inference_s = _RESULT.unpack_from(frame)
+def _read_result(frame: bytearray, lengths: np.ndarray, sent_at: float) -> GroupResult:
+    """The group's result; `sent_at`: when this worker sent the group (time.monotonic())."""
+    read_at = time.monotonic()
+    _, count, batch_size, _, queue_s, inference_s, received_at, answered_at = _RESULT.unpack_from(frame)
+    link = LinkTimes(received_at - sent_at, answered_at - received_at, read_at - answered_at)
     offset = _RESULT.size + _ARRAY.size * count
     outputs: dict = {}
     for k in range(count):
@@ -261,7 +269,7 @@ def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
             ends = np.cumsum(lengths).tolist()
             value = [value[a:b] for a, b in zip([0, *ends[:-1]], ends)]
         outputs[name] = value
-    return GroupResult(outputs, queue_s, inference_s, batch_size)
+    return GroupResult(outputs, queue_s, inference_s, batch_size, link)
 
 
 class _Submission:
@@ -289,7 +297,7 @@ class _Submission:
             if not future.done():
                 rows = result.outputs if len(self.parts) == 1 else {
                     name: value[first: first + n] for name, value in result.outputs.items()}
-                future.set_result(GroupResult(rows, result.queue_s, result.inference_s, result.batch_size))
+                future.set_result(GroupResult(rows, result.queue_s, result.inference_s, result.batch_size, result.link))
             first += n
 
     def fail(self, make_error: Callable[[], BaseException]) -> None:
@@ -307,7 +315,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self._link: _Framed | None = None
         self._hello: asyncio.Future | None = None
-        self._pending: dict[int, tuple[_Submission, np.ndarray]] = {}  # sent, by group id: (requests, lengths)
+        self._pending: dict[int, tuple[_Submission, np.ndarray, float]] = {}  # by group id: (requests, lengths, sent at)
         self._gathering: dict[int, _Submission] = {}  # this loop turn's requests, by outputs mask
         self._ids = itertools.count()
         self._closed = True
@@ -371,7 +379,7 @@ class EngineClient:
             return
         rid = next(self._ids)
         sequences = Sequences.joined(submission.parts)
-        self._pending[rid] = (submission, sequences.lengths)
+        self._pending[rid] = (submission, sequences.lengths, time.monotonic())
         self._link.send(_SUBMIT.pack(SUBMIT, mask, len(sequences), rid), sequences.lengths.astype(np.int32),
                         sequences.ids.astype(np.int32), sequences.type_ids.astype(np.uint8))
         for future in submission.futures:
@@ -396,11 +404,11 @@ class EngineClient:
                 self._hello.set_result(pickle.loads(memoryview(frame)[_HELLO.size:]))
             return
         rid = _REQUEST.unpack_from(frame)[1] if kind == ERROR else _RESULT.unpack_from(frame)[3]
-        submission, lengths = self._pending.pop(rid, (None, None))
+        submission, lengths, sent_at = self._pending.pop(rid, (None, None, None))
         if submission is None:
             return  # every request of it was cancelled meanwhile
         if kind == RESULT:
-            submission.answer(_read_result(frame, lengths))
+            submission.answer(_read_result(frame, lengths, sent_at))
         elif kind == ERROR:
             payload = bytes(frame[_REQUEST.size:])
             submission.fail(lambda: _error_from(payload))
@@ -418,7 +426,7 @@ class EngineClient:
                 self.on_lost()
 
     def _fail_pending(self, message: str) -> None:
-        for submission in [*(s for s, _ in self._pending.values()), *self._gathering.values()]:
+        for submission in [*(entry[0] for entry in self._pending.values()), *self._gathering.values()]:
             submission.fail(lambda: errors.NotReady(message))
         self._pending.clear()
         self._gathering.clear()
