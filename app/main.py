@@ -55,7 +55,7 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
                                       lambda: setattr(app.state, "service", None))  # engine lost: 503
         service = InferenceService(settings, manifest, tokenizer, backend, metrics)
         e = service.engine
-        metrics.model.labels(service.model_name, e.precision, e.provider).set(1)
+        metrics.model_loaded(service.model_name, e.precision, e.provider)
         log.info("serving %s (%s, %s on %s) from %s", service.model_name, e.precision, e.provider, e.device,
                  settings.model_dir)
         app.state.service = service  # from here on /ready answers 200

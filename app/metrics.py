@@ -75,6 +75,9 @@ class Metrics:
         self.inference_seconds.observe(seconds)
         self.sequences.inc(size)
 
+    def model_loaded(self, model: str, precision: str, provider: str) -> None:
+        self.model.labels(model, precision, provider).set(1)
+
     def observe_link(self, link: LinkTimes) -> None:
         for histogram, seconds in zip(self._link_ways, (link.to_engine_s, link.in_engine_s, link.from_engine_s)):
             histogram.observe(seconds)

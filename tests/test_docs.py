@@ -3,11 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts.settings_table import readme_with_table
+from scripts.readme_tables import readme_with_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_readme_settings_table_is_generated_from_settings():
+def test_readme_settings_and_metrics_tables_are_generated_from_the_code():
     readme = (ROOT / "README.md").read_text()
-    assert readme_with_table(readme) == readme, "README's settings table is stale: python scripts/settings_table.py --write"
+    assert readme_with_tables(readme) == readme, "README's tables are stale: python scripts/readme_tables.py --write"
