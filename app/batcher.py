@@ -68,15 +68,6 @@ class Sequences:
 
 
 @dataclass(frozen=True, slots=True)
-class LinkTimes:
-    """With HTTP workers (app/multiprocess): where a request's time went between its worker and the engine
-    process, outside the batcher's queue and batches."""
-    to_engine_s: float  # from the worker's send to the engine process reading it (both event loops' turns)
-    in_engine_s: float  # from the engine process reading it to sending the answer: queue and batches included
-    from_engine_s: float  # from the engine process's answer to the worker reading it
-
-
-@dataclass(frozen=True, slots=True)
 class GroupResult:
     """One request's outputs, row i for its sequence i: [n, H] vectors, [n, 2] logits; token vectors
     (ragged) as a list of n [len_i, H] arrays."""
@@ -84,7 +75,6 @@ class GroupResult:
     queue_s: float  # longest wait of its sequences for a batch
     inference_s: float  # longest batch it was part of
     batch_size: int
-    link: LinkTimes | None = None  # None in one process
 
 
 @dataclass(eq=False, slots=True)

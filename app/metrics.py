@@ -5,13 +5,9 @@ writes its values to files under PROMETHEUS_MULTIPROC_DIR and `exposition()` sum
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess
-
-if TYPE_CHECKING:
-    from app.batcher import LinkTimes  # app.batcher imports this module
 
 _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -45,10 +41,10 @@ class Metrics:
                                        "batches (its longest-waiting sequence)", buckets=_LATENCY, registry=r)
         self.inference_seconds = Histogram("bertserve_inference_duration_seconds", "time per batch in the engine "
                                            "(collation and output copy included)", buckets=_LATENCY, registry=r)
-        self.link_seconds = Histogram("bertserve_engine_link_duration_seconds", "with HTTP workers: a request's "
-                                      "time on its way to the engine process (to_engine), there, queue and batches "
-                                      "included (in_engine), and back (from_engine)", ["way"],
-                                      buckets=_LATENCY, registry=r)
+        self.link_seconds = Histogram("bertserve_engine_link_duration_seconds", "with HTTP workers, per group of "
+                                      "requests a worker sent together: its time on the way to the engine process "
+                                      "(to_engine), there, queue and batches included (in_engine), and back "
+                                      "(from_engine)", ["way"], buckets=_LATENCY, registry=r)
         self._link_ways = tuple(self.link_seconds.labels(way) for way in ("to_engine", "in_engine", "from_engine"))
         self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r,
                            multiprocess_mode="max")
@@ -78,8 +74,8 @@ class Metrics:
     def model_loaded(self, model: str, precision: str, provider: str) -> None:
         self.model.labels(model, precision, provider).set(1)
 
-    def observe_link(self, link: LinkTimes) -> None:
-        for histogram, seconds in zip(self._link_ways, (link.to_engine_s, link.in_engine_s, link.from_engine_s)):
+    def observe_link(self, to_engine_s: float, in_engine_s: float, from_engine_s: float) -> None:
+        for histogram, seconds in zip(self._link_ways, (to_engine_s, in_engine_s, from_engine_s)):
             histogram.observe(seconds)
 
     def request_answered(self, endpoint: str, status: int, seconds: float, notes: dict) -> None:

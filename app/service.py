@@ -126,8 +126,6 @@ class InferenceService:
             result = await self._wait(future, request)
             timings.queue_s, timings.inference_s = result.queue_s, result.inference_s
             self.metrics.queue_seconds.observe(result.queue_s)
-            if result.link is not None:
-                self.metrics.observe_link(result.link)
             return Inference(tokenized, result, timings)
 
     async def _wait(self, future: asyncio.Future, request: Request | None) -> GroupResult:

@@ -33,7 +33,8 @@ import numpy as np
 
 from app import errors
 from app.backend import Backend, EngineInfo, InlineTokenizing
-from app.batcher import DynamicBatcher, GroupResult, LinkTimes, Sequences
+from app.batcher import DynamicBatcher, GroupResult, Sequences
+from app.metrics import Metrics
 from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
@@ -251,11 +252,8 @@ def _error_from(payload: bytes) -> errors.ServiceError:
     return error
 
 
-def _read_result(frame: bytearray, lengths: np.ndarray, sent_at: float) -> GroupResult:
-    """The group's result; `sent_at`: when this worker sent the group (time.monotonic())."""
-    read_at = time.monotonic()
-    _, count, batch_size, _, queue_s, inference_s, received_at, answered_at = _RESULT.unpack_from(frame)
-    link = LinkTimes(received_at - sent_at, answered_at - received_at, read_at - answered_at)
+def _read_result(frame: bytearray, lengths: np.ndarray) -> GroupResult:
+    _, count, batch_size, _, queue_s, inference_s, _, _ = _RESULT.unpack_from(frame)
     offset = _RESULT.size + _ARRAY.size * count
     outputs: dict = {}
     for k in range(count):
@@ -269,7 +267,7 @@ def _read_result(frame: bytearray, lengths: np.ndarray, sent_at: float) -> Group
             ends = np.cumsum(lengths).tolist()
             value = [value[a:b] for a, b in zip([0, *ends[:-1]], ends)]
         outputs[name] = value
-    return GroupResult(outputs, queue_s, inference_s, batch_size, link)
+    return GroupResult(outputs, queue_s, inference_s, batch_size)
 
 
 class _Submission:
@@ -297,7 +295,7 @@ class _Submission:
             if not future.done():
                 rows = result.outputs if len(self.parts) == 1 else {
                     name: value[first: first + n] for name, value in result.outputs.items()}
-                future.set_result(GroupResult(rows, result.queue_s, result.inference_s, result.batch_size, result.link))
+                future.set_result(GroupResult(rows, result.queue_s, result.inference_s, result.batch_size))
             first += n
 
     def fail(self, make_error: Callable[[], BaseException]) -> None:
@@ -308,14 +306,16 @@ class _Submission:
 
 class EngineClient:
     """The Batcher (app.backend) of an HTTP worker process: `submit_group()` sends the work to the engine
-    process and returns a future of the group's GroupResult; cancelling it drops the work there too."""
+    process and returns a future of the group's GroupResult; cancelling it drops the work there too.
+    `metrics`: where each answered group's hops are recorded (Metrics.observe_link)."""
 
-    def __init__(self, socket_path: str, on_lost: Callable[[], None] | None = None):
-        self.socket_path, self.on_lost = socket_path, on_lost
+    def __init__(self, socket_path: str, on_lost: Callable[[], None] | None = None, metrics: Metrics | None = None):
+        self.socket_path, self.on_lost, self.metrics = socket_path, on_lost, metrics
         self.info: EngineInfo | None = None
         self._link: _Framed | None = None
         self._hello: asyncio.Future | None = None
-        self._pending: dict[int, tuple[_Submission, np.ndarray, float]] = {}  # by group id: (requests, lengths, sent at)
+        # Sent and not yet answered, by group id: (requests, lengths, when sent)
+        self._pending: dict[int, tuple[_Submission, np.ndarray, float]] = {}
         self._gathering: dict[int, _Submission] = {}  # this loop turn's requests, by outputs mask
         self._ids = itertools.count()
         self._closed = True
@@ -408,7 +408,11 @@ class EngineClient:
         if submission is None:
             return  # every request of it was cancelled meanwhile
         if kind == RESULT:
-            submission.answer(_read_result(frame, lengths, sent_at))
+            if self.metrics is not None:  # one clock for every process of the host: time.monotonic()
+                received_at, answered_at = _RESULT.unpack_from(frame)[6:]
+                self.metrics.observe_link(received_at - sent_at, answered_at - received_at,
+                                          time.monotonic() - answered_at)
+            submission.answer(_read_result(frame, lengths))
         elif kind == ERROR:
             payload = bytes(frame[_REQUEST.size:])
             submission.fail(lambda: _error_from(payload))
@@ -444,7 +448,7 @@ def connect_to_engine(socket_path: str):
     process's, reached over `socket_path`."""
 
     async def start(settings, manifest, tokenizer, metrics, on_lost) -> Backend:
-        client = EngineClient(socket_path, on_lost)
+        client = EngineClient(socket_path, on_lost, metrics)
         info = await client.connect()
         return Backend(client, info, WORKER_INLINE_TOKENIZING)
 
