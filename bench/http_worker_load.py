@@ -170,6 +170,21 @@ async def load_together(workers: list[tuple], bodies: list[dict], args: argparse
                                   for proc, url in workers])
 
 
+def run_window(load, args: argparse.Namespace):
+    """asyncio.run(load), stopped with one line when a worker stops answering instead of waiting forever
+    (e.g. an --app-roots tree whose engine link differs from this checkout's, whose serve_workers the
+    stand-in engine runs)."""
+    limit = args.warm_up + args.duration + 60
+
+    async def bounded():
+        return await asyncio.wait_for(load, limit)
+    try:
+        return asyncio.run(bounded())
+    except TimeoutError:
+        raise SystemExit(f"a load window took over {limit:g} s: a worker stopped answering (with --app-roots, every "
+                         f"tree's worker must speak this checkout's engine link)") from None
+
+
 def request_bodies(texts: list[str], per_request: int, encoding_format: str) -> list[dict]:
     return [{"inputs": texts[i:i + per_request], "pooling": "cls", "encoding_format": encoding_format}
             for i in range(0, len(texts) - per_request + 1, per_request)]
@@ -251,7 +266,7 @@ def main() -> None:
                     for texts_per_request in sizes:
                         for fmt in formats:
                             bodies = request_bodies(texts, texts_per_request, fmt)
-                            rows = asyncio.run(load_together(workers, bodies, args))
+                            rows = run_window(load_together(workers, bodies, args), args)
                             for root, row in zip(roots, rows):
                                 note(r, root, texts_per_request, fmt, row)
                     continue
@@ -262,8 +277,8 @@ def main() -> None:
                             if args.profile and r == args.rounds - 1 and root == roots[0]:
                                 out = args.profile.with_suffix(f".{texts_per_request}.{fmt}.txt")
                                 spy = profile_worker(proc.pid, args.warm_up + args.duration, out)
-                            row = asyncio.run(load_window(url, proc.pid, request_bodies(texts, texts_per_request, fmt),
-                                                          args.connections, args.warm_up, args.duration))
+                            row = run_window(load_window(url, proc.pid, request_bodies(texts, texts_per_request, fmt),
+                                                         args.connections, args.warm_up, args.duration), args)
                             if spy:
                                 spy.wait()
                             note(r, root, texts_per_request, fmt, row)

@@ -148,6 +148,25 @@ def test_a_lost_engine_fails_waiting_requests_with_not_ready(tiny_artifact_dir, 
     assert lost == [True]
 
 
+def test_an_answer_the_worker_cannot_read_fails_its_requests_instead_of_leaving_them_waiting(
+        tiny_artifact_dir, tmp_path, monkeypatch):
+    """A worker and an engine process of different versions (a frame layout changed): the requests whose
+    answer cannot be read get an internal error, the others on the link NotReady; none waits forever."""
+    def unreadable(frame, lengths):
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(engine_link, "_read_result", unreadable)
+
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path) as (tokenizer, batcher, client):
+            future = client.submit_group(_sequences(tokenizer, ["its answer is unreadable"]), ALL)
+            with pytest.raises(errors.InternalError, match="could not be read"):
+                await asyncio.wait_for(future, 30)
+            with pytest.raises(errors.NotReady):  # the link closed behind it
+                client.submit_group(_sequences(tokenizer, ["after"]), ALL)
+    asyncio.run(go())
+
+
 def test_an_answer_over_the_frame_limit_is_a_413_and_the_link_stays_up(tiny_artifact_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(engine_link, "_FRAME_LIMIT", 1 << 18)  # 256 KiB stands in for 2 GiB
     texts = [f"text number {i} " + "with many more words " * 8 for i in range(60)]

@@ -408,11 +408,16 @@ class EngineClient:
         if submission is None:
             return  # every request of it was cancelled meanwhile
         if kind == RESULT:
+            try:
+                result = _read_result(frame, lengths)
+            except Exception:  # its requests hear of it; the link closes (_Framed._deliver), failing the rest
+                submission.fail(lambda: errors.InternalError("the engine process's answer could not be read"))
+                raise
             if self.metrics is not None:  # one clock for every process of the host: time.monotonic()
                 received_at, answered_at = _RESULT.unpack_from(frame)[6:]
                 self.metrics.observe_link(received_at - sent_at, answered_at - received_at,
                                           time.monotonic() - answered_at)
-            submission.answer(_read_result(frame, lengths))
+            submission.answer(result)
         elif kind == ERROR:
             payload = bytes(frame[_REQUEST.size:])
             submission.fail(lambda: _error_from(payload))
