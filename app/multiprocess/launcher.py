@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -55,6 +56,9 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
                 engine.join(30)
                 if engine.is_alive():
                     engine.kill()
+                    engine.join()
+                if engine.exitcode != 0:
+                    log.error("the engine process exited with %s (%s)", engine.exitcode, engine.name)
     return 0 if all(engine.exitcode == 0 for engine in engines) else 1
 
 
@@ -109,8 +113,10 @@ def _wait_for_socket(engine: multiprocessing.Process, socket_path: str) -> bool:
 
 def _stop_if_engine_dies(engine: multiprocessing.Process, stopping: threading.Event) -> None:
     """Without its engine the server cannot answer: stop the whole server (exit status 1) so that the
-    supervisor (Docker, Kubernetes, systemd) restarts it, rather than answering 503 forever."""
-    engine.join()
+    supervisor (Docker, Kubernetes, systemd) restarts it, rather than answering 503 forever. Waits on the
+    process's sentinel and never reaps it: a join here raced the main thread's, whose waitpid could then
+    find no child and leave `exitcode` None, so a clean stop exited 1."""
+    multiprocessing.connection.wait([engine.sentinel])
     if not stopping.is_set():
-        log.error("the engine process exited with %s; stopping the server", engine.exitcode)
+        log.error("the engine process exited (%s, pid %s); stopping the server", engine.name, engine.pid)
         stopping.set()
