@@ -69,6 +69,7 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
     graph_outputs = {o.name for o in graph.output}
     replaced: dict[int, onnx.NodeProto] = {}
     new_initializers: list[onnx.TensorProto] = []
+    split_biases: set[str] = set()
     for attention in nodes:
         if (attention.op_type not in MULTI_HEAD_ATTENTION_OPS or attention.domain != "com.microsoft"
                 or len(attention.input) < 4 or not all(attention.input[:4])):
@@ -92,13 +93,14 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
             replaced[j] = helper.make_node(MATMUL_BIAS, [matmul.input[0], matmul.input[1], piece.name],
                                            list(matmul.output), name=f"{matmul.name or matmul.output[0]}_bias",
                                            domain=DOMAIN)
+        split_biases.add(attention.input[3])
         attention.input[3] = ""  # the messages in `nodes` are graph.node's own: this edits the graph
     if not replaced:
         return 0
     graph.initializer.extend(new_initializers)
     _rewrite(model, replaced, set())
-    still_read = {name for node in graph.node for name in node.input}
-    kept = [_copy(t) for t in graph.initializer if t.name in still_read or t.name in graph_outputs]
+    unread = split_biases - {name for node in graph.node for name in node.input} - graph_outputs
+    kept = [_copy(t) for t in graph.initializer if t.name not in unread]
     del graph.initializer[:]
     graph.initializer.extend(kept)
     return len(replaced)
