@@ -17,41 +17,56 @@ MATMUL_BIAS = "MatMulBias"
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
 
+class _Graph:
+    """What the rewrites look up in a graph: its nodes in order, initializers, who produces and who reads
+    each value, and its outputs."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.nodes = list(graph.node)
+        self.initializers = {t.name: t for t in graph.initializer}
+        self.producer = {out: i for i, node in enumerate(self.nodes) for out in node.output}
+        self.uses = Counter(name for node in self.nodes for name in node.input)
+        self.outputs = {o.name for o in graph.output}
+
+    def sole_matmul(self, value: str) -> tuple[int, onnx.NodeProto, onnx.TensorProto] | None:
+        """(index, node, weight) of the MatMul that makes `value`, when one node alone reads it (it is no
+        graph output) and its weight is a 2-D initializer; else None."""
+        j = self.producer.get(value)
+        matmul = self.nodes[j] if j is not None else None
+        if matmul is None or matmul.op_type != "MatMul" or matmul.domain not in ("", "ai.onnx"):
+            return None
+        if self.uses[value] != 1 or value in self.outputs:
+            return None
+        weight = self.initializers.get(matmul.input[1])
+        return (j, matmul, weight) if weight is not None and len(weight.dims) == 2 else None
+
+
 def fuse_matmul_bias_gelu(model: onnx.ModelProto) -> int:
     """Rewrites `model` in place and returns how many pairs it fused. A pair fuses when the MatMul's
     output feeds only that BiasGelu (and is no graph output), its weight is a 2-D initializer and the
     bias has the weight's column count. The fused node keeps the BiasGelu's output name and place, so
     everything downstream is untouched."""
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    nodes = list(graph.node)
-    producer = {out: i for i, node in enumerate(nodes) for out in node.output}
-    uses = Counter(name for node in nodes for name in node.input)
-    graph_outputs = {o.name for o in graph.output}
+    g = _Graph(model.graph)
     fused: dict[int, onnx.NodeProto] = {}  # BiasGelu index -> its replacement
     dropped: set[int] = set()  # MatMul indices
-    for i, gelu in enumerate(nodes):
+    for i, gelu in enumerate(g.nodes):
         if gelu.op_type != "BiasGelu" or gelu.domain != "com.microsoft" or len(gelu.input) != 2:
             continue
-        j = producer.get(gelu.input[0])
-        matmul = nodes[j] if j is not None else None
-        if matmul is None or matmul.op_type != "MatMul" or matmul.domain not in ("", "ai.onnx"):
+        found = g.sole_matmul(gelu.input[0])
+        bias = g.initializers.get(gelu.input[1])
+        if found is None or bias is None or list(bias.dims) != [found[2].dims[1]]:
             continue
-        if uses[matmul.output[0]] != 1 or matmul.output[0] in graph_outputs:
-            continue
-        weight, bias = initializers.get(matmul.input[1]), initializers.get(gelu.input[1])
-        if weight is None or len(weight.dims) != 2 or bias is None or list(bias.dims) != [weight.dims[1]]:
-            continue
+        j, matmul, _ = found
         fused[i] = helper.make_node(MATMUL_BIAS_GELU, [matmul.input[0], matmul.input[1], gelu.input[1]],
                                     list(gelu.output), name=f"{gelu.name or matmul.name}_fused", domain=DOMAIN)
         dropped.add(j)
     if not fused:
         return 0
     _rewrite(model, fused, dropped)
-    gone = {nodes[j].output[0] for j in dropped}
-    value_info = [_copy(v) for v in graph.value_info if v.name not in gone]
-    del graph.value_info[:]
-    graph.value_info.extend(value_info)
+    gone = {g.nodes[j].output[0] for j in dropped}
+    value_info = [_copy(v) for v in model.graph.value_info if v.name not in gone]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(value_info)
     return len(fused)
 
 
@@ -61,32 +76,22 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
     node alone (weight a 2-D initializer) and whose bias is a 1-D initializer of their three widths, the
     MatMuls become MatMulBias nodes with their third of the bias, and the attention loses its bias input:
     with none, ORT's attention reads Q, K and V where they are instead of adding the bias into a copy."""
-    graph = model.graph
-    initializers = {t.name: t for t in graph.initializer}
-    nodes = list(graph.node)
-    producer = {out: i for i, node in enumerate(nodes) for out in node.output}
-    uses = Counter(name for node in nodes for name in node.input)
-    graph_outputs = {o.name for o in graph.output}
+    g = _Graph(model.graph)
     replaced: dict[int, onnx.NodeProto] = {}
     new_initializers: list[onnx.TensorProto] = []
     split_biases: set[str] = set()
-    for attention in nodes:
+    for attention in g.nodes:
         if (attention.op_type not in MULTI_HEAD_ATTENTION_OPS or attention.domain != "com.microsoft"
                 or len(attention.input) < 4 or not all(attention.input[:4])):
             continue
-        bias = initializers.get(attention.input[3])
-        matmuls = [producer.get(name) for name in attention.input[:3]]
-        if bias is None or len(bias.dims) != 1 or None in matmuls or len(set(matmuls)) != 3:
+        bias = g.initializers.get(attention.input[3])
+        found = [g.sole_matmul(name) for name in attention.input[:3]]  # read once each: three distinct MatMuls
+        if bias is None or len(bias.dims) != 1 or None in found:
             continue
-        parts = [nodes[j] for j in matmuls]
-        weights = [initializers.get(m.input[1]) for m in parts]
-        if any(m.op_type != "MatMul" or m.domain not in ("", "ai.onnx") or uses[m.output[0]] != 1
-               or m.output[0] in graph_outputs for m in parts):
-            continue
-        if any(w is None or len(w.dims) != 2 for w in weights) or sum(w.dims[1] for w in weights) != bias.dims[0]:
+        if sum(weight.dims[1] for _, _, weight in found) != bias.dims[0]:
             continue
         values, start = numpy_helper.to_array(bias), 0
-        for j, matmul, weight, part in zip(matmuls, parts, weights, "qkv"):
+        for (j, matmul, weight), part in zip(found, "qkv"):
             piece = numpy_helper.from_array(values[start:start + weight.dims[1]], f"{attention.input[3]}_{part}")
             start += weight.dims[1]
             new_initializers.append(piece)
@@ -97,12 +102,12 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
         attention.input[3] = ""  # the messages in `nodes` are graph.node's own: this edits the graph
     if not replaced:
         return 0
-    graph.initializer.extend(new_initializers)
+    model.graph.initializer.extend(new_initializers)
     _rewrite(model, replaced, set())
-    unread = split_biases - {name for node in graph.node for name in node.input} - graph_outputs
-    kept = [_copy(t) for t in graph.initializer if t.name not in unread]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
+    unread = split_biases - {name for node in model.graph.node for name in node.input} - g.outputs
+    kept = [_copy(t) for t in model.graph.initializer if t.name not in unread]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     return len(replaced)
 
 
