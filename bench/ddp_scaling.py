@@ -29,8 +29,8 @@ real ones. A variant joins options with '+' onto DDP with torch's defaults:
     static    static_graph=True                           (--ddp-static-graph; refused with --grad-accum above 1)
     torchbf16 torch's bf16_compress_hook instead of training.ddp's: the same arithmetic (torch built with CUDA only)
     nocomm    diagnostic, wrong gradients: a comm hook that all-reduces nothing (the step without communication)
-    graphs    the compiled step replayed from CUDA graphs (the trainer's --cuda-graphs, which it allows on one
-              GPU only so far); the one-process run then also times single+graphs
+    graphs    the compiled step replayed from CUDA graphs (the trainer's --cuda-graphs); the one-process run
+              then also times single+graphs
 
 The whole run stops starting measurements when --budget-s would be exceeded (the rest are listed as skipped).
 Prints `nvidia-smi topo -m` (NVLink or PCIe between the GPUs), an all-reduce of the model's gradient size in

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: bf16 autocast on GPU, fp32 on CPU")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU: faster after warm-up)")
     g.add_argument("--cuda-graphs", action="store_true",
-                   help="with --compile on one GPU: replay each step from a CUDA graph (one per token count; "
+                   help="with --compile on a GPU: replay each step from a CUDA graph (one per token count; "
                         "batches are filled up to a multiple of 256 tokens), so that no launch work is left "
                         "on the CPU")
     g.add_argument("--no-unpad", dest="unpad", action="store_false",
