@@ -202,3 +202,70 @@ def test_documents_never_span_token_files(tmp_path, data):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         DataConfig(**bad)
+
+
+# --- the next epoch's pairs, drawn ahead ------------------------------------------------------------------
+
+@pytest.fixture
+def create_pairs_calls(monkeypatch):
+    """The threads that ran training.data's create_pairs, in order (the real one still runs)."""
+    import training.data
+    calls, real = [], training.data.create_pairs
+
+    def recording(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(training.data, "create_pairs", recording)
+    return calls
+
+
+def test_pairs_drawn_ahead_come_from_a_background_thread_and_are_the_epochs_own(corpus, create_pairs_calls):
+    fresh = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
+    want = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(3)
+    create_pairs_calls.clear()
+    fresh.draw_ahead(3)
+    fresh.draw_ahead(3)  # already being drawn: not twice
+    assert np.array_equal(fresh.pairs(3), want)
+    assert np.array_equal(fresh.pairs(3), want)
+    assert create_pairs_calls == ["pairs-of-epoch-3"]
+    fresh.pairs(4)  # no epoch drawn ahead: in the caller's thread, as before
+    assert create_pairs_calls == ["pairs-of-epoch-3", threading.current_thread().name]
+
+
+def test_a_failure_drawing_ahead_is_raised_where_the_pairs_are_taken(corpus, monkeypatch):
+    import training.data
+
+    def failing(*args, **kwargs):
+        raise OSError("the shard went away")
+    fresh = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
+    monkeypatch.setattr(training.data, "create_pairs", failing)
+    fresh.draw_ahead(2)
+    with pytest.raises(OSError, match="the shard went away"):
+        fresh.pairs(2)
+
+
+def test_a_process_forked_while_pairs_are_drawn_ahead_draws_its_own(corpus, monkeypatch):
+    """Data workers are forked: a child has no copy of the parent's drawing thread and must not wait for it."""
+    import multiprocessing
+
+    import training.data
+    release, real = threading.Event(), training.data.create_pairs
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name.startswith("pairs-of-epoch"):
+            release.wait(30)
+        return real(*args, **kwargs)
+    fresh = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
+    want = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(1)
+    monkeypatch.setattr(training.data, "create_pairs", held)
+    fresh.draw_ahead(1)  # held in the parent until released
+    ctx = multiprocessing.get_context("fork")
+    answers = ctx.Queue()
+    child = ctx.Process(target=lambda: answers.put(fresh.pairs(1).tolist()))
+    child.start()
+    try:
+        assert np.array_equal(np.array(answers.get(timeout=20)), want)
+    finally:
+        release.set()
+        child.join(10)
+    assert child.exitcode == 0 and np.array_equal(fresh.pairs(1), want)

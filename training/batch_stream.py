@@ -29,6 +29,8 @@ class BatchSource(Protocol):
 
     def num_batches(self, epoch: int, batch_size: int, world_size: int = 1) -> int: ...
 
+    def draw_ahead(self, epoch: int) -> None: ...
+
     def most_frequent_token_id(self) -> int: ...
 
 
@@ -146,6 +148,7 @@ class _Plan:
         skip = first  # batches of the stream to pass before the next one of this share
         while True:
             count = self.data.num_batches(epoch, self.batch_size, self.world_size)
+            self.data.draw_ahead(epoch + 1)  # while this epoch's batches are built
             start = batch_in_epoch + skip
             if start < count:
                 batches = self.data.batches(epoch, self.batch_size, self.seed, rank=self.rank,

@@ -13,8 +13,9 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,9 +81,39 @@ def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
 
 
+class _PairsAhead:
+    """One epoch's pairs, drawn in a daemon thread of the process that asked (a process forked meanwhile
+    has no such thread: it must not wait for it)."""
+
+    def __init__(self, epoch: int, draw: Callable[[int], np.ndarray]):
+        self.epoch, self.pid = epoch, os.getpid()
+        self._done = threading.Event()
+        self._pairs: np.ndarray | None = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(draw,), name=f"pairs-of-epoch-{epoch}", daemon=True).start()
+
+    def _run(self, draw: Callable[[int], np.ndarray]) -> None:
+        try:
+            self._pairs = draw(self.epoch)
+        except BaseException as e:  # raised where the pairs are taken
+            self._error = e
+        finally:
+            self._done.set()
+
+    def usable_for(self, epoch: int) -> bool:
+        return self.epoch == epoch and self.pid == os.getpid()
+
+    def result(self) -> np.ndarray:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._pairs
+
+
 class PretrainingDataset:
     """The MLM + NSP examples of a set of documents. Pairs are drawn anew each epoch, masks anew for
-    each example; nothing but the pairs of the current epoch (six integers each) is held in memory."""
+    each example; nothing but the pairs of the current epoch and, once asked for, of the next (six
+    integers each) is held in memory."""
 
     def __init__(self, shards: TokenShards, document_ids: np.ndarray, tokenizer: Tokenizer, *,
                  max_seq_len: int, short_seq_prob: float, masker: Masker, balance_nsp: bool = True,
@@ -97,6 +128,7 @@ class PretrainingDataset:
         self.pairing_seed = pairing_seed
         self.cls_id, self.sep_id, self.pad_id = (tokenizer.token_to_id(t) for t in (CLS, SEP, PAD))
         self._pairs: tuple[int, np.ndarray] | None = None  # the last epoch's
+        self._ahead: _PairsAhead | None = None  # the next epoch's, being drawn (draw_ahead)
 
     @property
     def num_documents(self) -> int:
@@ -105,15 +137,28 @@ class PretrainingDataset:
     def pairs(self, epoch: int) -> np.ndarray:
         """int64 [examples, PAIR_COLUMNS] of this epoch, in document order (see training.examples)."""
         if self._pairs is None or self._pairs[0] != epoch:
-            if self.num_documents < 2:
-                pairs = np.zeros((0, PAIR_COLUMNS), dtype=np.int64)
+            if self._ahead is not None and self._ahead.usable_for(epoch):
+                pairs, self._ahead = self._ahead.result(), None
             else:
-                rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
-                pairs = create_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng)
-                if self.balance_nsp:
-                    pairs = balance_labels(pairs, rng)
+                pairs = self._draw_pairs(epoch)
             self._pairs = (epoch, pairs)
         return self._pairs[1]
+
+    def draw_ahead(self, epoch: int) -> None:
+        """Start drawing `epoch`'s pairs in a background thread. Drawing them is a pass over the whole
+        corpus in Python (0.5 s for 64k pairs, minutes for a large corpus); the stream asks for the next
+        epoch's as it enters one, so that every data worker does not stop for it at the boundary."""
+        drawn = self._pairs is not None and self._pairs[0] == epoch
+        if not drawn and not (self._ahead is not None and self._ahead.usable_for(epoch)):
+            self._ahead = _PairsAhead(epoch, self._draw_pairs)
+
+    def _draw_pairs(self, epoch: int) -> np.ndarray:
+        """The same pairs for an epoch whichever thread or process draws them: their own seeded generator."""
+        if self.num_documents < 2:
+            return np.zeros((0, PAIR_COLUMNS), dtype=np.int64)
+        rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
+        pairs = create_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng)
+        return balance_labels(pairs, rng) if self.balance_nsp else pairs
 
     def num_examples(self, epoch: int) -> int:
         return len(self.pairs(epoch))
