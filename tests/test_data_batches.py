@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from data_corpora import prepare, write_txt_corpus
+from training.batch_stream import BatchStream
 from training.data import DataConfig, prepare_data, split_documents
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, PAD, SEP, SPECIAL_TOKENS
@@ -207,65 +208,56 @@ def test_bad_settings_are_refused(bad):
 # --- the next epoch's pairs, drawn ahead ------------------------------------------------------------------
 
 @pytest.fixture
-def create_pairs_calls(monkeypatch):
-    """The threads that ran training.data's create_pairs, in order (the real one still runs)."""
+def drawing_steps(monkeypatch):
+    """How many documents each step of each pair drawing covered: one list per drawing started."""
     import training.data
-    calls, real = [], training.data.create_pairs
+    drawings, real = [], training.data.draw_pairs
 
-    def recording(*args, **kwargs):
-        calls.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(training.data, "create_pairs", recording)
-    return calls
+    def recording(shards, document_ids, *args):
+        steps = []
+        drawings.append(steps)
+        per_step = args[-1] or len(document_ids)
+        drawing = real(shards, document_ids, *args)
+        while True:
+            try:
+                next(drawing)
+            except StopIteration as done:
+                steps.append(len(document_ids) - per_step * len(steps))
+                return done.value
+            steps.append(per_step)
+            yield
+    monkeypatch.setattr(training.data, "draw_pairs", recording)
+    return drawings
 
 
-def test_pairs_drawn_ahead_come_from_a_background_thread_and_are_the_epochs_own(corpus, create_pairs_calls):
+def test_the_next_epochs_pairs_are_drawn_a_step_at_a_time_and_are_the_epochs_own(corpus, drawing_steps):
     fresh = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
     want = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(3)
-    create_pairs_calls.clear()
-    fresh.draw_ahead(3)
-    fresh.draw_ahead(3)  # already being drawn: not twice
+    drawing_steps.clear()
+    fresh.draw_ahead(3, steps=4)
+    fresh.draw_ahead(3, steps=4)  # already being drawn: not twice
+    for _ in range(4):
+        fresh.draw_ahead_step()
+    documents = fresh.num_documents
+    assert drawing_steps == [[-(-documents // 4)] * 3 + [documents - 3 * -(-documents // 4)]]
     assert np.array_equal(fresh.pairs(3), want)
-    assert np.array_equal(fresh.pairs(3), want)
-    assert create_pairs_calls == ["pairs-of-epoch-3"]
-    fresh.pairs(4)  # no epoch drawn ahead: in the caller's thread, as before
-    assert create_pairs_calls == ["pairs-of-epoch-3", threading.current_thread().name]
+    assert len(drawing_steps) == 1  # taken as drawn, not drawn again
+    fresh.draw_ahead(4, steps=100)
+    fresh.draw_ahead_step()
+    assert np.array_equal(fresh.pairs(4), prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(4))  # finished
 
 
-def test_a_failure_drawing_ahead_is_raised_where_the_pairs_are_taken(corpus, monkeypatch):
-    import training.data
-
-    def failing(*args, **kwargs):
-        raise OSError("the shard went away")
-    fresh = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
-    monkeypatch.setattr(training.data, "create_pairs", failing)
-    fresh.draw_ahead(2)
-    with pytest.raises(OSError, match="the shard went away"):
-        fresh.pairs(2)
-
-
-def test_a_process_forked_while_pairs_are_drawn_ahead_draws_its_own(corpus, monkeypatch):
-    """Data workers are forked: a child has no copy of the parent's drawing thread and must not wait for it."""
-    import multiprocessing
-
-    import training.data
-    release, real = threading.Event(), training.data.create_pairs
-
-    def held(*args, **kwargs):
-        if threading.current_thread().name.startswith("pairs-of-epoch"):
-            release.wait(30)
-        return real(*args, **kwargs)
-    fresh = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
-    want = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(1)
-    monkeypatch.setattr(training.data, "create_pairs", held)
-    fresh.draw_ahead(1)  # held in the parent until released
-    ctx = multiprocessing.get_context("fork")
-    answers = ctx.Queue()
-    child = ctx.Process(target=lambda: answers.put(fresh.pairs(1).tolist()))
-    child.start()
-    try:
-        assert np.array_equal(np.array(answers.get(timeout=20)), want)
-    finally:
-        release.set()
-        child.join(10)
-    assert child.exitcode == 0 and np.array_equal(fresh.pairs(1), want)
+def test_the_stream_draws_each_next_epoch_over_the_batches_of_the_one_before(corpus, drawing_steps):
+    """Every epoch's pairs but the first come from a drawing spread over the batches of the epoch before,
+    and the batches are those of a stream that draws nothing ahead."""
+    reference = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
+    counts = [reference.num_batches(e, 8) for e in range(2)]
+    data = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train
+    data.pairs(0)  # as the trainer does before it starts the stream
+    drawing_steps.clear()
+    stream = BatchStream(data, 8, seed=0)
+    got = [stream.next() for _ in range(sum(counts) + 1)]
+    assert [b.epoch for b in got] == [0] * counts[0] + [1] * counts[1] + [2]
+    assert len(drawing_steps) == 2 and all(len(steps) > 1 for steps in drawing_steps)  # epochs 1 and 2
+    want = [b for e in range(3) for b in reference.batches(e, 8, seed=0)][:len(got)]
+    assert all(_equal(a.inputs, b) for a, b in zip(got, want))

@@ -29,7 +29,9 @@ class BatchSource(Protocol):
 
     def num_batches(self, epoch: int, batch_size: int, world_size: int = 1) -> int: ...
 
-    def draw_ahead(self, epoch: int) -> None: ...
+    def draw_ahead(self, epoch: int, steps: int) -> None: ...
+
+    def draw_ahead_step(self) -> None: ...
 
     def most_frequent_token_id(self) -> int: ...
 
@@ -148,14 +150,17 @@ class _Plan:
         skip = first  # batches of the stream to pass before the next one of this share
         while True:
             count = self.data.num_batches(epoch, self.batch_size, self.world_size)
-            self.data.draw_ahead(epoch + 1)  # while this epoch's batches are built
             start = batch_in_epoch + skip
+            mine = range(start, count, stride)
+            # The next epoch's pairs, a step after each of this share's first half of batches of this one
+            self.data.draw_ahead(epoch + 1, steps=len(mine) // 2)
             if start < count:
                 batches = self.data.batches(epoch, self.batch_size, self.seed, rank=self.rank,
                                             world_size=self.world_size, skip_batches=start, stride=stride)
-                for index, batch in zip(range(start, count, stride), batches):
+                for index, batch in zip(mine, batches):
                     tokens = int(batch["attention_mask"].sum())
                     yield StreamBatch(epoch, index, tokens, self.prepare(batch))
+                    self.data.draw_ahead_step()
             # The first batch of this share at or past the epoch's end, as a distance from that end.
             skip = start - count if start >= count else (start - count) % stride
             epoch, batch_in_epoch = epoch + 1, 0

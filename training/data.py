@@ -13,9 +13,8 @@ import logging
 import os
 import random
 import shutil
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from tokenizers import Tokenizer
 
 from training.corpus import CorpusError, CorpusStats, read_documents, resolve_corpus_files
 from training.docstring_corpus import docstring_corpus, docstring_corpus_path
-from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, create_pairs
+from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, draw_pairs, finish
 from training.masking import Masker
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, MASK, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
@@ -82,31 +81,23 @@ def _seed(*parts: object) -> int:
 
 
 class _PairsAhead:
-    """One epoch's pairs, drawn in a daemon thread of the process that asked (a process forked meanwhile
-    has no such thread: it must not wait for it)."""
+    """One epoch's pairs, drawn a step at a time between the batches of the epoch before (in the worker's
+    own thread: a thread beside it would take turns at the GIL with the batches just when they are due)."""
 
-    def __init__(self, epoch: int, draw: Callable[[int], np.ndarray]):
-        self.epoch, self.pid = epoch, os.getpid()
-        self._done = threading.Event()
+    def __init__(self, epoch: int, drawing: Generator[None, None, np.ndarray]):
+        self.epoch, self._drawing = epoch, drawing
         self._pairs: np.ndarray | None = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._run, args=(draw,), name=f"pairs-of-epoch-{epoch}", daemon=True).start()
 
-    def _run(self, draw: Callable[[int], np.ndarray]) -> None:
-        try:
-            self._pairs = draw(self.epoch)
-        except BaseException as e:  # raised where the pairs are taken
-            self._error = e
-        finally:
-            self._done.set()
-
-    def usable_for(self, epoch: int) -> bool:
-        return self.epoch == epoch and self.pid == os.getpid()
+    def step(self) -> None:
+        if self._pairs is None:
+            try:
+                next(self._drawing)
+            except StopIteration as done:
+                self._pairs = done.value
 
     def result(self) -> np.ndarray:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
+        if self._pairs is None:
+            self._pairs = finish(self._drawing)
         return self._pairs
 
 
@@ -137,28 +128,36 @@ class PretrainingDataset:
     def pairs(self, epoch: int) -> np.ndarray:
         """int64 [examples, PAIR_COLUMNS] of this epoch, in document order (see training.examples)."""
         if self._pairs is None or self._pairs[0] != epoch:
-            if self._ahead is not None and self._ahead.usable_for(epoch):
+            if self._ahead is not None and self._ahead.epoch == epoch:
                 pairs, self._ahead = self._ahead.result(), None
             else:
-                pairs = self._draw_pairs(epoch)
+                pairs = finish(self._drawing(epoch))
             self._pairs = (epoch, pairs)
         return self._pairs[1]
 
-    def draw_ahead(self, epoch: int) -> None:
-        """Start drawing `epoch`'s pairs in a background thread. Drawing them is a pass over the whole
-        corpus in Python (0.5 s for 64k pairs, minutes for a large corpus); the stream asks for the next
-        epoch's as it enters one, so that every data worker does not stop for it at the boundary."""
-        drawn = self._pairs is not None and self._pairs[0] == epoch
-        if not drawn and not (self._ahead is not None and self._ahead.usable_for(epoch)):
-            self._ahead = _PairsAhead(epoch, self._draw_pairs)
+    def draw_ahead(self, epoch: int, steps: int) -> None:
+        """Draw `epoch`'s pairs over the next `steps` calls of draw_ahead_step. Drawing them is a pass over
+        the whole corpus in Python (0.5 s for 64k pairs, minutes for a large corpus); the stream spreads
+        the next epoch's over the batches of the one it enters, so that no data worker stops for it at
+        the boundary."""
+        if (self._pairs is None or self._pairs[0] != epoch) and (self._ahead is None or self._ahead.epoch != epoch):
+            self._ahead = _PairsAhead(epoch, self._drawing(epoch, -(-self.num_documents // max(1, steps))))
 
-    def _draw_pairs(self, epoch: int) -> np.ndarray:
-        """The same pairs for an epoch whichever thread or process draws them: their own seeded generator."""
+    def draw_ahead_step(self) -> None:
+        if self._ahead is not None:
+            self._ahead.step()
+
+    def _drawing(self, epoch: int, documents_per_step: int | None = None) -> Generator[None, None, np.ndarray]:
+        """The same pairs for an epoch however they are drawn: their own seeded generator."""
         if self.num_documents < 2:
             return np.zeros((0, PAIR_COLUMNS), dtype=np.int64)
         rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
-        pairs = create_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng)
+        pairs = yield from draw_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng,
+                                      documents_per_step)
         return balance_labels(pairs, rng) if self.balance_nsp else pairs
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_ahead": None}  # a drawing in progress cannot be pickled (spawned workers)
 
     def num_examples(self, epoch: int) -> int:
         return len(self.pairs(epoch))

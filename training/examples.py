@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Generator
 
 import numpy as np
 
@@ -41,6 +42,22 @@ def truncation(len_a: int, len_b: int, max_num_tokens: int, rng: random.Random) 
 def create_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int, short_seq_prob: float,
                  rng: random.Random) -> np.ndarray:
     """All pairs of one pass over `document_ids`, in document order: int64 [pairs, PAIR_COLUMNS]."""
+    return finish(draw_pairs(shards, document_ids, max_seq_len, short_seq_prob, rng))
+
+
+def finish(drawing: Generator[None, None, np.ndarray]) -> np.ndarray:
+    """What a drawing returns, after all its steps."""
+    while True:
+        try:
+            next(drawing)
+        except StopIteration as done:
+            return done.value
+
+
+def draw_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int, short_seq_prob: float,
+               rng: random.Random, documents_per_step: int | None = None) -> Generator[None, None, np.ndarray]:
+    """create_pairs as steps of `documents_per_step` documents each (None: one step), returning its array:
+    a pass over a large corpus spread over many batches instead of run at once."""
     max_num_tokens = max_seq_len - 3  # [CLS] A [SEP] B [SEP]
     n_docs = len(document_ids)
     doc_starts = np.asarray(shards.document_starts)
@@ -49,6 +66,8 @@ def create_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int
     sentence_starts = shards.sentence_starts
     out = array("q")
     for k in range(n_docs):
+        if documents_per_step and k and k % documents_per_step == 0:
+            yield
         # Sentence j of the document is tokens[starts[j]:starts[j + 1]].
         starts = sentence_starts[first_sentence[k]: end_sentence[k] + 1].tolist()
         n_sent = len(starts) - 1
