@@ -167,6 +167,15 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_steps(learner, source, window: LogWindow, cfg: TrainConfig, dist: DistInfo, steps: int) -> float:
+    """Seconds for `steps` optimiser steps of the trainer's own, the device's queue drained at the end."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        optimizer_step(learner, source, window, cfg, dist)
+    sync_device(dist.device)
+    return time.perf_counter() - started
+
+
 def _gathered(value: Any, dist: DistInfo) -> list[Any]:
     """`value` of every rank, in rank order (anything picklable: a figure, a rank's profile)."""
     if not dist.distributed:
@@ -192,25 +201,15 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
         learner.ddp_model.register_comm_hook(None, variant.hook)
     stream, window = PreparedBatches(pool), LogWindow(dist.device)
 
-    started = time.perf_counter()
-    optimizer_step(learner, stream, window, cfg, dist)
-    sync_device(dist.device)
-    first_step_s = time.perf_counter() - started
-    for _ in range(args.warmup - 1):
-        optimizer_step(learner, stream, window, cfg, dist)
-    sync_device(dist.device)
-    warmup_s = time.perf_counter() - started
+    first_step_s = timed_steps(learner, stream, window, cfg, dist, 1)
+    warmup_s = first_step_s + timed_steps(learner, stream, window, cfg, dist, args.warmup - 1)
     window.close(dist)  # the timed window starts empty
     if dist.distributed:
         torch_dist.barrier()
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dist.device)
 
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        optimizer_step(learner, stream, window, cfg, dist)
-    sync_device(dist.device)
-    elapsed = time.perf_counter() - started
+    elapsed = timed_steps(learner, stream, window, cfg, dist, args.steps)
     profiled = None
     if args.profile_steps:
         trace = Path(args.trace_dir) / f"{variant.name}-b{batch_size}" if args.trace_dir else None

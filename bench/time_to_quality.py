@@ -118,9 +118,9 @@ def step_times(model, phase, cfg, dist, steps: int) -> dict:
     """Where an arm's step goes: ms per optimiser step through the trainer's own data path (its worker
     processes, the copy to the device), the same from batches prepared beforehand, and torch.profiler's
     view of a few steps of each (GPU busy per step: well under the step time means the GPU waits)."""
-    from bench.ddp_scaling import PreparedBatches, profile_steps, sync_device
+    from bench.ddp_scaling import PreparedBatches, profile_steps, timed_steps
     from training.optim import WarmupLinearDecay, make_optimizer
-    from training.trainer import LogWindow, TrainState, batch_stream, build_learner, optimizer_step
+    from training.trainer import LogWindow, TrainState, batch_stream, build_learner
 
     model.to(dist.device).train()
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, dist.device)
@@ -131,15 +131,9 @@ def step_times(model, phase, cfg, dist, steps: int) -> dict:
     with batch_stream(phase, TrainState(), cfg, dist) as stream:
         pool = PreparedBatches([stream.next() for _ in range(16)])
         for name, source in (("trainer_data_path", stream), ("prepared_batches", pool)):
-            for _ in range(30):  # compilation and warm-up
-                optimizer_step(learner, source, window, cfg, dist)
-            sync_device(dist.device)
+            timed_steps(learner, source, window, cfg, dist, 30)  # compilation and warm-up
             window.close(dist)
-            started = time.perf_counter()
-            for _ in range(steps):
-                optimizer_step(learner, source, window, cfg, dist)
-            sync_device(dist.device)
-            elapsed = time.perf_counter() - started
+            elapsed = timed_steps(learner, source, window, cfg, dist, steps)
             totals = window.close(dist)
             profiled = profile_steps(learner, source, window, cfg, dist, 5)
             window.close(dist)
