@@ -1,6 +1,7 @@
 """What the trainer sees: batch layout, determinism, resuming, ranks, held-out split and the cache."""
 from __future__ import annotations
 
+import pickle
 import threading
 
 import numpy as np
@@ -244,7 +245,9 @@ def test_the_next_epochs_pairs_are_drawn_a_step_at_a_time_and_are_the_epochs_own
     assert len(drawing_steps) == 1  # taken as drawn, not drawn again
     fresh.draw_ahead(4, steps=100)
     fresh.draw_ahead_step()
-    assert np.array_equal(fresh.pairs(4), prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(4))  # finished
+    copy = pickle.loads(pickle.dumps(fresh))  # a spawned worker's copy, drawing in progress: it draws its own
+    want = prepare(*corpus, max_seq_len=MAX_SEQ_LEN).train.pairs(4)
+    assert np.array_equal(fresh.pairs(4), want) and np.array_equal(copy.pairs(4), want)  # finished, or drawn
 
 
 def test_the_stream_draws_each_next_epoch_over_the_batches_of_the_one_before(corpus, drawing_steps):
