@@ -8,12 +8,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from starlette.requests import Request
 
 from app.backend import Backend
 from app.batcher import GroupResult
 from app.errors import ClientClosed, InvalidInput, Overloaded, ShuttingDown, TooManyInputs
 from app.metrics import Metrics
+from app.pooling import pool
+from app.sentence_dense import SentenceDense
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
 from artifact.manifest import Manifest
@@ -62,10 +65,23 @@ class InferenceService:
         self.openai_pooling = settings.openai_pooling or manifest.default_pooling
         self.openai_normalize = (manifest.default_normalize if settings.openai_normalize is None
                                  else settings.openai_normalize)
+        self.sentence_dense = SentenceDense.load(settings.model_dir, manifest)
         self._inflight = 0
         self.draining = False  # a stop signal came: new requests are refused
         self._expired = False  # the drain deadline passed: waiting requests are answered 503
         self._waiting: set[asyncio.Future] = set()
+
+    def sentence_vectors(self, outputs: dict[str, np.ndarray], pooling: str) -> np.ndarray:
+        """The texts' vectors by `pooling`; the model's own pooling is followed by its Dense modules, as
+        sentence-transformers runs the checkpoint (another pooling gives the encoder's vectors as they are)."""
+        vectors = pool(outputs, pooling)
+        if self.sentence_dense is not None and pooling == self.manifest.default_pooling:
+            vectors = self.sentence_dense(vectors)
+        return vectors
+
+    def width(self, pooling: str) -> int:
+        """The width of the vectors `pooling` gives."""
+        return self.manifest.sentence_width if pooling == self.manifest.default_pooling else self.manifest.hidden_size
 
     def drain(self, seconds: float) -> None:
         """Refuse new requests from now on; answer those still waiting after `seconds` with 503."""

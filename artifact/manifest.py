@@ -1,6 +1,7 @@
 """The artifact folder contract between `export` (writer) and `app` (reader).
 
-An artifact folder holds `manifest.json`, `tokenizer.json` and one ONNX graph per precision. This
+An artifact folder holds `manifest.json`, `tokenizer.json`, one ONNX graph per precision and, for a
+sentence-transformers checkpoint with Dense modules, `sentence_dense.npz`. This
 module is dependency-free (no torch, no onnx) so both sides import it; bump FORMAT_VERSION on any
 incompatible change and make the reader refuse versions it does not know.
 """
@@ -37,6 +38,10 @@ KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
 # graph with its padding kept, replayed as CUDA graphs (app/cuda_graphs.py). With our operators too:
 PADDED_GRAPH_FILE = "model_fp16_padded.onnx"
 PADDED_KERNELS_GRAPH_FILE = "model_fp16_padded_kernels.onnx"
+# A sentence-transformers checkpoint's Dense modules, applied after its own pooling (numpy .npz: arrays
+# "<i>.weight" [out, in] and "<i>.bias" [out], float32), each followed by its activation.
+DENSE_FILE = "sentence_dense.npz"
+DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "sigmoid")
 
 
 class ManifestError(ValueError):
@@ -118,10 +123,21 @@ class Manifest:
     files_sha256: dict[str, str]
     versions: dict[str, str]
     created_at: str
+    # The checkpoint's Dense modules in order (DENSE_FILE): {"in_features", "out_features", "bias", "activation"}.
+    # Written only when there are some, so that a model without them reads as before.
+    sentence_dense: list[dict] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        record = asdict(self)
+        if not record["sentence_dense"]:
+            del record["sentence_dense"]
+        return json.dumps(record, indent=2, sort_keys=True) + "\n"
+
+    @property
+    def sentence_width(self) -> int:
+        """The width of the model's own sentence vectors: the last Dense module's, else the hidden size."""
+        return self.sentence_dense[-1]["out_features"] if self.sentence_dense else self.hidden_size
 
     @classmethod
     def from_dict(cls, d: dict) -> "Manifest":
@@ -141,6 +157,13 @@ class Manifest:
             raise ManifestError("manifest names no graph: re-export the model")
         if manifest.default_pooling not in POOLINGS:
             raise ManifestError(f"manifest default_pooling {manifest.default_pooling!r} is not one of {', '.join(POOLINGS)}")
+        width = manifest.hidden_size
+        for layer in manifest.sentence_dense:
+            if not (isinstance(layer, dict) and layer.get("in_features") == width
+                    and layer.get("activation") in DENSE_ACTIVATIONS and isinstance(layer.get("out_features"), int)):
+                raise ManifestError(f"manifest sentence_dense {layer!r} is not a Dense layer taking {width}-wide "
+                                    f"vectors: re-export the model")
+            width = layer["out_features"]
         if not 0 < manifest.max_length <= manifest.max_position_embeddings:
             raise ManifestError(f"manifest max_length {manifest.max_length} is not within the model's "
                                 f"{manifest.max_position_embeddings} positions")
@@ -215,7 +238,7 @@ def read_manifest(folder: Path | str) -> Manifest:
         raise ManifestError(f"{path} is not valid JSON: {e}") from e
     except ManifestError as e:
         raise ManifestError(f"{path}: {e}") from e
-    files = [f for g in manifest.graphs.values() for f in g.files()]
+    files = [f for g in manifest.graphs.values() for f in g.files()] + ([DENSE_FILE] if manifest.sentence_dense else [])
     for needed in [TOKENIZER_FILE, *files]:
         if not (folder / needed).is_file():
             raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")

@@ -1,11 +1,14 @@
 """Where a model folder's encoder lives and how its makers meant its vectors made: a sentence-transformers
-folder's modules.json (Transformer -> Pooling -> optional Normalize), or, for any other BERT folder, the raw
-[CLS] vector. Reads JSON only; whatever the server could not reproduce is an ExportError."""
+folder's modules.json (Transformer -> Pooling -> any Dense -> optional Normalize), or, for any other BERT
+folder, the raw [CLS] vector. Reads JSON (and the Dense modules' weights); whatever the server could not
+reproduce is an ExportError."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from artifact.source_folder import SENTENCE_BERT_CONFIG_FILE as SBERT_CONFIG_FILE
 from export import ExportError
@@ -20,6 +23,16 @@ _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "ma
 # sentence-transformers >= 5 names its modes in `pooling_mode` (a name, or a list to concatenate).
 _MODES = {"cls": "cls", "max": "max", "mean": "mean", "mean_sqrt_len_tokens": "mean_sqrt_len",
           "weightedmean": "weightedmean", "lasttoken": "lasttoken"}
+# A Dense module's activation_function (a torch class path) -> artifact.manifest.DENSE_ACTIVATIONS
+_ACTIVATIONS = {"Tanh": "tanh", "Identity": "identity", "ReLU": "relu", "Sigmoid": "sigmoid"}
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers Dense module: activation(vector @ weight.T + bias)."""
+    weight: np.ndarray  # float32 [out_features, in_features]
+    bias: np.ndarray | None  # float32 [out_features]
+    activation: str
 
 
 @dataclass(frozen=True)
@@ -28,6 +41,7 @@ class CheckpointLayout:
     pooling: str  # one of artifact.manifest.POOLINGS
     normalize: bool
     lowercase: bool  # the makers lower-case texts before tokenising (sentence_bert_config's do_lower_case)
+    dense: tuple[DenseLayer, ...] = ()  # after the pooling, before Normalize
 
 
 def read_layout(model_dir: Path) -> CheckpointLayout:
@@ -41,12 +55,14 @@ def read_layout(model_dir: Path) -> CheckpointLayout:
     modules = sorted(modules, key=lambda m: m.get("idx", 0))
     kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
     for module, kind in zip(modules, kinds):
-        if kind not in ("Transformer", "Pooling", "Normalize"):
+        if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
             raise ExportError(f"{modules_path}: module {module.get('path') or module.get('name')!r} is a {kind}, "
-                              f"which the server does not run (it runs Transformer, Pooling and Normalize only)")
-    if kinds not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+                              f"which the server does not run (it runs Transformer, Pooling, Dense and Normalize)")
+    normalize = kinds[-1] == "Normalize"
+    n_dense = len(kinds) - 2 - normalize
+    if kinds[:2] != ["Transformer", "Pooling"] or kinds[2:len(kinds) - normalize] != ["Dense"] * n_dense:
         raise ExportError(f"{modules_path} chains {' -> '.join(kinds)}; the server reproduces Transformer -> "
-                          f"Pooling, optionally -> Normalize")
+                          f"Pooling, then any Dense, optionally -> Normalize")
     encoder_dir = _module_dir(model_dir, modules[0])
     sbert = _read_object(encoder_dir / SBERT_CONFIG_FILE) if (encoder_dir / SBERT_CONFIG_FILE).is_file() else {}
     task = sbert.get("transformer_task", "feature-extraction")
@@ -54,10 +70,15 @@ def read_layout(model_dir: Path) -> CheckpointLayout:
         raise ExportError(f"{encoder_dir / SBERT_CONFIG_FILE}: transformer_task {task!r}; the server serves "
                           f"feature-extraction (token vectors) only")
     pooling_dir = _module_dir(model_dir, modules[1])
-    pooling = _pooling_mode(pooling_dir / MODULE_CONFIG_FILE, _hidden_size(encoder_dir))
-    if len(modules) == 3:
-        _check_normalize(_module_dir(model_dir, modules[2]) / MODULE_CONFIG_FILE)
-    return CheckpointLayout(encoder_dir, pooling, len(modules) == 3, bool(sbert.get("do_lower_case", False)))
+    width = _hidden_size(encoder_dir)
+    pooling = _pooling_mode(pooling_dir / MODULE_CONFIG_FILE, width)
+    dense = []
+    for module in modules[2:2 + n_dense]:
+        dense.append(_dense_layer(_module_dir(model_dir, module), width))
+        width = dense[-1].weight.shape[0]
+    if normalize:
+        _check_normalize(_module_dir(model_dir, modules[-1]) / MODULE_CONFIG_FILE)
+    return CheckpointLayout(encoder_dir, pooling, normalize, bool(sbert.get("do_lower_case", False)), tuple(dense))
 
 
 def _check_model_type(model_dir: Path) -> None:
@@ -106,6 +127,45 @@ def _pooling_mode(path: Path, hidden_size: int) -> str:
         what = "sets no pooling mode" if not modes else f"concatenates {len(modes)} poolings ({' + '.join(modes)})"
         raise ExportError(f"{path} {what}; the server serves exactly one")
     return modes[0]
+
+
+def _dense_layer(folder: Path, in_width: int) -> DenseLayer:
+    """A Dense module's config.json and weights (model.safetensors, or pytorch_model.bin of older
+    sentence-transformers), checked against the width that comes into it."""
+    config = _read_object(folder / MODULE_CONFIG_FILE)
+    name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh")).rsplit(".", 1)[-1]
+    if name not in _ACTIVATIONS:
+        raise ExportError(f"{folder / MODULE_CONFIG_FILE}: activation_function {config['activation_function']!r} "
+                          f"is not one the server runs ({', '.join(_ACTIVATIONS)})")
+    if config.get("in_features") != in_width:
+        raise ExportError(f"{folder / MODULE_CONFIG_FILE}: in_features {config.get('in_features')!r}, but "
+                          f"{in_width}-wide vectors come into it")
+    tensors = _dense_weights(folder)
+    weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
+    out_width = config.get("out_features")
+    if weight is None or weight.shape != (out_width, in_width) or (
+            (bias is not None) != bool(config.get("bias", True)) or (bias is not None and bias.shape != (out_width,))):
+        raise ExportError(f"{folder}: the weights are not those of a {in_width} -> {out_width} Dense module "
+                          f"(linear.weight {None if weight is None else tuple(weight.shape)}, linear.bias "
+                          f"{None if bias is None else tuple(bias.shape)})")
+    return DenseLayer(weight, bias, _ACTIVATIONS[name])
+
+
+def _dense_weights(folder: Path) -> dict[str, np.ndarray]:
+    if (folder / "model.safetensors").is_file():
+        from safetensors.numpy import load_file
+        try:
+            return {k: v.astype(np.float32) for k, v in load_file(folder / "model.safetensors").items()}
+        except Exception as e:  # safetensors raises its own errors for a damaged file
+            raise ExportError(f"{folder / 'model.safetensors'} cannot be read ({e})") from e
+    if (folder / "pytorch_model.bin").is_file():
+        import torch
+        try:
+            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ExportError(f"{folder / 'pytorch_model.bin'} cannot be read ({e})") from e
+        return {k: v.float().numpy() for k, v in state.items()}
+    raise ExportError(f"{folder}: a Dense module without model.safetensors or pytorch_model.bin")
 
 
 def _check_normalize(path: Path) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import (GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
+from artifact.manifest import (DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
                                PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, Manifest,
                                PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
@@ -119,6 +119,7 @@ def export_artifact(
             graphs["fp16"].padded = PaddedGraph(twin.file, twin.fused_operators, twin.parity, twin.custom_kernels)
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
+        dense_files = _write_dense(layout, tmp)
         manifest = Manifest(
             model_name=model_dir.resolve().name,
             hidden_size=loaded.config.hidden_size,
@@ -133,10 +134,12 @@ def export_artifact(
             special_tokens=specials,
             default_pooling=layout.pooling,
             default_normalize=layout.normalize,
+            sentence_dense=[{"in_features": d.weight.shape[1], "out_features": d.weight.shape[0],
+                             "bias": d.bias is not None, "activation": d.activation} for d in layout.dense],
             graphs=graphs,
             weights_sha256=sha256_file(_weights_file(layout.encoder_dir)),
             files_sha256={name: sha256_file(tmp / name)
-                          for name in [TOKENIZER_FILE, *(f for g in graphs.values() for f in g.files())]},
+                          for name in [TOKENIZER_FILE, *dense_files, *(f for g in graphs.values() for f in g.files())]},
             versions=versions(),
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
@@ -146,6 +149,19 @@ def export_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _write_dense(layout: CheckpointLayout, folder: Path) -> list[str]:
+    """The checkpoint's Dense modules as DENSE_FILE (the server reads numpy, never torch); its name, if written."""
+    if not layout.dense:
+        return []
+    arrays = {}
+    for i, layer in enumerate(layout.dense):
+        arrays[f"{i}.weight"] = np.ascontiguousarray(layer.weight, dtype=np.float32)
+        if layer.bias is not None:
+            arrays[f"{i}.bias"] = np.ascontiguousarray(layer.bias, dtype=np.float32)
+    np.savez(folder / DENSE_FILE, **arrays)
+    return [DENSE_FILE]
 
 
 def _served_length(layout: CheckpointLayout, positions: int, requested: int | None) -> int:

@@ -145,6 +145,24 @@ def sbert_folder(root, encoder, pooling_config: dict, normalize: bool, encoder_p
     return root
 
 
+def add_dense(folder, in_features: int, out_features: int, activation: str, seed: int = 0) -> None:
+    """A sentence-transformers Dense module (its config.json and model.safetensors) before Normalize."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    modules = json.loads((folder / "modules.json").read_text())
+    at = 2 + sum(m["type"].endswith("Dense") for m in modules)
+    path = f"{at}_Dense"
+    write_json(folder / path / "config.json", {"in_features": in_features, "out_features": out_features,
+                                               "bias": True, "activation_function": activation})
+    save_file({"linear.weight": torch.randn(out_features, in_features) / in_features ** 0.5,
+               "linear.bias": torch.randn(out_features) / 10}, folder / path / "model.safetensors")
+    modules.insert(at, {"idx": at, "name": str(at), "path": path, "type": "sentence_transformers.models.Dense"})
+    for i, m in enumerate(modules):
+        m["idx"], m["name"] = i, str(i)
+    write_json(folder / "modules.json", modules)
+
+
 def legacy_pooling(mode: str, width: int = 32) -> dict:
     """A Pooling config as sentence-transformers 2.x wrote it (all-MiniLM-L6-v2's form)."""
     keys = {"cls": "pooling_mode_cls_token", "mean": "pooling_mode_mean_tokens", "max": "pooling_mode_max_tokens",
@@ -202,6 +220,41 @@ def test_every_pooling_matches_sentence_transformers(st, hf_bert, tmp_path):
         np.testing.assert_allclose(got, want, atol=2e-5, err_msg=mode)
 
 
+def test_dense_modules_follow_the_models_own_pooling_as_in_sentence_transformers(st, hf_bert, tmp_path):
+    """Transformer -> Pooling -> Dense (32 -> 24, tanh) -> Dense (24 -> 16, identity) -> Normalize, as
+    LaBSE-like checkpoints chain them: /embed, /v1/embeddings and /info give the model's own 16-wide
+    vectors; another pooling gives the encoder's 32-wide ones, without the Dense modules."""
+    folder = sbert_folder(tmp_path / "model", hf_bert, legacy_pooling("mean"), True)
+    add_dense(folder, 32, 24, "torch.nn.modules.activation.Tanh")
+    add_dense(folder, 24, 16, "torch.nn.modules.linear.Identity", seed=1)
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert [(d["in_features"], d["out_features"], d["activation"]) for d in m.sentence_dense] == [
+        (32, 24, "tanh"), (24, 16, "identity")]
+    model = st.SentenceTransformer(str(folder), device="cpu")
+    want = model.encode(TEXTS, convert_to_numpy=True)
+    assert want.shape == (len(TEXTS), 16)
+
+    async def go():
+        import openai
+
+        async with serving(tmp_path / "art") as (c, _):
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=c)
+            return ((await c.get("/info")).json(), (await c.post("/embed", json={"inputs": TEXTS})).json(),
+                    await client.embeddings.create(model="model", input=TEXTS),
+                    (await c.post("/embed", json={"inputs": TEXTS, "pooling": "cls"})).json(),
+                    await c.post("/v1/embeddings", json={"input": "x", "dimensions": 32}))
+    info, embed, openai_answer, cls, wrong_width = run(go())
+    assert (info["dimensions"], info["hidden_size"]) == (16, 32)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in embed["data"]]), want, atol=2e-5)
+    np.testing.assert_allclose(np.array([d.embedding for d in openai_answer.data]), want, atol=2e-5)
+    assert np.array([d["embedding"] for d in cls["data"]]).shape == (len(TEXTS), 32)
+    assert_error(wrong_width, 400, "unsupported", "have 16")
+
+    (tmp_path / "art" / "sentence_dense.npz").write_bytes(b"not the file export wrote")
+    with pytest.raises(ManifestError, match="sentence_dense.npz"):
+        read_manifest(tmp_path / "art").verify(tmp_path / "art", ["sentence_dense.npz"])
+
+
 def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokenizer_dir, tmp_path, capsys):
     cased = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())
     cased["normalizer"]["lowercase"] = False
@@ -210,7 +263,9 @@ def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokeniz
         "concatenation, 5.x": ({"embedding_dimension": 32, "pooling_mode": ["cls", "max"]}, {}, "cls + max"),
         "no mode": ({**legacy_pooling("mean"), "pooling_mode_mean_tokens": False}, {}, "no pooling mode"),
         "width": (legacy_pooling("mean", 16), {}, "hidden size is 32"),
-        "Dense": (legacy_pooling("mean"), {"extra_modules": ("Dense",)}, "is a Dense"),
+        "Dense activation": (legacy_pooling("mean"), {}, "activation_function"),
+        "Dense width": (legacy_pooling("mean"), {}, "in_features 16"),
+        "module": (legacy_pooling("mean"), {"extra_modules": ("LayerNorm",)}, "is a LayerNorm"),
         "do_lower_case": (legacy_pooling("mean"), {"sbert_config": {"max_seq_length": 24, "do_lower_case": True}},
                           "lower-cases"),
         "prompt": (legacy_pooling("mean"), {}, "prompt"),
@@ -222,6 +277,10 @@ def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokeniz
         if name == "prompt":
             write_json(folder / "config_sentence_transformers.json", {"prompts": {"query": "query: "},
                                                                       "default_prompt_name": "query"})
+        if name.startswith("Dense"):
+            in_features, activation = (32, "torch.nn.modules.activation.Softplus") if name == "Dense activation" \
+                else (16, "torch.nn.modules.activation.Tanh")
+            add_dense(folder, in_features, 8, activation)
         out = tmp_path / "out" / name
         out.parent.mkdir(exist_ok=True)
         assert main(["--model", str(folder), "--out", str(out)]) == 1, name

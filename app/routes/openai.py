@@ -5,7 +5,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from app.errors import Unsupported
-from app.pooling import POOLING_OUTPUT, encode_rows, l2_normalize, pool
+from app.pooling import POOLING_OUTPUT, encode_rows, l2_normalize
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
@@ -23,14 +23,14 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(x, str) for x in inputs):
         raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text")
-    hidden = service.manifest.hidden_size
-    if body.dimensions is not None and body.dimensions != hidden:
-        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {hidden}")
     pooling = service.openai_pooling
+    width = service.width(pooling)
+    if body.dimensions is not None and body.dimensions != width:
+        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {width}")
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
-    vectors = pool(result.outputs, pooling)
+    vectors = service.sentence_vectors(result.outputs, pooling)
     if service.openai_normalize:
         vectors = l2_normalize(vectors)
     data = [{"object": "embedding", "index": i, "embedding": e}

@@ -37,7 +37,8 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
     m, s, e = service.manifest, service.settings, service.engine
     return json_response({
         "model": service.model_name,
-        "dimensions": m.hidden_size,
+        "dimensions": m.sentence_width,  # of the default pooling's vectors (a Dense module may change it)
+        "hidden_size": m.hidden_size,  # of token vectors and of the other poolings
         "max_length": m.max_length,  # longer inputs are cut there (or answered 413 with truncate: false)
         "max_position_embeddings": m.max_position_embeddings,
         "default_pooling": m.default_pooling,  # what /embed does without `pooling`
