@@ -64,7 +64,8 @@ class OpenAIEmbeddingRequest(BaseModel):
     input: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] | list[int] | list[list[int]]
     model: str | None = Field(None, description="accepted and ignored: the server has one model")
     encoding_format: EncodingFormat = "float"
-    dimensions: int | None = Field(None, description="only the model's own width is accepted")
+    dimensions: int | None = Field(None, description="keep the first that many of the model's width (GET /info "
+                                   "`dimensions`), normalised after if the vectors are: for Matryoshka-trained models")
 
 
 class Token(BaseModel):

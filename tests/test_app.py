@@ -377,19 +377,24 @@ def test_openai_embeddings(artifact, reference):
             one = (await c.post("/v1/embeddings", json={"input": "hello world", "model": "anything"})).json()
             many = (await c.post("/v1/embeddings", json={"input": ["a", "b c"], "encoding_format": "base64",
                                                           "user": "ignored"})).json()
-            dims = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 64})
+            dims = (await c.post("/v1/embeddings", json={"input": "hello world", "dimensions": 64})).json()
             same_dims = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 128})
+            too_many = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 129})
+            none = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 0})
             ids = await c.post("/v1/embeddings", json={"input": [[1, 2, 3]]})
-            return one, many, dims, same_dims, ids
-    one, many, dims, same_dims, ids = run(go())
+            return one, many, dims, same_dims, too_many, none, ids
+    one, many, dims, same_dims, too_many, none, ids = run(go())
     assert one["object"] == "list" and one["model"] == "tiny" and one["data"][0]["object"] == "embedding"
     ref, enc = reference("hello world")  # our model's default: the raw [CLS] vector
     np.testing.assert_allclose(one["data"][0]["embedding"], ref["cls_embedding"], atol=1e-5)
     assert one["usage"] == {"prompt_tokens": len(enc.ids), "total_tokens": len(enc.ids)}
     assert [d["index"] for d in many["data"]] == [0, 1]
     assert np.frombuffer(base64.b64decode(many["data"][0]["embedding"]), dtype="<f4").shape == (128,)
-    assert_error(dims, 400, "unsupported", "dimensions")
+    # shortened as OpenAI does: the first 64 (this model's default is not normalised, so nothing after)
+    np.testing.assert_allclose(dims["data"][0]["embedding"], ref["cls_embedding"][:64], atol=1e-5)
     assert same_dims.status_code == 200
+    assert_error(too_many, 400, "unsupported", "have 128")
+    assert_error(none, 400, "unsupported", "dimensions 0")
     assert_error(ids, 400, "unsupported", "token-id")
 
 

@@ -2,7 +2,7 @@
 to every endpoint of a real server, in one process and with HTTP workers, and checks that none gets a 5xx,
 that statuses, content types and bodies are the documented ones (errors in our error shape), and that
 invalid bodies are refused. Its check that every schema-valid body is accepted is left out: the server
-refuses some bodies the schema cannot describe (blank texts, a `dimensions` other than the model's), with
+refuses some bodies the schema cannot describe (blank texts, a `dimensions` beyond the model's width), with
 a documented 400 / 422."""
 from __future__ import annotations
 

@@ -242,13 +242,16 @@ def test_dense_modules_follow_the_models_own_pooling_as_in_sentence_transformers
             return ((await c.get("/info")).json(), (await c.post("/embed", json={"inputs": TEXTS})).json(),
                     await client.embeddings.create(model="model", input=TEXTS),
                     (await c.post("/embed", json={"inputs": TEXTS, "pooling": "cls"})).json(),
-                    await c.post("/v1/embeddings", json={"input": "x", "dimensions": 32}))
-    info, embed, openai_answer, cls, wrong_width = run(go())
+                    await c.post("/v1/embeddings", json={"input": "x", "dimensions": 32}),
+                    await client.embeddings.create(model="model", input=TEXTS, dimensions=8))
+    info, embed, openai_answer, cls, wrong_width, shortened = run(go())
     assert (info["dimensions"], info["hidden_size"]) == (16, 32)
     np.testing.assert_allclose(np.array([d["embedding"] for d in embed["data"]]), want, atol=2e-5)
     np.testing.assert_allclose(np.array([d.embedding for d in openai_answer.data]), want, atol=2e-5)
     assert np.array([d["embedding"] for d in cls["data"]]).shape == (len(TEXTS), 32)
     assert_error(wrong_width, 400, "unsupported", "have 16")
+    prefix = want[:, :8] / np.linalg.norm(want[:, :8], axis=1, keepdims=True)  # shortened, then normalised
+    np.testing.assert_allclose(np.array([d.embedding for d in shortened.data]), prefix, atol=2e-5)
 
     (tmp_path / "art" / "sentence_dense.npz").write_bytes(b"not the file export wrote")
     with pytest.raises(ManifestError, match="sentence_dense.npz"):

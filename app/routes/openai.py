@@ -19,18 +19,21 @@ router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_k
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
                      service: InferenceService = Depends(get_service)) -> Response:
     """Pooled and normalised as the model's defaults say, unless the openai_pooling / openai_normalize
-    settings say otherwise."""
+    settings say otherwise; `dimensions` keeps the first that many (for Matryoshka-trained models)."""
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(x, str) for x in inputs):
         raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text")
     pooling = service.openai_pooling
     width = service.width(pooling)
-    if body.dimensions is not None and body.dimensions != width:
-        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {width}")
+    if body.dimensions is not None and not 1 <= body.dimensions <= width:
+        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
+                          f"(a smaller number keeps that many of the first ones)")
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
     vectors = service.sentence_vectors(result.outputs, pooling)
+    if body.dimensions is not None:  # as OpenAI shortens its embeddings: the first ones, then normalised
+        vectors = vectors[:, :body.dimensions]
     if service.openai_normalize:
         vectors = l2_normalize(vectors)
     data = [{"object": "embedding", "index": i, "embedding": e}
