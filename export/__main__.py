@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
         return 1
     print(f"serves up to {manifest.max_length} tokens (of {manifest.max_position_embeddings} positions); default "
-          f"pooling {manifest.default_pooling}" + (", normalised" if manifest.default_normalize else ""))
+          f"pooling {manifest.default_pooling}"
+          + "".join(f", Dense {d['in_features']} -> {d['out_features']} ({d['activation']})"
+                    for d in manifest.sentence_dense)
+          + (", normalised" if manifest.default_normalize else ""))
     for precision, info in manifest.graphs.items():
         fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
