@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -18,6 +19,7 @@ from export.__main__ import main
 from export.pipeline import export_artifact
 from tests.test_app import assert_error, run, serving
 from tests.test_export import no_leftovers
+from tests.test_server import running_server
 
 SHAPES = ((1, 5), (3, 40))  # parity batches: enough to gate, quick to run
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "short",
@@ -252,6 +254,15 @@ def test_dense_modules_follow_the_models_own_pooling_as_in_sentence_transformers
     assert_error(wrong_width, 400, "unsupported", "have 16")
     prefix = want[:, :8] / np.linalg.norm(want[:, :8], axis=1, keepdims=True)  # shortened, then normalised
     np.testing.assert_allclose(np.array([d.embedding for d in shortened.data]), prefix, atol=2e-5)
+
+    with running_server(tmp_path / "art", workers=2) as base:  # each HTTP worker process loads the Dense modules
+        pids, deadline = set(), time.monotonic() + 30
+        while len(pids) < 2:  # both workers up (/ready answers once one is); connections then go to each in turn
+            assert time.monotonic() < deadline, f"workers answering: {pids}"
+            pids.add(httpx.get(f"{base}/info", timeout=10).json()["pid"])
+        answers = [httpx.post(f"{base}/embed", json={"inputs": TEXTS}, timeout=30).json() for _ in range(6)]
+    for answer in answers:
+        np.testing.assert_allclose(np.array([d["embedding"] for d in answer["data"]]), want, atol=2e-5)
 
     (tmp_path / "art" / "sentence_dense.npz").write_bytes(b"not the file export wrote")
     with pytest.raises(ManifestError, match="sentence_dense.npz"):
