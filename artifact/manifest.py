@@ -41,7 +41,7 @@ PADDED_KERNELS_GRAPH_FILE = "model_fp16_padded_kernels.onnx"
 # A sentence-transformers checkpoint's Dense modules, applied after its own pooling (numpy .npz: arrays
 # "<i>.weight" [out, in] and "<i>.bias" [out], float32), each followed by its activation.
 DENSE_FILE = "sentence_dense.npz"
-DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "sigmoid")
+DENSE_ACTIVATIONS = ("tanh", "identity", "relu", "sigmoid", "gelu")
 
 
 class ManifestError(ValueError):

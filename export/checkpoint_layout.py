@@ -24,7 +24,7 @@ _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "ma
 _MODES = {"cls": "cls", "max": "max", "mean": "mean", "mean_sqrt_len_tokens": "mean_sqrt_len",
           "weightedmean": "weightedmean", "lasttoken": "lasttoken"}
 # A Dense module's activation_function (a torch class path) -> artifact.manifest.DENSE_ACTIVATIONS
-_ACTIVATIONS = {"Tanh": "tanh", "Identity": "identity", "ReLU": "relu", "Sigmoid": "sigmoid"}
+_ACTIVATIONS = {"Tanh": "tanh", "Identity": "identity", "ReLU": "relu", "Sigmoid": "sigmoid", "GELU": "gelu"}
 
 
 @dataclass(frozen=True)

@@ -269,6 +269,17 @@ def test_dense_modules_follow_the_models_own_pooling_as_in_sentence_transformers
         read_manifest(tmp_path / "art").verify(tmp_path / "art", ["sentence_dense.npz"])
 
 
+@pytest.mark.parametrize("torch_name,ours", [("Tanh", "tanh"), ("Identity", "identity"), ("ReLU", "relu"),
+                                              ("Sigmoid", "sigmoid"), ("GELU", "gelu")])
+def test_each_dense_activation_computes_what_torchs_does(torch_name, ours):
+    from app.sentence_dense import SentenceDense
+
+    x = torch.linspace(-8, 8, 801)
+    want = getattr(torch.nn, torch_name)()(x.double()).numpy()
+    got = SentenceDense([(np.eye(801, dtype=np.float32), None, ours)])(x.numpy()[None])[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)  # float32's own precision
+
+
 def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokenizer_dir, tmp_path, capsys):
     cased = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())
     cased["normalizer"]["lowercase"] = False
