@@ -12,6 +12,7 @@ import numpy as np
 
 from artifact.source_folder import SENTENCE_BERT_CONFIG_FILE as SBERT_CONFIG_FILE
 from export import ExportError
+from training.model_folder import read_state_dict
 
 MODULES_FILE = "modules.json"
 SBERT_MODEL_CONFIG_FILE = "config_sentence_transformers.json"
@@ -140,7 +141,7 @@ def _dense_layer(folder: Path, in_width: int) -> DenseLayer:
     if config.get("in_features") != in_width:
         raise ExportError(f"{folder / MODULE_CONFIG_FILE}: in_features {config.get('in_features')!r}, but "
                           f"{in_width}-wide vectors come into it")
-    tensors = _dense_weights(folder)
+    tensors = {k: v.float().numpy() for k, v in read_state_dict(folder).items()}  # ModelFolderError if unreadable
     weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
     out_width = config.get("out_features")
     if weight is None or weight.shape != (out_width, in_width) or (
@@ -149,23 +150,6 @@ def _dense_layer(folder: Path, in_width: int) -> DenseLayer:
                           f"(linear.weight {None if weight is None else tuple(weight.shape)}, linear.bias "
                           f"{None if bias is None else tuple(bias.shape)})")
     return DenseLayer(weight, bias, _ACTIVATIONS[name])
-
-
-def _dense_weights(folder: Path) -> dict[str, np.ndarray]:
-    if (folder / "model.safetensors").is_file():
-        from safetensors.numpy import load_file
-        try:
-            return {k: v.astype(np.float32) for k, v in load_file(folder / "model.safetensors").items()}
-        except Exception as e:  # safetensors raises its own errors for a damaged file
-            raise ExportError(f"{folder / 'model.safetensors'} cannot be read ({e})") from e
-    if (folder / "pytorch_model.bin").is_file():
-        import torch
-        try:
-            state = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ExportError(f"{folder / 'pytorch_model.bin'} cannot be read ({e})") from e
-        return {k: v.float().numpy() for k, v in state.items()}
-    raise ExportError(f"{folder}: a Dense module without model.safetensors or pytorch_model.bin")
 
 
 def _check_normalize(path: Path) -> None:

@@ -136,7 +136,8 @@ def read_config(folder: Path) -> BertConfig:
         raise ModelFolderError(f"{path}: {e}") from e
 
 
-def _read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of `folder`'s model.safetensors, else its pytorch_model.bin; ModelFolderError in one line."""
     st, pt = folder / WEIGHTS_FILE, folder / TORCH_WEIGHTS_FILE
     try:
         if st.is_file():
@@ -179,7 +180,7 @@ def load_model_folder(folder: Path | str) -> LoadedModel:
         raise ModelFolderError(f"{folder} is not a folder")
     folder = transformer_folder(folder)
     config = read_config(folder)
-    state = _our_names(_read_state_dict(folder))
+    state = _our_names(read_state_dict(folder))
     model = BertForPreTraining(config)
     expected = {k for k in model.state_dict() if k not in _TIED_KEYS}
     missing = expected - state.keys()
