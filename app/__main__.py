@@ -4,8 +4,14 @@ One process (`--workers 1`, the default) has one ONNX Runtime session and one ba
 app/multiprocess/. Every public Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
 from __future__ import annotations
 
-import argparse
 import signal
+
+if __name__ == "__main__":
+    # Ctrl-C while the modules import would end in a traceback from deep inside one of them (or an error
+    # that hides it): it stays pending until they have, and then gets one quiet exit.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+import argparse
 import sys
 
 from pydantic import ValidationError
@@ -39,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from app.uvicorn_server import ServingServer, uvicorn_options
     from artifact.manifest import ManifestError, read_manifest
 
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the top of this file
+
     try:  # fail fast with one line, before uvicorn starts, when the folder is not an artifact or a file
         # differs from what export wrote (hashed once here, for every process the server starts)
         manifest = read_manifest(settings.model_dir)
@@ -65,4 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C while the server was starting: nothing was serving yet
+        sys.exit(130)

@@ -287,6 +287,45 @@ def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_d
     assert rc == 0 and "Traceback" not in log and "lost the engine" not in log, f"exit {rc}:\n{log}"
 
 
+@pytest.mark.parametrize("after_engine_ready_s", [0.0, 0.7])
+def test_ctrl_c_while_the_workers_start_stops_every_process_cleanly(tiny_artifact_dir, after_engine_ready_s):
+    """Ctrl-C that comes while the HTTP workers are still importing or building their app: every process
+    stops without a traceback, as when it comes once they serve."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    env.update(BERTSERVE_WORKERS="2", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir),
+                             "--port", str(free_port())], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log = []
+    try:
+        for line in proc.stdout:  # the workers are spawned once the engine is ready
+            log.append(line)
+            if "engine process" in line and "ready" in line:
+                break
+        time.sleep(after_engine_ready_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(log) + proc.stdout.read()
+    assert "engine process" in text, text
+    assert rc == 0 and "Traceback" not in text and "KeyboardInterrupt" not in text, f"exit {rc}:\n{text}"
+
+
+@pytest.mark.parametrize("after_start_s", [0.3, 1.0])  # importing its modules, loading the model
+def test_ctrl_c_while_a_single_process_server_starts_is_one_quiet_exit(tiny_artifact_dir, after_start_s):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir),
+                             "--port", str(free_port())], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    time.sleep(after_start_s)
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(timeout=60)
+    text = proc.stdout.read()
+    assert rc in (0, 130) and "Traceback" not in text, f"exit {rc}:\n{text}"
+
+
 def test_workers_run_folder_is_temporary(tiny_artifact_dir, short_tmp_dir, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(short_tmp_dir))
     with running_server(tiny_artifact_dir, workers=2) as base:

@@ -14,6 +14,7 @@ from app.backend import EngineInfo
 from app.build import build_engine, load_tokenizer
 from app.metrics import Metrics
 from app.multiprocess.engine_link import serve_workers
+from app.multiprocess.held_signals import release_stop_signals
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.settings import Settings, configure_logging
 
@@ -27,6 +28,7 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int) -> None:
     # says so (SIGTERM), after the HTTP workers have answered what they hold, or when the launcher dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until the event loop handles it
+    release_stop_signals()
     end_with_parent(launcher_pid)
     settings = Settings(cuda_device_id=cuda_device_id)
     configure_logging(settings)

@@ -29,6 +29,7 @@ import uvicorn
 from app.front import ServingFront
 from app.main import create_app
 from app.multiprocess.engine_link import connect_to_engine
+from app.multiprocess.held_signals import release_stop_signals, start_with_stop_signals_held
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.settings import ENV_PREFIX, Settings, configure_logging
 from app.uvicorn_server import SHUTDOWN_MARGIN_S, ServingServer, uvicorn_options
@@ -102,7 +103,7 @@ class HttpWorkers:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         process = self._context.Process(target=run_worker, args=(theirs, os.getpid(), index),
                                         name=f"bertserve-http-{index}")
-        process.start()
+        start_with_stop_signals_held(process)  # released once uvicorn handles them: see startup()
         theirs.close()
         ours.setblocking(False)
         worker = self._workers[index] = _Worker(index, process, ours)
@@ -220,6 +221,9 @@ class _HandedConnectionsServer(ServingServer):
         self._channel.setblocking(False)
         loop.add_reader(self._channel.fileno(), self._receive, loop, protocol)
         self._channel.send(_READY)
+        # uvicorn's handlers are in place (serve() installs them before startup): a stop that came while
+        # this worker was starting now drains it as any other.
+        release_stop_signals()
 
     def _receive(self, loop: asyncio.AbstractEventLoop, protocol) -> None:
         while True:

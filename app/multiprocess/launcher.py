@@ -22,6 +22,7 @@ from pathlib import Path
 
 from app.metrics import MULTIPROC_DIR_VAR
 from app.multiprocess.engine_process import run as run_engine
+from app.multiprocess.held_signals import start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
 from app.settings import ENV_PREFIX, Settings
 
@@ -33,18 +34,18 @@ _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass c
 def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
     # Workers and engines build their settings from the environment, so the flags travel as variables.
     os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
+    stopping = threading.Event()  # a stop signal from here on, while the engines load too, is an orderly stop
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopping.set())
     with run_folder() as folder:
         sockets = [str(folder / f"engine{i}.sock") for i in range(len(settings.engine_devices))]
         engines = [_start_engine(path, device) for path, device in zip(sockets, settings.engine_devices)]
         os.environ[ENGINE_SOCKET_VAR] = ",".join(sockets)
-        stopping = threading.Event()
         try:
-            if not all(_wait_for_socket(engine, path) for engine, path in zip(engines, sockets)):
-                return 1
+            if not all(_wait_for_socket(engine, path, stopping) for engine, path in zip(engines, sockets)):
+                return 0 if stopping.is_set() else 1
             for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: stopping.set())
             with _listen(settings.host, settings.port) as listener:
                 HttpWorkers(settings.workers, worker_stop_s(settings)).serve(listener, stopping)
         finally:
@@ -65,7 +66,7 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
 def _start_engine(socket_path: str, cuda_device_id: int) -> multiprocessing.Process:
     engine = multiprocessing.get_context("spawn").Process(target=run_engine, name=f"bertserve-engine-{cuda_device_id}",
                                                           args=(socket_path, os.getpid(), cuda_device_id))
-    engine.start()
+    start_with_stop_signals_held(engine)
     return engine
 
 
@@ -96,13 +97,15 @@ def _listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)  # SO_REUSEADDR, as uvicorn binds
 
 
-def _wait_for_socket(engine: multiprocessing.Process, socket_path: str) -> bool:
-    """Whether the engine came up (its socket appeared); else says why (the caller stops every engine)."""
+def _wait_for_socket(engine: multiprocessing.Process, socket_path: str, stopping: threading.Event) -> bool:
+    """Whether the engine came up (its socket appeared); else, unless a stop signal came, says why (the
+    caller stops every engine)."""
     deadline = time.monotonic() + _ENGINE_START_S
     while engine.is_alive() and time.monotonic() < deadline:
         if os.path.exists(socket_path):
             return True
-        time.sleep(0.05)
+        if stopping.wait(0.05):
+            return False
     if engine.is_alive():
         log.error("the engine process %s was not ready after %d s", engine.name, _ENGINE_START_S)
     else:
