@@ -17,7 +17,7 @@ from app.metrics import Metrics
 from app.front import ServingFront
 from app.routes import embed, nsp, openai, page, system
 from app.service import InferenceService
-from app.settings import Settings, configure_logging
+from app.settings import Settings
 
 log = logging.getLogger("app")
 
