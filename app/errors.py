@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
 
 from app.responses import json_response
 
@@ -88,6 +89,7 @@ class InternalError(ServiceError):
     status, type = 500, "internal_error"
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
 
 
@@ -134,4 +136,16 @@ def register_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
         type_ = _HTTP_TYPES.get(exc.status_code, "invalid_request" if exc.status_code < 500 else "internal_error")
-        return error_response(exc.status_code, type_, str(exc.detail), getattr(exc, "headers", None), request)
+        headers = getattr(exc, "headers", None)
+        allowed = _allowed_methods(request) if exc.status_code == 405 else ""
+        if allowed:
+            headers = {**(headers or {}), "Allow": allowed}
+        return error_response(exc.status_code, type_, str(exc.detail), headers, request)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at the request's path. Starlette's 405 names the first route's only,
+    and `/` has two: GET (the page) and POST (the TEI route)."""
+    routes = request.app.router.routes
+    return ", ".join(method for method in _METHODS if any(
+        route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes))

@@ -14,6 +14,8 @@ Pair = Annotated[list[Text], Field(min_length=2, max_length=2, description="[tex
 Inputs = Text | Annotated[list[Text | Pair], Field(json_schema_extra={"minItems": 1})]
 Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
+TruncationDirection = Literal["right", "left"]  # app.tokenization.DIRECTIONS
+_DIRECTION_TEXT = "which end of an over-long input truncate cuts: right keeps its start, left its end"
 
 
 class _Strict(BaseModel):
@@ -42,6 +44,7 @@ class EmbedRequest(_Strict):
                                    "null: the model's default (GET /info `default_normalize`)")
     truncate: bool = Field(True, description="cut inputs to the model's max length; false: an over-long "
                            "input is answered 413")
+    truncation_direction: TruncationDirection = Field("right", description=_DIRECTION_TEXT)
     return_tokens: bool = Field(False, description="add each input's tokens and their vectors")
     encoding_format: EncodingFormat = Field("float", description="base64: little-endian float32 bytes; "
                                             "token_embeddings as one [n_tokens, hidden] row-major block")
@@ -50,6 +53,7 @@ class EmbedRequest(_Strict):
 class TokenizeRequest(_Strict):
     inputs: Inputs
     truncate: bool = True
+    truncation_direction: TruncationDirection = Field("right", description=_DIRECTION_TEXT)
 
 
 class NspRequest(_Strict):
@@ -66,6 +70,21 @@ class OpenAIEmbeddingRequest(BaseModel):
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = Field(None, description="keep the first that many of the model's width (GET /info "
                                    "`dimensions`), normalised after if the vectors are: for Matryoshka-trained models")
+
+
+class TeiEmbedRequest(BaseModel):
+    """POST / as text-embeddings-inference's /embed takes it. Fields TEI ignores are ignored here too."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    inputs: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
+        description="a text or a list of texts", examples=["What is deep learning?"])
+    normalize: bool = Field(True, description="L2-normalise each embedding (TEI's default: true)")
+    truncate: bool | None = Field(None, description="cut inputs to the model's max length (null: true); false: "
+                                  "an over-long input is answered 413")
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
+    prompt_name: str | None = Field(None, description="not supported: the server prepends no prompt (null only)")
+    dimensions: int | None = Field(None, description="keep the first that many values of each embedding, "
+                                   "normalised after if `normalize`: for Matryoshka-trained models")
+    encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")
 
 
 class Token(BaseModel):

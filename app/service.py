@@ -110,9 +110,10 @@ class InferenceService:
             self._inflight -= 1
             self.metrics.inflight.dec()
 
-    async def tokenize(self, items: Sequence[Item], truncate: bool, field: str,
-                       offsets: bool = True) -> tuple[Tokenized, float]:
-        """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens."""
+    async def tokenize(self, items: Sequence[Item], truncate: bool, field: str, offsets: bool = True,
+                       direction: str = "right") -> tuple[Tokenized, float]:
+        """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens.
+        direction: which end truncation cuts (app.tokenization.DIRECTIONS)."""
         if not items:
             raise InvalidInput(f"{field} is empty: send at least one text")
         limit = self.settings.max_inputs_per_request
@@ -120,19 +121,21 @@ class InferenceService:
             raise TooManyInputs(f"{field} has {len(items)} items; the server accepts at most {limit} per request")
         started = time.perf_counter()
         if self._inline(items):
-            tokenized = self.tokenizer.encode_batch(items, truncate, field, offsets)
+            tokenized = self.tokenizer.encode_batch(items, truncate, field, offsets, direction)
         else:  # the event loop keeps serving meanwhile
-            tokenized = await asyncio.to_thread(self.tokenizer.encode_batch, items, truncate, field, offsets)
+            tokenized = await asyncio.to_thread(self.tokenizer.encode_batch, items, truncate, field, offsets,
+                                                direction)
         seconds = time.perf_counter() - started
         self.metrics.tokenize_seconds.observe(seconds)
         return tokenized, seconds
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool,
-                    outputs: frozenset[str], field: str, offsets: bool = False) -> Inference:
-        """offsets: whether the answer describes tokens (describe_tokens reads their offsets)."""
+                    outputs: frozenset[str], field: str, offsets: bool = False, direction: str = "right") -> Inference:
+        """offsets: whether the answer describes tokens (describe_tokens reads their offsets); direction:
+        which end truncation cuts."""
         with self.admitted():
             self.batcher.check_admission()  # before the tokenising it would waste
-            tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets)
+            tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets, direction)
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
                 return Inference(tokenized, None, timings)

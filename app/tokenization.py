@@ -19,6 +19,8 @@ from app.tokenizer_shortcuts import AsciiWords, Item, ascii_path, equivalent_par
 # a 1 MB text costs seconds to tokenise in full but only its first few hundred tokens are kept.
 _PREFIX_CHARS_PER_TOKEN = 16
 _CUT_CHARS = (" ", "\n", "\t", "\r")
+# Which end of an over-long input truncation cuts: "right" keeps its start (the default), "left" its end.
+DIRECTIONS = ("right", "left")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,8 @@ class TextTokenizer:
         self.max_input_chars = max_input_chars
         config = json.loads(path.read_text(encoding="utf-8"))
         same = equivalent_parts(config)
+        self._path, self._same = path, same
+        self._left_truncating: dict[bool, Tokenizer] = {}  # plain ASCII or not -> made on first use
         self._full = _load(path, max_length, truncate=False, replace=same)  # no truncation: for exact lengths
         self._truncating = _load(path, max_length, truncate=True, replace=same)
         # The same tokenizers for plain ASCII text, without BertNormalizer's and BertPreTokenizer's Unicode
@@ -118,24 +122,46 @@ class TextTokenizer:
             limit *= 4
         return text
 
+    def _suffix(self, text: str) -> str:
+        """_prefix's mirror for truncation on the left: the shortest whitespace-cut suffix with at least
+        max_length tokens, or the text itself."""
+        limit = self.max_length * _PREFIX_CHARS_PER_TOKEN
+        while limit < len(text):
+            start = len(text) - limit
+            found = [i for i in (text.find(c, start, start + limit // 2) for c in _CUT_CHARS) if i >= 0]
+            if not found:
+                return text
+            cut = min(found)
+            if len(self._full.encode(text[cut:], add_special_tokens=False).ids) >= self.max_length:
+                return text[cut:]
+            limit *= 4
+        return text
+
     def _plain_ascii(self, items: Sequence[Item]) -> bool:
         """Every text is ASCII without a character that sends it the full way (AsciiPath)."""
         return self._ascii is not None and all(
             part.isascii() and not self._ascii.not_plain.search(part)
             for item in items for part in ((item,) if isinstance(item, str) else item))
 
-    def encode(self, items: Sequence[Item], truncate: bool, field: str = "inputs",
-               offsets: bool = True) -> list[Encoded]:
+    def encode(self, items: Sequence[Item], truncate: bool, field: str = "inputs", offsets: bool = True,
+               direction: str = "right") -> list[Encoded]:
         """encode_batch's answer, input by input."""
-        return self.encode_batch(items, truncate, field, offsets).split()
+        return self.encode_batch(items, truncate, field, offsets, direction).split()
 
-    def encode_batch(self, items: Sequence[Item], truncate: bool, field: str = "inputs",
-                     offsets: bool = True) -> Tokenized:
+    def encode_batch(self, items: Sequence[Item], truncate: bool, field: str = "inputs", offsets: bool = True,
+                     direction: str = "right") -> Tokenized:
         """Blocking (the tokenizer releases the GIL meanwhile). Raises InvalidInput /
-        InputTooLong naming the index. offsets=False: every offset is (0, 0), and tokenising costs less."""
+        InputTooLong naming the index. offsets=False: every offset is (0, 0), and tokenising costs less.
+        direction (DIRECTIONS): which end truncation cuts."""
+        if direction not in DIRECTIONS:
+            raise ValueError(f"truncation direction {direction!r} is not one of {DIRECTIONS}")
         self.check(items, field)
         plain = self._plain_ascii(items)
-        if truncate:
+        left = truncate and direction == "left"
+        if left:  # offsets count from a text's start: with them, the whole text is tokenised
+            batch = list(items) if offsets else [self._suffix(x) if isinstance(x, str) else x for x in items]
+            tokenizer = self._left_truncating_tokenizer(plain)
+        elif truncate:
             batch = [self._prefix(x) if isinstance(x, str) else x for x in items]
             tokenizer = self._ascii_truncating if plain else self._truncating
         else:
@@ -150,7 +176,7 @@ class TextTokenizer:
             tokenizer = self._ascii_full if plain else self._full
         if plain and self._ascii.lowercase:  # BertNormalizer's lower-casing, in Python: a fraction of the cost
             batch = [x.lower() if isinstance(x, str) else (x[0].lower(), x[1].lower()) for x in batch]
-        if plain and not offsets and self._words is not None:
+        if plain and not offsets and self._words is not None and not left:
             return self._by_words(items, batch, truncate, field)
         try:
             encodings = _encode_all(tokenizer, batch, offsets)
@@ -168,6 +194,13 @@ class TextTokenizer:
         total = sum(lengths)
         ids, type_ids = _joined([e.ids for e in encodings], total), _joined([e.type_ids for e in encodings], total)
         return Tokenized(Sequences(ids, type_ids, np.array(lengths, dtype=np.int64)), encodings)
+
+    def _left_truncating_tokenizer(self, plain: bool) -> Tokenizer:
+        if plain not in self._left_truncating:
+            replace = {**self._same, **self._ascii.parts} if plain else self._same
+            self._left_truncating[plain] = _load(self._path, self.max_length, truncate=True, replace=replace,
+                                                 direction="left")
+        return self._left_truncating[plain]
 
     def _by_words(self, items: Sequence[Item], batch: list[Item], truncate: bool, field: str) -> Tokenized:
         rows, firsts = zip(*(self._words.encode(x, truncate) for x in batch))
@@ -192,12 +225,13 @@ class TextTokenizer:
                                    f"ignored characters?)")
 
 
-def _load(path: Path, max_length: int, truncate: bool, replace: dict | None = None) -> Tokenizer:
+def _load(path: Path, max_length: int, truncate: bool, replace: dict | None = None,
+          direction: str = "right") -> Tokenizer:
     """`replace`: pipeline parts by attribute (normalizer, ...) set in place of tokenizer.json's."""
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.no_padding()
     if truncate:
-        tokenizer.enable_truncation(max_length, strategy="longest_first")
+        tokenizer.enable_truncation(max_length, strategy="longest_first", direction=direction)
     else:
         tokenizer.no_truncation()
     for attribute, part in (replace or {}).items():

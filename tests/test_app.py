@@ -398,6 +398,92 @@ def test_openai_embeddings(artifact, reference):
     assert_error(ids, 400, "unsupported", "token-id")
 
 
+def test_tei_embed_at_the_root(artifact, reference):
+    """POST / answers as text-embeddings-inference's /embed: a list of embeddings, normalised by default,
+    pooled as the model's default; the fields TEI's clients send are honoured or refused by name."""
+    long_text = "first words then " + "filler " * 400 + "the very last words"
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            posts = {
+                "one": {"inputs": "hello world"},
+                "many": {"inputs": ["hello world", "b c"], "normalize": False, "truncation_direction": "Right"},
+                "dims": {"inputs": "hello world", "dimensions": 16, "normalize": False, "encoding_format": "float"},
+                "left": {"inputs": long_text, "truncate": True, "truncation_direction": "left"},
+                "right": {"inputs": long_text},
+                "extra": {"inputs": "x", "unknown_field": 1},  # TEI ignores what it does not know
+                "not_cut": {"inputs": long_text, "truncate": False},
+                "prompt": {"inputs": "x", "prompt_name": "query"},
+                "base64": {"inputs": "x", "encoding_format": "base64"},
+                "wide": {"inputs": "x", "dimensions": 129},
+                "pair": {"inputs": [["a", "b"]]},
+                "empty": {"inputs": []},
+            }
+            out = {k: await c.post("/", json=v) for k, v in posts.items()}
+            out["embed_left"] = await c.post("/embed", json={"inputs": long_text, "truncation_direction": "left",
+                                                             "normalize": True})
+            out["page"] = await c.get("/")
+            return out
+    out = run(go())
+    ref, _ = reference("hello world")
+    cls = ref["cls_embedding"]
+    one = out["one"].json()
+    assert np.array(one).shape == (1, 128)
+    np.testing.assert_allclose(one[0], cls / np.linalg.norm(cls), atol=1e-5)
+    many = out["many"].json()
+    assert len(many) == 2
+    np.testing.assert_allclose(many[0], cls, atol=1e-5)
+    np.testing.assert_allclose(out["dims"].json()[0], cls[:16], atol=1e-5)
+    session = ort.InferenceSession(str(artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    kept = {}
+    for direction in ("left", "right"):  # each end against the artifact's graph on the library's truncation
+        tok = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+        tok.enable_truncation(read_manifest(artifact).max_length, direction=direction)
+        enc = tok.encode(long_text)
+        kept[direction] = enc.ids
+        ids = np.array([enc.ids], dtype=np.int64)
+        want = session.run(["cls_embedding"], {"input_ids": ids, "attention_mask": np.ones_like(ids),
+                                               "token_type_ids": np.zeros_like(ids)})[0][0]
+        np.testing.assert_allclose(out[direction].json()[0], want / np.linalg.norm(want), atol=1e-5)
+    assert kept["left"] != kept["right"]
+    np.testing.assert_allclose(out["left"].json()[0], out["embed_left"].json()["data"][0]["embedding"], atol=1e-6)
+    assert out["extra"].status_code == 200
+    assert_error(out["not_cut"], 413, "input_too_long", "inputs[0]")
+    assert_error(out["prompt"], 400, "unsupported", "prompt_name 'query'")
+    assert_error(out["base64"], 422, "invalid_request", "encoding_format")
+    assert_error(out["wide"], 400, "unsupported", "dimensions 129")
+    assert_error(out["pair"], 422, "invalid_request", "inputs")
+    assert_error(out["empty"], 422, "invalid_request", "empty")
+    assert out["page"].status_code == 200 and "text/html" in out["page"].headers["content-type"]
+
+
+@pytest.mark.parametrize("offsets", [True, False])
+def test_left_truncation_keeps_the_end_as_the_tokenizers_library_does(artifact, offsets):
+    """truncation_direction left: the same ids and segments as tokenizer.json truncating on the left, for
+    plain ASCII and other texts, pairs, and a text long enough to take the suffix shortcut."""
+    from app.tokenization import TextTokenizer
+
+    manifest = read_manifest(artifact)
+    ours = TextTokenizer(artifact / "tokenizer.json", manifest.max_length, 10**7, manifest.special_tokens)
+    theirs = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    theirs.enable_truncation(manifest.max_length, direction="left")
+    huge = "Embedding servers turn text into vectors. " * 5000 + "And this is how the text ends."
+    # words past WordPiece's 100 characters are one [UNK] each: the suffix must grow to hold enough tokens
+    sparse = ("x" * 150 + " ") * 400 + "the end"
+    items = [ASCII_EDGES[-1], "Überraschung: naïve café " * 60 + "fin", (ASCII_EDGES[-1], "a short answer"),
+             ("a short question?", ASCII_EDGES[-1]), "short", huge, sparse]
+    assert len(huge) > manifest.max_length * 16  # long enough for the suffix shortcut
+    got = ours.encode(items, True, offsets=offsets, direction="left")
+    for mine, item in zip(got, items):
+        enc = _library_encode(theirs, item)
+        assert (mine.ids.tolist(), mine.type_ids.tolist()) == (enc.ids, enc.type_ids), item
+        if offsets:
+            assert mine.encoding.offsets == enc.offsets
+    assert ours.encode(["short"], True, direction="left")[0].ids.tolist() == ours.encode(["short"], True)[0].ids.tolist()
+    with pytest.raises(ValueError, match="direction"):
+        ours.encode(["x"], True, direction="middle")
+
+
 # --- errors --------------------------------------------------------------------------------------------
 
 LONG = "word " * 1000  # about 1000 tokens: over the tiny model's 128
@@ -455,6 +541,7 @@ def test_malformed_bodies(artifact):
                                                 headers={"content-type": "application/x-www-form-urlencoded"}),
                 "not_found": await c.get("/nope"),
                 "wrong_method": await c.get("/embed"),
+                "wrong_method_at_root": await c.put("/", json={"inputs": "x"}),
             }
             out["after"] = await c.post("/embed", json={"inputs": "still alive"})
             return out
@@ -468,6 +555,9 @@ def test_malformed_bodies(artifact):
     assert out["no_content_type"].status_code == 200
     assert_error(out["not_found"], 404, "not_found")
     assert_error(out["wrong_method"], 405, "method_not_allowed")
+    assert out["wrong_method"].headers["allow"] == "POST"
+    assert_error(out["wrong_method_at_root"], 405, "method_not_allowed")
+    assert out["wrong_method_at_root"].headers["allow"] == "GET, POST"  # the page and the TEI route
     assert out["after"].status_code == 200
 
 

@@ -47,7 +47,8 @@ def test_page_and_docs_need_no_key_and_no_other_host(tiny_artifact_dir):
     assert set(linked.values()) == {200}, linked
     assert all(not urlsplit(u).netloc for u in linked), f"a page links another host: {linked}"
     assert info.status_code == 401  # the API itself still needs the key
-    assert not {"/", "/docs", "/redoc"} & set(openapi["paths"])
+    assert not {"/docs", "/redoc"} & set(openapi["paths"])
+    assert set(openapi["paths"]["/"]) == {"get", "post"}  # the page, and the TEI route beside it
 
 
 def _wait(browser, condition, what: str, seconds: float = 60):

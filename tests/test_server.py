@@ -368,6 +368,28 @@ def test_openai_client(server):
     assert r.usage.prompt_tokens > 0
 
 
+def test_huggingface_inference_client_as_against_text_embeddings_inference(tiny_artifact_dir):
+    """huggingface_hub's InferenceClient (what LangChain's HuggingFaceEndpointEmbeddings and Haystack's TEI
+    embedders call) pointed at the server's URL, as at a text-embeddings-inference server; with HTTP workers,
+    whose fast path serves the route."""
+    from huggingface_hub import InferenceClient  # a dev dependency: the real client against the real server
+    from huggingface_hub.errors import HfHubHTTPError
+
+    with running_server(tiny_artifact_dir, workers=2) as base:
+        client = InferenceClient(base)
+        one = client.feature_extraction("hello world")
+        many = client.feature_extraction(["hello world", "second text"], normalize=False, truncate=True,
+                                         truncation_direction="left", dimensions=32)
+        embed = httpx.post(f"{base}/embed", json={"inputs": ["hello world", "second text"]}).json()["data"]
+        with pytest.raises(HfHubHTTPError) as too_long:
+            client.feature_extraction("word " * 1000, truncate=False)
+    want = np.array([d["embedding"] for d in embed])  # the model's default pooling, not normalised
+    assert one.shape == (1, 128) and one.dtype == np.float32
+    np.testing.assert_allclose(one[0], want[0] / np.linalg.norm(want[0]), atol=1e-6)
+    np.testing.assert_allclose(many, want[:, :32], atol=1e-6)
+    assert too_long.value.response.status_code == 413 and "input_too_long" in too_long.value.response.text
+
+
 @pytest.mark.parametrize("args,env,words", [
     (["--model-dir", "/nonexistent/no-artifact-here"], {}, "model_dir"),
     (["--port", "0"], {}, "port"),

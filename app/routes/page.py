@@ -17,13 +17,15 @@ _SAME_ORIGIN_ONLY = {"Content-Security-Policy": "default-src 'self'; script-src 
                      "style-src 'self' 'unsafe-inline'; img-src 'self' data:; worker-src 'self' blob:"}
 
 # No API key is needed to load these: the page asks for one and sends it with the API calls it makes.
-router = APIRouter(include_in_schema=False)
+# GET / is in the API schema (beside POST /, the TEI route); the documentation pages are not.
+router = APIRouter(tags=["page"])
 # Our files first, then fastapi-offline's swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js, favicon.png.
 router.mount("/static", StaticFiles(directory=STATIC, packages=[("fastapi_offline", "static")]), name="static")
 
 
-@router.get("/")
+@router.get("/", response_class=HTMLResponse)
 async def page() -> FileResponse:
+    """A page for meeting the model (HTML)."""
     return FileResponse(STATIC / "index.html", headers=_SAME_ORIGIN_ONLY)
 
 
@@ -36,7 +38,7 @@ def _same_origin_only(response: HTMLResponse) -> HTMLResponse:
     return response
 
 
-@router.get("/docs")
+@router.get("/docs", include_in_schema=False)
 async def swagger_ui(request: Request) -> HTMLResponse:
     return _same_origin_only(get_swagger_ui_html(
         openapi_url=request.scope.get("root_path", "") + request.app.openapi_url,
@@ -46,7 +48,7 @@ async def swagger_ui(request: Request) -> HTMLResponse:
         swagger_ui_parameters={"validatorUrl": None}))  # no badge fetched from swagger.io
 
 
-@router.get("/redoc")
+@router.get("/redoc", include_in_schema=False)
 async def redoc(request: Request) -> HTMLResponse:
     return _same_origin_only(get_redoc_html(
         openapi_url=request.scope.get("root_path", "") + request.app.openapi_url,

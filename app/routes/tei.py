@@ -1,0 +1,46 @@
+"""POST /: text-embeddings-inference's embed route, where TEI serves it and where its clients call it
+(huggingface_hub's InferenceClient.feature_extraction, LangChain's HuggingFaceEndpointEmbeddings,
+Haystack's TEI embedders): a list of embeddings, one list of floats per text, pooled as the model's
+makers meant (GET /info `default_pooling`, the model's Dense layers included) and normalised by default."""
+from __future__ import annotations
+
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from app.errors import Unsupported
+from app.pooling import POOLING_OUTPUT, l2_normalize
+from app.responses import json_response
+from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
+from app.schemas import ERROR_RESPONSES, TeiEmbedRequest
+from app.service import InferenceService
+
+router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
+
+
+@router.post("/", response_model=list[list[float]], responses={400: {"model": ERROR_RESPONSES[422]["model"]},
+                                                                 **ERROR_RESPONSES})
+async def tei_embed(body: TeiEmbedRequest, request: Request,
+                    service: InferenceService = Depends(get_service)) -> Response:
+    """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
+    inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if body.prompt_name is not None:
+        raise Unsupported(f"prompt_name {body.prompt_name!r} is not supported: this server prepends no prompt "
+                          f"(put it in the text)")
+    pooling = service.manifest.default_pooling
+    width = service.width(pooling)
+    if body.dimensions is not None and not 1 <= body.dimensions <= width:
+        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
+                          f"(a smaller number keeps that many of the first ones)")
+    truncate = True if body.truncate is None else body.truncate
+    result = await service.infer(request, inputs, truncate, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
+                                 direction=body.truncation_direction.lower())
+    vectors = service.sentence_vectors(result.outputs, pooling)
+    if body.dimensions is not None:
+        vectors = vectors[:, :body.dimensions]
+    if body.normalize:
+        vectors = l2_normalize(vectors)
+    return json_response(np.ascontiguousarray(vectors, dtype=np.float32), headers=result.timings.headers())
+
+
+DIRECT_ROUTES = {"/": DirectRoute(tei_embed, TeiEmbedRequest)}
