@@ -365,6 +365,9 @@ def test_openai_client(server):
     np.testing.assert_allclose(r.data[0].embedding, embed["data"][0]["embedding"], atol=1e-6)
     floats = client.embeddings.create(model="tiny", input="hello world", encoding_format="float")
     np.testing.assert_allclose(floats.data[0].embedding, r.data[0].embedding, atol=1e-6)
+    bare = openai.OpenAI(base_url=server, api_key="unused")  # /embeddings, as TEI and infinity also serve it
+    np.testing.assert_allclose(bare.embeddings.create(model="tiny", input="hello world").data[0].embedding,
+                               r.data[0].embedding, atol=1e-6)
     assert r.usage.prompt_tokens > 0
 
 

@@ -1,4 +1,5 @@
-"""POST /v1/embeddings, compatible with OpenAI's API and client (texts only; truncates to max length)."""
+"""POST /v1/embeddings (and /embeddings), compatible with OpenAI's API and client (texts only; truncates to
+max length)."""
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
@@ -43,4 +44,8 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
                          headers=result.timings.headers())
 
 
-DIRECT_ROUTES = {"/v1/embeddings": DirectRoute(embeddings, OpenAIEmbeddingRequest)}
+# The same route without the version prefix, as text-embeddings-inference and infinity also serve it: for
+# clients given the server's bare URL as their base URL.
+router.add_api_route("/embeddings", embeddings, methods=["POST"], include_in_schema=False)
+
+DIRECT_ROUTES = {path: DirectRoute(embeddings, OpenAIEmbeddingRequest) for path in ("/v1/embeddings", "/embeddings")}
