@@ -1,11 +1,13 @@
-"""GPU kernel time by kind (matrix products, GELU, attention, LayerNorm, ...) for one batch of b x 128 on
+"""GPU kernel time by kind (matrix products, GELU, attention, LayerNorm, ...) for one batch of b x L on
 PyTorch fp16 SDPA and the ORT fp16 graphs: padded, packed on PackedAttention, packed on
 PackedMultiHeadAttention, each also on custom_kernels' operator when its library is built (BERT-base
 shape, random weights, built as bench/engine_throughput.py builds them). torch.profiler's CUPTI trace
 sees every kernel of the process, ORT's included; ORT's own node profile times launches on the host,
-not the GPU.
+not the GPU. Beside it, each engine's wall time per batch, back to back and one at a time: where the wall
+time is well above the kernel time, the batch is bound by launches on the host, not by the GPU.
 
-  python bench/engine_kernel_profile.py 256        # GPU machine, with onnxruntime-gpu
+  python bench/engine_kernel_profile.py 256        # GPU machine, with onnxruntime-gpu; L = 128
+  python bench/engine_kernel_profile.py 48 48      # a batch the server forms from one-text requests
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import collections
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
@@ -58,8 +61,26 @@ def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter
     return by_kind, by_name
 
 
+def wall_ms(engine, feed, runs: int = 50) -> tuple[float, float]:
+    """Milliseconds per batch: `runs` launched back to back, then each waited for in turn."""
+    prepared = engine.prepare(feed)
+    engine.run(prepared)
+    engine.sync()
+    started = time.perf_counter()
+    for _ in range(runs):
+        engine.run(prepared)
+    engine.sync()
+    back_to_back = (time.perf_counter() - started) / runs * 1000
+    started = time.perf_counter()
+    for _ in range(runs):
+        engine.run(prepared)
+        engine.sync()
+    return back_to_back, (time.perf_counter() - started) / runs * 1000
+
+
 def main() -> None:
     batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
+    length = int(sys.argv[2]) if len(sys.argv) > 2 else 128
     work = Path(tempfile.mkdtemp())
     _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000), list(PACKED_KINDS))
     library = kernels_library("auto", "cuda")
@@ -69,13 +90,15 @@ def main() -> None:
         if kernels := artifact.graph("fp16").custom_kernels:
             engines[f"ort {kind}+kernels"] = DeviceBoundSession(work / kind / kernels.file, "cuda",
                                                                 kernels_library=library)
-    feed = fixed_batch(batch, 128, np.random.default_rng(0))
-    product_flops = 2 * 12 * (12 * 768 * 768) * batch * 128  # the encoder's Q/K/V, output and FFN products
+    feed = fixed_batch(batch, length, np.random.default_rng(0))
+    product_flops = 2 * 12 * (12 * 768 * 768) * batch * length  # the encoder's Q/K/V, output and FFN products
     for name, engine in engines.items():
         by_kind, by_name = kernel_times(engine, feed)
         total_ms = sum(by_kind.values()) / RUNS / 1000
-        print(f"== {name} b={batch}: GPU kernel time {total_ms:.2f} ms/batch "
-              f"({batch / total_ms * 1000:,.0f} seq/s if back to back)")
+        back_to_back, each = wall_ms(engine, feed)
+        print(f"== {name} b={batch} L={length}: GPU kernel time {total_ms:.2f} ms/batch "
+              f"({batch / total_ms * 1000:,.0f} seq/s if back to back); wall {back_to_back:.2f} ms back to back, "
+              f"{each:.2f} ms one at a time")
         for k, us in by_kind.most_common():
             print(f"   {k:<10} {us / RUNS / 1000:7.3f} ms  {us / RUNS / 1000 / total_ms:5.1%}")
         print(f"   gemm rate on encoder GEMM FLOPs: {product_flops / (by_kind['gemm'] / RUNS / 1e6) / 1e12:.0f} TFLOP/s")
