@@ -15,7 +15,7 @@ Inputs = Text | Annotated[list[Text | Pair], Field(json_schema_extra={"minItems"
 Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
 TruncationDirection = Literal["right", "left"]  # app.tokenization.DIRECTIONS
-_DIRECTION_TEXT = "which end of an over-long input truncate cuts: right keeps its start, left its end"
+_DIRECTION_TEXT = "which end of an over-long input truncation cuts: right keeps its start, left its end"
 
 
 class _Strict(BaseModel):

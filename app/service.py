@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from app.backend import Backend
 from app.batcher import GroupResult
-from app.errors import ClientClosed, InvalidInput, Overloaded, ShuttingDown, TooManyInputs
+from app.errors import ClientClosed, InvalidInput, Overloaded, ShuttingDown, TooManyInputs, Unsupported
 from app.metrics import Metrics
 from app.pooling import pool
 from app.sentence_dense import SentenceDense
@@ -82,6 +82,13 @@ class InferenceService:
     def width(self, pooling: str) -> int:
         """The width of the vectors `pooling` gives."""
         return self.manifest.sentence_width if pooling == self.manifest.default_pooling else self.manifest.hidden_size
+
+    def check_dimensions(self, dimensions: int | None, pooling: str) -> None:
+        """A request's `dimensions` (how many of each vector's first values to keep) fits `pooling`'s width."""
+        width = self.width(pooling)
+        if dimensions is not None and not 1 <= dimensions <= width:
+            raise Unsupported(f"dimensions {dimensions} is not supported: this model's embeddings have {width} "
+                              f"(a smaller number keeps that many of the first ones)")
 
     def drain(self, seconds: float) -> None:
         """Refuse new requests from now on; answer those still waiting after `seconds` with 503."""

@@ -25,10 +25,7 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     if any(not isinstance(x, str) for x in inputs):
         raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text")
     pooling = service.openai_pooling
-    width = service.width(pooling)
-    if body.dimensions is not None and not 1 <= body.dimensions <= width:
-        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
-                          f"(a smaller number keeps that many of the first ones)")
+    service.check_dimensions(body.dimensions, pooling)
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")

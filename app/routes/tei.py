@@ -28,10 +28,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request,
         raise Unsupported(f"prompt_name {body.prompt_name!r} is not supported: this server prepends no prompt "
                           f"(put it in the text)")
     pooling = service.manifest.default_pooling
-    width = service.width(pooling)
-    if body.dimensions is not None and not 1 <= body.dimensions <= width:
-        raise Unsupported(f"dimensions {body.dimensions} is not supported: this model's embeddings have {width} "
-                          f"(a smaller number keeps that many of the first ones)")
+    service.check_dimensions(body.dimensions, pooling)
     truncate = True if body.truncate is None else body.truncate
     result = await service.infer(request, inputs, truncate, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
                                  direction=body.truncation_direction.lower())
