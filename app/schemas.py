@@ -16,6 +16,8 @@ Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
 TruncationDirection = Literal["right", "left"]  # app.tokenization.DIRECTIONS
 _DIRECTION_TEXT = "which end of an over-long input truncation cuts: right keeps its start, left its end"
+_PROMPT_TEXT = ("one of the model's prompts (GET /info `prompts`, e.g. query), put before each text as "
+                "sentence-transformers does; null: the model's default prompt (`default_prompt_name`), if any")
 
 
 class _Strict(BaseModel):
@@ -45,6 +47,7 @@ class EmbedRequest(_Strict):
     truncate: bool = Field(True, description="cut inputs to the model's max length; false: an over-long "
                            "input is answered 413")
     truncation_direction: TruncationDirection = Field("right", description=_DIRECTION_TEXT)
+    prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
     return_tokens: bool = Field(False, description="add each input's tokens and their vectors")
     encoding_format: EncodingFormat = Field("float", description="base64: little-endian float32 bytes; "
                                             "token_embeddings as one [n_tokens, hidden] row-major block")
@@ -54,6 +57,7 @@ class TokenizeRequest(_Strict):
     inputs: Inputs
     truncate: bool = True
     truncation_direction: TruncationDirection = Field("right", description=_DIRECTION_TEXT)
+    prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
 
 
 class NspRequest(_Strict):
@@ -81,7 +85,7 @@ class TeiEmbedRequest(BaseModel):
     truncate: bool | None = Field(None, description="cut inputs to the model's max length (null: true); false: "
                                   "an over-long input is answered 413")
     truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
-    prompt_name: str | None = Field(None, description="not supported: the server prepends no prompt (null only)")
+    prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
     dimensions: int | None = Field(None, description="keep the first that many values of each embedding, "
                                    "normalised after if `normalize`: for Matryoshka-trained models")
     encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")

@@ -79,6 +79,28 @@ class InferenceService:
             vectors = self.sentence_dense(vectors)
         return vectors
 
+    def prompted(self, items: Sequence[Item], prompt_name: str | None, field: str,
+                 direction: str = "right") -> Sequence[Item]:
+        """The texts with the named prompt before each (unnamed: the model's default prompt, if it has one),
+        as sentence-transformers encodes them; pairs stay as they are. The inputs are checked first, so that
+        an empty text is refused as without a prompt."""
+        prompts = self.manifest.prompts
+        if prompt_name is not None:
+            if prompt_name not in prompts:
+                raise Unsupported(f"prompt_name {prompt_name!r} is not one of this model's prompts "
+                                  f"({', '.join(prompts)})" if prompts else
+                                  f"prompt_name {prompt_name!r}: this model has no prompts")
+            if any(not isinstance(x, str) for x in items):
+                raise Unsupported("prompt_name applies to texts, not to [text_a, text_b] pairs")
+        prompt = prompts.get(prompt_name or self.manifest.default_prompt_name or "", "")
+        if not prompt:
+            return items
+        if direction == "left":
+            raise Unsupported(f"truncation_direction left would cut the prompt {prompt!r} off a long text: "
+                              f"truncate on the right with a prompt")
+        self.tokenizer.check(items, field)
+        return [prompt + x if isinstance(x, str) else x for x in items]
+
     def width(self, pooling: str) -> int:
         """The width of the vectors `pooling` gives."""
         return self.manifest.sentence_width if pooling == self.manifest.default_pooling else self.manifest.hidden_size

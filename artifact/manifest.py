@@ -126,12 +126,17 @@ class Manifest:
     # The checkpoint's Dense modules in order (DENSE_FILE): {"in_features", "out_features", "bias", "activation"}.
     # Written only when there are some, so that a model without them reads as before.
     sentence_dense: list[dict] = field(default_factory=list)
+    # A sentence-transformers checkpoint's prompts (name -> text put before a text) and the one put before
+    # every text unasked. Written only when there are some, as sentence_dense.
+    prompts: dict[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         record = asdict(self)
-        if not record["sentence_dense"]:
-            del record["sentence_dense"]
+        for optional in ("sentence_dense", "prompts", "default_prompt_name"):
+            if not record[optional]:
+                del record[optional]
         return json.dumps(record, indent=2, sort_keys=True) + "\n"
 
     @property
@@ -164,6 +169,9 @@ class Manifest:
                 raise ManifestError(f"manifest sentence_dense {layer!r} is not a Dense layer taking {width}-wide "
                                     f"vectors: re-export the model")
             width = layer["out_features"]
+        if manifest.default_prompt_name is not None and manifest.default_prompt_name not in manifest.prompts:
+            raise ManifestError(f"manifest default_prompt_name {manifest.default_prompt_name!r} is not one of its "
+                                f"prompts: re-export the model")
         if not 0 < manifest.max_length <= manifest.max_position_embeddings:
             raise ManifestError(f"manifest max_length {manifest.max_length} is not within the model's "
                                 f"{manifest.max_position_embeddings} positions")

@@ -49,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
           f"pooling {manifest.default_pooling}"
           + "".join(f", Dense {d['in_features']} -> {d['out_features']} ({d['activation']})"
                     for d in manifest.sentence_dense)
-          + (", normalised" if manifest.default_normalize else ""))
+          + (", normalised" if manifest.default_normalize else "")
+          + (f"; prompts {', '.join(manifest.prompts)}" if manifest.prompts else "")
+          + (f" ({manifest.default_prompt_name} before every text unless a request names another)"
+             if manifest.default_prompt_name else ""))
     for precision, info in manifest.graphs.items():
         fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")

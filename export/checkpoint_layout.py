@@ -5,7 +5,7 @@ reproduce is an ExportError."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -43,13 +43,15 @@ class CheckpointLayout:
     normalize: bool
     lowercase: bool  # the makers lower-case texts before tokenising (sentence_bert_config's do_lower_case)
     dense: tuple[DenseLayer, ...] = ()  # after the pooling, before Normalize
+    prompts: dict[str, str] = field(default_factory=dict)  # name -> text put before a text (query: "query: ")
+    default_prompt_name: str | None = None  # the prompt sentence-transformers puts before every text unasked
 
 
 def read_layout(model_dir: Path) -> CheckpointLayout:
     modules_path = model_dir / MODULES_FILE
     if not modules_path.is_file():
         return CheckpointLayout(model_dir, "cls", False, False)
-    _check_model_type(model_dir)
+    prompts, default_prompt_name = _read_model_config(model_dir)
     modules = _read_json(modules_path)
     if not isinstance(modules, list) or not all(isinstance(m, dict) and "type" in m for m in modules):
         raise ExportError(f"{modules_path} is not a list of modules with a type each")
@@ -72,29 +74,35 @@ def read_layout(model_dir: Path) -> CheckpointLayout:
                           f"feature-extraction (token vectors) only")
     pooling_dir = _module_dir(model_dir, modules[1])
     width = _hidden_size(encoder_dir)
-    pooling = _pooling_mode(pooling_dir / MODULE_CONFIG_FILE, width)
+    pooling = _pooling_mode(pooling_dir / MODULE_CONFIG_FILE, width, bool(prompts))
     dense = []
     for module in modules[2:2 + n_dense]:
         dense.append(_dense_layer(_module_dir(model_dir, module), width))
         width = dense[-1].weight.shape[0]
     if normalize:
         _check_normalize(_module_dir(model_dir, modules[-1]) / MODULE_CONFIG_FILE)
-    return CheckpointLayout(encoder_dir, pooling, normalize, bool(sbert.get("do_lower_case", False)), tuple(dense))
+    return CheckpointLayout(encoder_dir, pooling, normalize, bool(sbert.get("do_lower_case", False)), tuple(dense),
+                            prompts, default_prompt_name)
 
 
-def _check_model_type(model_dir: Path) -> None:
-    """A SparseEncoder or CrossEncoder folder also has modules.json; and a default prompt would be
-    prepended to every text by sentence-transformers, which the server does not do."""
+def _read_model_config(model_dir: Path) -> tuple[dict[str, str], str | None]:
+    """The model's prompts and the default one, from config_sentence_transformers.json. A SparseEncoder or
+    CrossEncoder folder also has modules.json: refused."""
     path = model_dir / SBERT_MODEL_CONFIG_FILE
     if not path.is_file():
-        return
+        return {}, None
     config = _read_object(path)
     kind = config.get("model_type", "SentenceTransformer")
     if kind != "SentenceTransformer":
         raise ExportError(f"{path}: model_type {kind!r}; the server serves SentenceTransformer models only")
-    if config.get("default_prompt_name"):
-        raise ExportError(f"{path}: sentence-transformers prepends the prompt {config['default_prompt_name']!r} "
-                          f"to every text by default, which the server does not do")
+    prompts = config.get("prompts") or {}
+    if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+        raise ExportError(f"{path}: prompts is not an object of names to texts")
+    default = config.get("default_prompt_name") or None
+    if default is not None and default not in prompts:
+        raise ExportError(f"{path}: default_prompt_name {default!r} is not one of its prompts "
+                          f"({', '.join(prompts) or 'none'})")
+    return prompts, default
 
 
 def _module_dir(model_dir: Path, module: dict) -> Path:
@@ -105,9 +113,11 @@ def _module_dir(model_dir: Path, module: dict) -> Path:
     return path
 
 
-def _pooling_mode(path: Path, hidden_size: int) -> str:
-    # include_prompt matters only when a prompt is prepended, which the server never does (_check_model_type).
+def _pooling_mode(path: Path, hidden_size: int, has_prompts: bool) -> str:
     config = _read_object(path)
+    if has_prompts and config.get("include_prompt", True) is False:  # INSTRUCTOR-like models
+        raise ExportError(f"{path}: include_prompt is false (the pooling leaves a prompt's tokens out), which the "
+                          f"server does not do")
     width = config.get("embedding_dimension", config.get("word_embedding_dimension"))
     if width != hidden_size:
         raise ExportError(f"{path}: the Pooling module expects {width}-wide token vectors but the encoder's "

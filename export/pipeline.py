@@ -136,6 +136,8 @@ def export_artifact(
             default_normalize=layout.normalize,
             sentence_dense=[{"in_features": d.weight.shape[1], "out_features": d.weight.shape[0],
                              "bias": d.bias is not None, "activation": d.activation} for d in layout.dense],
+            prompts=dict(layout.prompts),
+            default_prompt_name=layout.default_prompt_name,
             graphs=graphs,
             weights_sha256=sha256_file(_weights_file(layout.encoder_dir)),
             files_sha256={name: sha256_file(tmp / name)

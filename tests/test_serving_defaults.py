@@ -269,6 +269,62 @@ def test_dense_modules_follow_the_models_own_pooling_as_in_sentence_transformers
         read_manifest(tmp_path / "art").verify(tmp_path / "art", ["sentence_dense.npz"])
 
 
+PROMPTS = {"query": "Represent this sentence for searching relevant passages: ", "passage": "passage: "}
+
+
+@pytest.mark.parametrize("default", [None, "query"])
+def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert, tmp_path, default):
+    """A checkpoint's prompts (config_sentence_transformers.json): named by `prompt_name` on /embed, /tokenize
+    and / (TEI's field), the default one before every text unasked, /v1/embeddings included; each vector as
+    SentenceTransformer.encode(..., prompt_name=...) computes it."""
+    folder = sbert_folder(tmp_path / "model", hf_bert, legacy_pooling("mean"), True)
+    write_json(folder / "config_sentence_transformers.json", {"prompts": PROMPTS, "default_prompt_name": default})
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert (m.prompts, m.default_prompt_name) == (PROMPTS, default)
+    model = st.SentenceTransformer(str(folder), device="cpu")
+    want = {name: model.encode(TEXTS, prompt_name=name, convert_to_numpy=True) for name in PROMPTS}
+    want[None] = model.encode(TEXTS, convert_to_numpy=True)  # the default prompt, if any
+
+    async def go():
+        import openai
+
+        async with serving(tmp_path / "art") as (c, _):
+            client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=c)
+            embed = {name: (await c.post("/embed", json={"inputs": TEXTS, "prompt_name": name})).json()
+                     for name in [*PROMPTS, None]}
+            return (embed, (await c.post("/", json={"inputs": TEXTS, "prompt_name": "passage"})).json(),
+                    await client.embeddings.create(model="model", input=TEXTS), (await c.get("/info")).json(),
+                    (await c.post("/tokenize", json={"inputs": "hi", "prompt_name": "passage"})).json(),
+                    await c.post("/embed", json={"inputs": "x", "prompt_name": "title"}),
+                    await c.post("/embed", json={"inputs": [["a", "b"]], "prompt_name": "query"}),
+                    await c.post("/embed", json={"inputs": "x", "prompt_name": "query", "truncation_direction": "left"}),
+                    await c.post("/embed", json={"inputs": ["ok", ""], "prompt_name": "query"}))
+    embed, tei, openai_answer, info, tokens, unknown, pair, left, empty = run(go())
+    for name, answer in embed.items():
+        np.testing.assert_allclose(np.array([d["embedding"] for d in answer["data"]]), want[name], atol=2e-5,
+                                   err_msg=str(name))
+    np.testing.assert_allclose(np.array(tei), want["passage"], atol=2e-5)
+    np.testing.assert_allclose(np.array([d.embedding for d in openai_answer.data]), want[None], atol=2e-5)
+    assert (info["prompts"], info["default_prompt_name"]) == (PROMPTS, default)
+    from tokenizers import Tokenizer
+    library = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))
+    assert [t["id"] for t in tokens["data"][0]["tokens"]] == library.encode("passage: hi").ids
+    assert_error(unknown, 400, "unsupported", "'title' is not one of this model's prompts (passage, query)")
+    assert_error(pair, 400, "unsupported", "pairs")
+    assert_error(left, 400, "unsupported", "cut the prompt")
+    assert_error(empty, 422, "invalid_request", "inputs[1]", "empty")
+    if default is None:  # without a default prompt, texts are encoded as they are
+        assert not np.allclose(want[None], want["query"], atol=1e-3)
+        return
+    from huggingface_hub import InferenceClient  # TEI's client, through HTTP worker processes
+
+    with running_server(tmp_path / "art", workers=2) as base:
+        got = InferenceClient(base).feature_extraction(TEXTS, prompt_name="passage")
+        unprompted = InferenceClient(base).feature_extraction(TEXTS)
+    np.testing.assert_allclose(got, want["passage"], atol=2e-5)
+    np.testing.assert_allclose(unprompted, want[None], atol=2e-5)  # the default prompt
+
+
 @pytest.mark.parametrize("torch_name,ours", [("Tanh", "tanh"), ("Identity", "identity"), ("ReLU", "relu"),
                                               ("Sigmoid", "sigmoid"), ("GELU", "gelu")])
 def test_each_dense_activation_computes_what_torchs_does(torch_name, ours):
@@ -293,14 +349,17 @@ def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokeniz
         "module": (legacy_pooling("mean"), {"extra_modules": ("LayerNorm",)}, "is a LayerNorm"),
         "do_lower_case": (legacy_pooling("mean"), {"sbert_config": {"max_seq_length": 24, "do_lower_case": True}},
                           "lower-cases"),
-        "prompt": (legacy_pooling("mean"), {}, "prompt"),
+        "prompt left out of the pooling": ({**legacy_pooling("mean"), "include_prompt": False}, {}, "include_prompt"),
+        "default prompt unknown": (legacy_pooling("mean"), {}, "default_prompt_name 'query' is not one of"),
     }
     for name, (pooling, kwargs, words) in cases.items():
         folder = sbert_folder(tmp_path / name, hf_bert, pooling, True, **kwargs)
         if name == "do_lower_case":
             (folder / "0_Transformer" / "tokenizer.json").write_text(json.dumps(cased))
-        if name == "prompt":
-            write_json(folder / "config_sentence_transformers.json", {"prompts": {"query": "query: "},
+        if name.startswith("prompt"):
+            write_json(folder / "config_sentence_transformers.json", {"prompts": {"query": "query: "}})
+        if name == "default prompt unknown":
+            write_json(folder / "config_sentence_transformers.json", {"prompts": {"q": "query: "},
                                                                       "default_prompt_name": "query"})
         if name.startswith("Dense"):
             in_features, activation = (32, "torch.nn.modules.activation.Softplus") if name == "Dense activation" \

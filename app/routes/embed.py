@@ -26,7 +26,8 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
     outputs = {POOLING_OUTPUT[pooling]} if pooling != "none" else set()
     if body.return_tokens:
         outputs.add(TOKEN_EMBEDDINGS)
-    result = await service.infer(request, as_items(body.inputs), body.truncate, frozenset(outputs), "inputs",
+    items = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.truncation_direction)
+    result = await service.infer(request, items, body.truncate, frozenset(outputs), "inputs",
                                  offsets=body.return_tokens, direction=body.truncation_direction)
     fmt = body.encoding_format
     embeddings: list = [None] * len(result.tokenized)
@@ -49,8 +50,8 @@ async def tokenize(body: TokenizeRequest, request: Request,
                    service: InferenceService = Depends(get_service)) -> Response:
     """The tokens /embed would see: id, token, segment, character offsets in its own text, special."""
     with service.admitted():
-        tokenized, seconds = await service.tokenize(as_items(body.inputs), body.truncate, "inputs",
-                                                    direction=body.truncation_direction)
+        items = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.truncation_direction)
+        tokenized, seconds = await service.tokenize(items, body.truncate, "inputs", direction=body.truncation_direction)
     data = [{"index": i, "tokens": describe_tokens(enc)} for i, enc in enumerate(tokenized.encodings)]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": tokenized.tokens}},
                          headers={"x-tokenize-ms": f"{seconds * 1e3:.3f}"})

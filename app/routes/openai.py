@@ -28,6 +28,7 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     service.check_dimensions(body.dimensions, pooling)
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
+    inputs = service.prompted(inputs, None, "input")  # the model's default prompt, if it has one
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
     vectors = service.sentence_vectors(result.outputs, pooling)
     if body.dimensions is not None:  # as OpenAI shortens its embeddings: the first ones, then normalised

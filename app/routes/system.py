@@ -43,6 +43,8 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "max_position_embeddings": m.max_position_embeddings,
         "default_pooling": m.default_pooling,  # what /embed does without `pooling`
         "default_normalize": m.default_normalize,
+        "prompts": m.prompts,  # name -> text put before a text: /embed's `prompt_name`
+        "default_prompt_name": m.default_prompt_name,  # put before every text unless a request names another
         "num_layers": m.num_layers,
         "num_heads": m.num_heads,
         "vocab_size": m.vocab_size,

@@ -8,7 +8,6 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, l2_normalize
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
@@ -23,15 +22,14 @@ router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_k
 async def tei_embed(body: TeiEmbedRequest, request: Request,
                     service: InferenceService = Depends(get_service)) -> Response:
     """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
-    inputs = [body.inputs] if isinstance(body.inputs, str) else body.inputs
-    if body.prompt_name is not None:
-        raise Unsupported(f"prompt_name {body.prompt_name!r} is not supported: this server prepends no prompt "
-                          f"(put it in the text)")
+    direction = body.truncation_direction.lower()
+    inputs = service.prompted([body.inputs] if isinstance(body.inputs, str) else body.inputs, body.prompt_name,
+                              "inputs", direction)
     pooling = service.manifest.default_pooling
     service.check_dimensions(body.dimensions, pooling)
     truncate = True if body.truncate is None else body.truncate
     result = await service.infer(request, inputs, truncate, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
-                                 direction=body.truncation_direction.lower())
+                                 direction=direction)
     vectors = service.sentence_vectors(result.outputs, pooling)
     if body.dimensions is not None:
         vectors = vectors[:, :body.dimensions]
