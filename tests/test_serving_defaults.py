@@ -373,6 +373,24 @@ def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokeniz
         assert no_leftovers(out), name
 
 
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForQuestionAnswering"])
+def test_a_fine_tuned_task_model_is_refused_naming_what_it_is(hf_bert, tmp_path, capsys, head):
+    """A cross-encoder or classifier (transformers' own save_pretrained) fails the export in one line that
+    says what it is, not only that its tensors were unexpected."""
+    import transformers
+
+    torch.manual_seed(0)
+    folder = tmp_path / head
+    getattr(transformers, head)(transformers.BertConfig.from_pretrained(hf_bert)).save_pretrained(folder)
+    shutil.copy(hf_bert / "tokenizer.json", folder / "tokenizer.json")
+    capsys.readouterr()  # transformers' own progress output
+    assert main(["--model", str(folder), "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    want = "classifier" if head == "BertForSequenceClassification" else "qa_outputs"
+    assert err.count("\n") == 1 and f"is {head}" in err and f"task head ({want})" in err, err
+    assert no_leftovers(tmp_path / "out")
+
+
 def test_our_own_model_defaults_to_raw_cls(tiny_artifact_dir):
     async def go():
         async with serving(tiny_artifact_dir) as (c, _):

@@ -32,6 +32,9 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
 _TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 # Buffers that transformers versions stored with the weights; ours are rebuilt from the config.
 _BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
+# The heads of fine-tuned BERTs (sequence / token classification and multiple choice, question answering):
+# named in the error, since "unexpected tensors" alone does not say that the checkpoint is a cross-encoder.
+_TASK_HEADS = ("classifier.", "qa_outputs.")
 # Old (TF-converted) checkpoints, such as Google's bert-base-uncased, renamed as transformers does at load.
 _LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
@@ -189,6 +192,13 @@ def load_model_folder(folder: Path | str) -> LoadedModel:
         raise ModelFolderError(f"{folder}: the weights lack {len(encoder_missing)} encoder tensors "
                                f"(e.g. {encoder_missing[0]}); the checkpoint is incomplete or not BERT")
     unexpected = sorted(state.keys() - expected)
+    heads = sorted({k.split(".")[1] for k in unexpected if k.removeprefix("bert.").startswith(_TASK_HEADS)})
+    if heads:
+        kind = json.loads((folder / CONFIG_FILE).read_text()).get("architectures") or ["a fine-tuned model"]
+        raise ModelFolderError(f"{folder} is {kind[0]}: its weights hold a task head ({', '.join(heads)}), which "
+                               f"this project neither trains nor serves; it reads BERT encoders (BertModel, "
+                               f"BertForPreTraining, sentence-transformers models), not cross-encoders or "
+                               f"classifiers")
     if unexpected:
         raise ModelFolderError(f"{folder}: unexpected tensors (e.g. {unexpected[0]}); not a BERT checkpoint "
                                f"of this configuration")
