@@ -8,7 +8,7 @@ from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows, encode_vectors, l2_normalize
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
+from app.schemas import SERVICE_ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
 from app.service import InferenceService
 from app.tokenization import describe_tokens
 from artifact.manifest import TOKEN_EMBEDDINGS
@@ -16,7 +16,7 @@ from artifact.manifest import TOKEN_EMBEDDINGS
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["embeddings"])
 
 
-@router.post("/embed", response_model=EmbedResponse, responses=ERROR_RESPONSES)
+@router.post("/embed", response_model=EmbedResponse, responses=SERVICE_ERROR_RESPONSES)
 async def embed(body: EmbedRequest, request: Request, service: InferenceService = Depends(get_service)) -> Response:
     """Embed texts or sentence pairs; optionally return every token with its vector."""
     pooling = body.pooling or service.manifest.default_pooling
@@ -45,7 +45,7 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
                          headers=result.timings.headers())
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=ERROR_RESPONSES)
+@router.post("/tokenize", response_model=TokenizeResponse, responses=SERVICE_ERROR_RESPONSES)
 async def tokenize(body: TokenizeRequest, request: Request,
                    service: InferenceService = Depends(get_service)) -> Response:
     """The tokens /embed would see: id, token, segment, character offsets in its own text, special."""

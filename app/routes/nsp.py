@@ -8,15 +8,14 @@ from app.errors import Unsupported
 from app.pooling import softmax
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import ERROR_RESPONSES, NspRequest, NspResponse
+from app.schemas import SERVICE_ERROR_RESPONSES, NspRequest, NspResponse
 from app.service import InferenceService
 from artifact.manifest import NSP_LOGITS
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["nsp"])
 
 
-@router.post("/nsp", response_model=NspResponse, responses={400: {"model": ERROR_RESPONSES[422]["model"]},
-                                                             **ERROR_RESPONSES})
+@router.post("/nsp", response_model=NspResponse, responses=SERVICE_ERROR_RESPONSES)
 async def nsp(body: NspRequest, request: Request, service: InferenceService = Depends(get_service)) -> Response:
     """For each [text_a, text_b]: the probability that B follows A, and the raw [is_next, not_next] logits."""
     if not service.manifest.has_nsp_head:

@@ -9,14 +9,14 @@ from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows, l2_normalize
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+from app.schemas import SERVICE_ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["openai"])
 
 
 @router.post("/v1/embeddings", response_model=OpenAIEmbeddingResponse,
-             responses={400: {"model": ERROR_RESPONSES[422]["model"]}, **ERROR_RESPONSES})
+             responses=SERVICE_ERROR_RESPONSES)
 async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
                      service: InferenceService = Depends(get_service)) -> Response:
     """Pooled and normalised as the model's defaults say, unless the openai_pooling / openai_normalize

@@ -11,14 +11,13 @@ from starlette.responses import Response
 from app.pooling import POOLING_OUTPUT, l2_normalize
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import ERROR_RESPONSES, TeiEmbedRequest
+from app.schemas import SERVICE_ERROR_RESPONSES, TeiEmbedRequest
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
 
 
-@router.post("/", response_model=list[list[float]], responses={400: {"model": ERROR_RESPONSES[422]["model"]},
-                                                                 **ERROR_RESPONSES})
+@router.post("/", response_model=list[list[float]], responses=SERVICE_ERROR_RESPONSES)
 async def tei_embed(body: TeiEmbedRequest, request: Request,
                     service: InferenceService = Depends(get_service)) -> Response:
     """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
