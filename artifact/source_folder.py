@@ -12,7 +12,9 @@ TRAINING_SUMMARY_FILE = "training_summary.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SENTENCE_BERT_CONFIG_FILE = "sentence_bert_config.json"
 MODULES_FILE = "modules.json"
-_TRANSFORMER_MODULE = "sentence_transformers.models.Transformer"
+# The module class, by its name: sentence-transformers < 6 writes "sentence_transformers.models.Transformer",
+# 6 "sentence_transformers.base.modules.transformer.Transformer".
+_TRANSFORMER_MODULE = "Transformer"
 # BERT's own default, when config.json does not say.
 DEFAULT_MAX_POSITIONS = 512
 
@@ -44,7 +46,7 @@ def transformer_folder(folder: Path | str) -> Path:
         return folder
     entries = _read_json(modules)
     for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and entry.get("type") == _TRANSFORMER_MODULE:
+        if isinstance(entry, dict) and str(entry.get("type", "")).rsplit(".", 1)[-1] == _TRANSFORMER_MODULE:
             return folder / str(entry.get("path", ""))
     raise ModelFolderError(f"{modules} names no {_TRANSFORMER_MODULE} module; not a BERT sentence encoder")
 

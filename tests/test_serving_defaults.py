@@ -199,6 +199,24 @@ def test_defaults_match_sentence_transformers(st, hf_bert, tmp_path, pooling, co
     np.testing.assert_allclose(np.array([d.embedding for d in openai_answer.data]), want, atol=2e-5)
 
 
+def test_a_model_saved_by_the_installed_sentence_transformers_is_served_as_it_encodes(st, hf_bert, tmp_path):
+    """The folder as SentenceTransformer.save writes it today (sentence-transformers 6 names its modules
+    sentence_transformers.base.modules.transformer.Transformer, not sentence_transformers.models.Transformer)."""
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+
+    model = st.SentenceTransformer(modules=[Transformer(str(hf_bert), max_seq_length=24), Pooling(32, "mean"),
+                                            Normalize()], device="cpu")
+    model.save(str(tmp_path / "model"))
+    m = export_artifact(tmp_path / "model", tmp_path / "art", parity_shapes=SHAPES)
+    assert (m.default_pooling, m.default_normalize, m.max_length) == ("mean", True, 24)
+    want = st.SentenceTransformer(str(tmp_path / "model"), device="cpu").encode(TEXTS, convert_to_numpy=True)
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            return (await c.post("/embed", json={"inputs": TEXTS})).json()
+    np.testing.assert_allclose(np.array([d["embedding"] for d in run(go())["data"]]), want, atol=2e-5)
+
+
 def test_every_pooling_matches_sentence_transformers(st, hf_bert, tmp_path):
     """Each mode asked of /embed against sentence-transformers' Pooling module in that mode."""
     from sentence_transformers.models import Pooling, Transformer
