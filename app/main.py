@@ -15,7 +15,7 @@ from app.build import load_tokenizer, start_in_process
 from app.errors import register_error_handlers
 from app.metrics import Metrics
 from app.front import ServingFront
-from app.routes import embed, nsp, openai, page, system, tei
+from app.routes import classify, embed, nsp, openai, page, system, tei
 from app.service import InferenceService
 from app.settings import Settings
 
@@ -73,10 +73,11 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
     api.state.settings = settings
     api.state.metrics = metrics
     api.state.service = None
-    areas = (embed, nsp, openai, tei, system, page)  # tei: POST /; page: GET /, /docs, /redoc, /static (no CDN)
+    areas = (embed, nsp, classify, openai, tei, system, page)  # tei: POST /; page: GET /, /docs, /redoc, /static (no CDN)
     for area in areas:
         api.include_router(area.router)
     register_error_handlers(api)
     endpoints = frozenset(r.path for area in areas for r in area.router.routes) | {api.openapi_url}
-    direct = {**embed.DIRECT_ROUTES, **nsp.DIRECT_ROUTES, **openai.DIRECT_ROUTES, **tei.DIRECT_ROUTES}
+    direct = {**embed.DIRECT_ROUTES, **nsp.DIRECT_ROUTES, **classify.DIRECT_ROUTES, **openai.DIRECT_ROUTES,
+              **tei.DIRECT_ROUTES}
     return ServingFront(api, metrics=metrics, endpoints=endpoints, direct=direct, max_bytes=settings.max_request_bytes)

@@ -91,6 +91,49 @@ class TeiEmbedRequest(BaseModel):
     encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")
 
 
+_RAW_SCORES_TEXT = "the head's logits instead of scores (a sigmoid for one label, else a softmax)"
+
+
+class RerankRequest(BaseModel):
+    """POST /rerank as text-embeddings-inference takes it: a cross-encoder scores each (query, text) pair."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    query: Text = Field(examples=["What is deep learning?"])
+    texts: Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
+        examples=[["Deep learning is a kind of machine learning.", "Paris is in France."]])
+    truncate: bool | None = Field(None, description="cut each pair to the model's max length, the longer text "
+                                  "first (null: true); false: an over-long pair is answered 413")
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
+    raw_scores: bool = Field(False, description=_RAW_SCORES_TEXT)
+    return_text: bool = Field(False, description="add each text to its rank")
+
+
+class Rank(BaseModel):
+    index: int = Field(description="the text's place in `texts`")
+    score: float
+    text: str | None = Field(None, description="with return_text")
+
+
+PredictItem = Text | Annotated[list[Text], Field(min_length=1, max_length=2)]
+
+
+class PredictRequest(BaseModel):
+    """POST /predict as text-embeddings-inference takes it: a sequence classifier's labels and scores."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    inputs: PredictItem | Annotated[list[Annotated[list[Text], Field(min_length=1, max_length=2)]],
+                                    Field(json_schema_extra={"minItems": 1})] = Field(
+        description="a text, a pair [text_a, text_b], or a batch of [text] and [text_a, text_b]",
+        examples=["I like you.", [["I like you.", "I love you."], ["a single text"]]])
+    truncate: bool | None = Field(None, description="cut inputs to the model's max length (null: true); false: "
+                                  "an over-long input is answered 413")
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
+    raw_scores: bool = Field(False, description=_RAW_SCORES_TEXT)
+
+
+class Prediction(BaseModel):
+    score: float
+    label: str
+
+
 class Token(BaseModel):
     id: int
     token: str

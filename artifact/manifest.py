@@ -27,6 +27,8 @@ TOKEN_EMBEDDINGS = "token_embeddings"  # [batch, sequence, hidden]: last hidden 
 CLS_EMBEDDING = "cls_embedding"  # [batch, hidden]: raw [CLS] vector
 POOLED_EMBEDDING = "pooled_embedding"  # [batch, hidden]: tanh(dense([CLS])), BERT's pooler
 NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
+# [batch, labels]: a fine-tuned sequence classifier's head on the pooler (a cross-encoder has one label)
+CLASSIFIER_LOGITS = "classifier_logits"
 # How a text's vector is made (app/pooling.py): "pooled" is BERT's pooler (POOLED_EMBEDDING); the others
 # are sentence-transformers' Pooling modes, computed as it does ("cls" = the first token, [CLS]).
 POOLINGS = ("cls", "pooled", "mean", "max", "mean_sqrt_len", "weightedmean", "lasttoken")
@@ -130,11 +132,14 @@ class Manifest:
     # every text unasked. Written only when there are some, as sentence_dense.
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt_name: str | None = None
+    # A sequence classifier's labels, in the order of CLASSIFIER_LOGITS (one for a cross-encoder's score);
+    # written only for such a model.
+    classifier_labels: list[str] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
         record = asdict(self)
-        for optional in ("sentence_dense", "prompts", "default_prompt_name"):
+        for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels"):
             if not record[optional]:
                 del record[optional]
         return json.dumps(record, indent=2, sort_keys=True) + "\n"
@@ -172,6 +177,10 @@ class Manifest:
         if manifest.default_prompt_name is not None and manifest.default_prompt_name not in manifest.prompts:
             raise ManifestError(f"manifest default_prompt_name {manifest.default_prompt_name!r} is not one of its "
                                 f"prompts: re-export the model")
+        lacking = [p for p, g in manifest.graphs.items() if manifest.classifier_labels and CLASSIFIER_LOGITS not in g.outputs]
+        if lacking:
+            raise ManifestError(f"manifest names classifier labels but its {lacking[0]} graph has no {CLASSIFIER_LOGITS} "
+                                f"output: re-export the model")
         if not 0 < manifest.max_length <= manifest.max_position_embeddings:
             raise ManifestError(f"manifest max_length {manifest.max_length} is not within the model's "
                                 f"{manifest.max_position_embeddings} positions")

@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
           + (", normalised" if manifest.default_normalize else "")
           + (f"; prompts {', '.join(manifest.prompts)}" if manifest.prompts else "")
           + (f" ({manifest.default_prompt_name} before every text unless a request names another)"
-             if manifest.default_prompt_name else ""))
+             if manifest.default_prompt_name else "")
+          + _head(manifest.classifier_labels))
     for precision, info in manifest.graphs.items():
         fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
@@ -67,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{precision} padded twin (CUDA graphs): {args.out}/{padded.file}"
                   + (f" and {padded.custom_kernels.file}" if padded.custom_kernels else "") + f"; parity: {worst}")
     return 0
+
+
+def _head(labels: list[str]) -> str:
+    """The summary's words for a sequence classifier's head, if the model has one."""
+    if len(labels) == 1:
+        return "; a cross-encoder: one score per pair (/rerank, /predict)"
+    return f"; a classifier of {len(labels)} labels, {', '.join(labels)} (/predict)" if labels else ""
 
 
 if __name__ == "__main__":

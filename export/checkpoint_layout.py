@@ -51,12 +51,17 @@ def read_layout(model_dir: Path) -> CheckpointLayout:
     modules_path = model_dir / MODULES_FILE
     if not modules_path.is_file():
         return CheckpointLayout(model_dir, "cls", False, False)
-    prompts, default_prompt_name = _read_model_config(model_dir)
+    kind, prompts, default_prompt_name = _read_model_config(model_dir)
     modules = _read_json(modules_path)
     if not isinstance(modules, list) or not all(isinstance(m, dict) and "type" in m for m in modules):
         raise ExportError(f"{modules_path} is not a list of modules with a type each")
     modules = sorted(modules, key=lambda m: m.get("idx", 0))
     kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
+    if kind == "CrossEncoder":  # its Transformer is a BertForSequenceClassification: scores, not vectors
+        if kinds != ["Transformer"]:
+            raise ExportError(f"{modules_path}: a CrossEncoder of {' -> '.join(kinds)}; the server runs one "
+                              f"Transformer module")
+        return CheckpointLayout(_module_dir(model_dir, modules[0]), "cls", False, False)
     for module, kind in zip(modules, kinds):
         if kind not in ("Transformer", "Pooling", "Dense", "Normalize"):
             raise ExportError(f"{modules_path}: module {module.get('path') or module.get('name')!r} is a {kind}, "
@@ -85,16 +90,17 @@ def read_layout(model_dir: Path) -> CheckpointLayout:
                             prompts, default_prompt_name)
 
 
-def _read_model_config(model_dir: Path) -> tuple[dict[str, str], str | None]:
-    """The model's prompts and the default one, from config_sentence_transformers.json. A SparseEncoder or
-    CrossEncoder folder also has modules.json: refused."""
+def _read_model_config(model_dir: Path) -> tuple[str, dict[str, str], str | None]:
+    """The model's type (SentenceTransformer or CrossEncoder; a SparseEncoder is refused), its prompts and
+    the default one, from config_sentence_transformers.json."""
     path = model_dir / SBERT_MODEL_CONFIG_FILE
     if not path.is_file():
-        return {}, None
+        return "SentenceTransformer", {}, None
     config = _read_object(path)
     kind = config.get("model_type", "SentenceTransformer")
-    if kind != "SentenceTransformer":
-        raise ExportError(f"{path}: model_type {kind!r}; the server serves SentenceTransformer models only")
+    if kind not in ("SentenceTransformer", "CrossEncoder"):
+        raise ExportError(f"{path}: model_type {kind!r}; the server serves SentenceTransformer and CrossEncoder "
+                          f"models")
     prompts = config.get("prompts") or {}
     if not isinstance(prompts, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
         raise ExportError(f"{path}: prompts is not an object of names to texts")
@@ -102,7 +108,7 @@ def _read_model_config(model_dir: Path) -> tuple[dict[str, str], str | None]:
     if default is not None and default not in prompts:
         raise ExportError(f"{path}: default_prompt_name {default!r} is not one of its prompts "
                           f"({', '.join(prompts) or 'none'})")
-    return prompts, default
+    return kind, prompts, default
 
 
 def _module_dir(model_dir: Path, module: dict) -> Path:

@@ -12,19 +12,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 from training.model import BertForPreTraining
 
 OPSET = 17
 
 
-def output_names(has_pooler: bool, has_nsp_head: bool) -> list[str]:
+def output_names(has_pooler: bool, has_nsp_head: bool, has_classifier: bool = False) -> list[str]:
     """The graph's outputs: heads that the checkpoint lacks are left out rather than served at random."""
     names = [TOKEN_EMBEDDINGS, CLS_EMBEDDING]
     if has_pooler:
         names.append(POOLED_EMBEDDING)
         if has_nsp_head:
             names.append(NSP_LOGITS)
+        if has_classifier:
+            names.append(CLASSIFIER_LOGITS)
     return names
 
 
@@ -33,11 +35,13 @@ class EmbeddingGraph(nn.Module):
 
     Inputs follow artifact.manifest.INPUT_NAMES order: (input_ids, attention_mask, token_type_ids)."""
 
-    def __init__(self, model: BertForPreTraining, has_pooler: bool, has_nsp_head: bool):
+    def __init__(self, model: BertForPreTraining, has_pooler: bool, has_nsp_head: bool,
+                 classifier: nn.Linear | None = None):
         super().__init__()
         self.bert = model.bert
         self.seq_relationship = model.cls.seq_relationship
-        self.outputs = output_names(has_pooler, has_nsp_head)
+        self.classifier = classifier  # a sequence classifier's head on the pooler (dropout is off at inference)
+        self.outputs = output_names(has_pooler, has_nsp_head, classifier is not None)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor
@@ -48,6 +52,8 @@ class EmbeddingGraph(nn.Module):
             found[POOLED_EMBEDDING] = pooled
         if NSP_LOGITS in self.outputs:
             found[NSP_LOGITS] = self.seq_relationship(pooled)  # [B, 2]
+        if CLASSIFIER_LOGITS in self.outputs:
+            found[CLASSIFIER_LOGITS] = self.classifier(pooled)  # [B, labels]
         return tuple(found[name] for name in self.outputs)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 from export import ExportError
 from export.onnx_graph import EmbeddingGraph
 
@@ -49,6 +49,8 @@ LIMITS: dict[str, tuple[Limit, ...]] = {
     "fp16": (
         Limit("*_min_cosine", ">=", FP16_MIN_COSINE, "fp16 rounding turns a vector by far less; a wrong kernel or mask by far more"),
         Limit("nsp_prob_max_diff", "<=", FP16_MAX_NSP_PROB_DIFF, "an NSP verdict must not move by more than 1 point"),
+        Limit("classifier_score_max_diff", "<=", FP16_MAX_NSP_PROB_DIFF,
+              "a classifier's score (sigmoid or softmax) must not move by more than 1 point"),
     ),
     "int8": (
         Limit(f"{CLS_EMBEDDING}_min_cosine", ">=", INT8_MIN_COSINE, "a served sentence vector: ranks like fp32's"),
@@ -156,9 +158,17 @@ def measure(got: dict[str, np.ndarray], want: dict[str, np.ndarray], attention_m
         if name == NSP_LOGITS:
             figures[f"{name}_max_abs"] = float(np.abs(out.astype(np.float64) - ref).max())
             figures["nsp_prob_max_diff"] = float(np.abs(_softmax(out.astype(np.float64)) - _softmax(ref)).max())
+        elif name == CLASSIFIER_LOGITS:
+            figures[f"{name}_max_abs"] = float(np.abs(out.astype(np.float64) - ref).max())
+            figures["classifier_score_max_diff"] = float(np.abs(_scores(out.astype(np.float64)) - _scores(ref)).max())
         else:
             figures.update(_vector_figures(name, out, ref))
     return figures
+
+
+def _scores(logits: np.ndarray) -> np.ndarray:
+    """What /rerank and /predict answer: a sigmoid for one label, else a softmax."""
+    return 1 / (1 + np.exp(-logits)) if logits.shape[-1] == 1 else _softmax(logits)
 
 
 def _vector_figures(name: str, out: np.ndarray, ref: np.ndarray) -> dict[str, float]:

@@ -80,7 +80,7 @@ def export_artifact(
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_out_dir(out_dir, model_dir)
     layout = read_layout(model_dir)
-    loaded = load_model_folder(layout.encoder_dir)
+    loaded = load_model_folder(layout.encoder_dir, sequence_classifier=True)
     tokenizer = _load_tokenizer(layout.encoder_dir, loaded.config.vocab_size)
     specials = special_token_ids(tokenizer)
     if layout.lowercase and not is_lowercase(tokenizer):
@@ -88,7 +88,7 @@ def export_artifact(
                           f"this tokenizer does not; the server would tokenise them differently")
     served_length = _served_length(layout, loaded.config.max_position_embeddings, max_length)
 
-    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
+    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head, loaded.classifier).eval()
     # Judged up to the served length: the server never feeds longer inputs, and positions past the trained
     # length would skew int8's calibration.
     batches, calibration = parity_feeds(tokenizer, specials, loaded.config.vocab_size, served_length,
@@ -138,6 +138,7 @@ def export_artifact(
                              "bias": d.bias is not None, "activation": d.activation} for d in layout.dense],
             prompts=dict(layout.prompts),
             default_prompt_name=layout.default_prompt_name,
+            classifier_labels=list(loaded.classifier_labels),
             graphs=graphs,
             weights_sha256=sha256_file(_weights_file(layout.encoder_dir)),
             files_sha256={name: sha256_file(tmp / name)

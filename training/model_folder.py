@@ -47,6 +47,9 @@ class LoadedModel:
     has_pooler: bool
     has_nsp_head: bool
     folder: Path
+    # A BertForSequenceClassification's head on the pooler (read only when asked for), and its labels.
+    classifier: torch.nn.Linear | None = None
+    classifier_labels: tuple[str, ...] = ()
 
 
 def sentence_transformers_files(folder: Path | str) -> dict[str, Path | str]:
@@ -170,8 +173,11 @@ def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in renamed.items() if not k.endswith(_BUFFER_SUFFIXES) and k not in _TIED_KEYS}
 
 
-def load_model_folder(folder: Path | str) -> LoadedModel:
+def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> LoadedModel:
     """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU).
+
+    `sequence_classifier`: a BertForSequenceClassification's head (a cross-encoder's, a classifier's) is
+    read into `LoadedModel.classifier`; otherwise such a checkpoint is refused, as other task heads are.
 
     In a sentence-transformers folder the transformer may sit in a subfolder (modules.json);
     `LoadedModel.folder` is where it and its tokenizer are. Heads absent from the checkpoint (a bare
@@ -184,6 +190,10 @@ def load_model_folder(folder: Path | str) -> LoadedModel:
     folder = transformer_folder(folder)
     config = read_config(folder)
     state = _our_names(read_state_dict(folder))
+    architectures = json.loads((folder / CONFIG_FILE).read_text()).get("architectures") or []
+    classifier = None
+    if sequence_classifier and architectures[:1] == ["BertForSequenceClassification"]:
+        classifier = _classifier_head(folder, state, config.hidden_size)
     model = BertForPreTraining(config)
     expected = {k for k in model.state_dict() if k not in _TIED_KEYS}
     missing = expected - state.keys()
@@ -194,11 +204,12 @@ def load_model_folder(folder: Path | str) -> LoadedModel:
     unexpected = sorted(state.keys() - expected)
     heads = sorted({k.split(".")[1] for k in unexpected if k.removeprefix("bert.").startswith(_TASK_HEADS)})
     if heads:
-        kind = json.loads((folder / CONFIG_FILE).read_text()).get("architectures") or ["a fine-tuned model"]
-        raise ModelFolderError(f"{folder} is {kind[0]}: its weights hold a task head ({', '.join(heads)}), which "
-                               f"this project neither trains nor serves; it reads BERT encoders (BertModel, "
-                               f"BertForPreTraining, sentence-transformers models), not cross-encoders or "
-                               f"classifiers")
+        kind = architectures[0] if architectures else "a fine-tuned model"
+        what = ("export serves it (/rerank, /predict), but pretraining would drop that head"
+                if kind == "BertForSequenceClassification" else
+                "which this project neither trains nor serves (it serves BERT encoders, cross-encoders and "
+                "sequence classifiers)")
+        raise ModelFolderError(f"{folder} is {kind}: its weights hold a task head ({', '.join(heads)}); {what}")
     if unexpected:
         raise ModelFolderError(f"{folder}: unexpected tensors (e.g. {unexpected[0]}); not a BERT checkpoint "
                                f"of this configuration")
@@ -211,4 +222,32 @@ def load_model_folder(folder: Path | str) -> LoadedModel:
     has_mlm = not any(k.startswith("cls.predictions.") for k in missing)
     # load_state_dict with no decoder key keeps the tie, fresh head or not; be explicit all the same
     model.cls.predictions.decoder.weight = model.bert.embeddings.word_embeddings.weight
-    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder)
+    if classifier is not None and not has_pooler:
+        raise ModelFolderError(f"{folder}: a sequence classifier without its pooler (bert.pooler.*), which its "
+                               f"head reads")
+    labels = _labels(folder, classifier.out_features) if classifier is not None else ()
+    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels)
+
+
+def _classifier_head(folder: Path, state: dict[str, torch.Tensor], hidden_size: int) -> torch.nn.Linear:
+    """BertForSequenceClassification's `classifier` (taken out of `state`) as a Linear on the pooler."""
+    weight, bias = state.pop("bert.classifier.weight", None), state.pop("bert.classifier.bias", None)
+    if weight is None or bias is None or weight.dim() != 2 or weight.shape[1] != hidden_size \
+            or tuple(bias.shape) != (weight.shape[0],):
+        raise ModelFolderError(f"{folder}: the classifier's weights are not a {hidden_size}-wide Linear "
+                               f"(classifier.weight {None if weight is None else tuple(weight.shape)})")
+    head = torch.nn.Linear(hidden_size, weight.shape[0])
+    with torch.no_grad():
+        head.weight.copy_(weight.float())
+        head.bias.copy_(bias.float())
+    return head.eval()
+
+
+def _labels(folder: Path, count: int) -> tuple[str, ...]:
+    """config.json's id2label in id order (transformers' LABEL_i where it has none)."""
+    id2label = json.loads((folder / CONFIG_FILE).read_text()).get("id2label") or {}
+    try:
+        named = {int(k): str(v) for k, v in id2label.items()}
+    except (AttributeError, ValueError) as e:
+        raise ModelFolderError(f"{folder / CONFIG_FILE}: id2label is not an object of ids to labels") from e
+    return tuple(named.get(i, f"LABEL_{i}") for i in range(count))

@@ -35,7 +35,7 @@ from app import errors
 from app.backend import Backend, EngineInfo, InlineTokenizing
 from app.batcher import DynamicBatcher, GroupResult, Sequences
 from app.metrics import Metrics
-from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import CLASSIFIER_LOGITS, CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
 _LENGTH = struct.Struct("<I")
@@ -46,8 +46,9 @@ _SUBMIT = struct.Struct("<BBxxIQ")
 _REQUEST = struct.Struct("<B7xQ")  # CANCEL and ERROR
 _RESULT = struct.Struct("<BBxxIQdddd")
 _ARRAY = struct.Struct("<BBxxII")
-_OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
-_OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1) for mask in range(16)]
+_OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, CLASSIFIER_LOGITS)
+_OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1)
+                for mask in range(1 << len(_OUTPUTS))]
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
 _HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before it stops reading its work

@@ -51,6 +51,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "lowercase": m.lowercase,
         "has_pooler": m.has_pooler,
         "has_nsp_head": m.has_nsp_head,
+        "classifier_labels": m.classifier_labels,  # a sequence classifier's (/rerank, /predict); [] for an encoder
         "poolings": available_poolings(m.has_pooler),
         "device": e.device,
         "precision": e.precision,

@@ -1,0 +1,159 @@
+"""Fine-tuned sequence classifiers as their users call them: a cross-encoder (one label) exported from a
+transformers BertForSequenceClassification folder or a sentence-transformers CrossEncoder folder scores
+[query, text] pairs on /rerank as CrossEncoder.predict does; a classifier of several labels answers /predict
+with transformers' softmax. Both in one process and through HTTP workers."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from export.pipeline import export_artifact
+from tests.test_app import assert_error, run, serving
+from tests.test_server import running_server
+from training.model_folder import ModelFolderError, load_model_folder
+
+SHAPES = ((1, 5), (3, 40))
+QUERY = "how do cats sleep"
+TEXTS = ["Cats sleep for most of the day, curled up somewhere warm.", "The stock market fell on Monday.",
+         "a cat", "Überraschung: naïve café résumé and emoji 🚀 " * 3]
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def classifier_folder(root, tokenizer_dir, num_labels: int, seed: int):
+    """A tiny transformers BertForSequenceClassification (random, initialised wide so that scores spread)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                     num_labels=num_labels, initializer_range=0.3,  # inputs then differ
+                                     **({"id2label": LABELS} if num_labels == 3 else {}))
+    model = transformers.BertForSequenceClassification(config)
+    model.save_pretrained(root)
+    shutil.copy(tokenizer_dir / "tokenizer.json", root / "tokenizer.json")
+    return root, model.eval()
+
+
+def logits_of(model, tokenizer_dir, items) -> np.ndarray:
+    """transformers' own logits for texts or pairs, one at a time (no padding)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    rows = []
+    for item in items:
+        enc = tok.encode(*item) if isinstance(item, tuple) else tok.encode(item)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([enc.ids]), token_type_ids=torch.tensor([enc.type_ids]),
+                        attention_mask=torch.ones(1, len(enc.ids), dtype=torch.long))
+        rows.append(out.logits[0].numpy())
+    return np.array(rows, dtype=np.float64)
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory, tiny_tokenizer_dir):
+    root = tmp_path_factory.mktemp("ce")
+    folder, model = classifier_folder(root / "hf", tiny_tokenizer_dir, 1, seed=3)
+    return folder, model
+
+
+@pytest.mark.parametrize("saved_by", ["transformers", "sentence-transformers"])
+def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder, tiny_tokenizer_dir, tmp_path,
+                                                                     saved_by):
+    st = pytest.importorskip("sentence_transformers")
+    folder, model = cross_encoder
+    if saved_by == "sentence-transformers":  # modules.json, config_sentence_transformers.json (CrossEncoder)
+        st.CrossEncoder(str(folder), device="cpu").save(str(tmp_path / "st"))
+        folder = tmp_path / "st"
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES, int8=True)
+    assert m.classifier_labels == ["LABEL_0"] and not m.has_nsp_head
+    for graph in m.graphs.values():
+        assert "classifier_logits" in graph.outputs
+    assert m.graphs["fp32"].parity["classifier_logits_max_abs"] <= 1e-4
+    pairs = [(QUERY, t) for t in TEXTS]
+    want = st.CrossEncoder(str(folder), device="cpu").predict(pairs)  # sigmoid of the logit
+    logits = logits_of(model, tiny_tokenizer_dir, pairs)[:, 0]
+    np.testing.assert_allclose(want, 1 / (1 + np.exp(-logits)), atol=1e-5)
+    assert want.max() - want.min() > 0.05  # the scores spread enough for the order to mean something
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            return ((await c.post("/rerank", json={"query": QUERY, "texts": TEXTS, "return_text": True})).json(),
+                    (await c.post("/rerank", json={"query": QUERY, "texts": TEXTS, "raw_scores": True})).json(),
+                    (await c.post("/predict", json={"inputs": [QUERY, TEXTS[0]]})).json(),
+                    (await c.get("/info")).json(),
+                    await c.post("/rerank", json={"query": QUERY, "texts": ["word " * 200], "truncate": False}),
+                    await c.post("/rerank", json={"query": QUERY, "texts": []}),
+                    await c.post("/nsp", json={"pairs": [[QUERY, TEXTS[0]]]}))
+    ranks, raw, predicted, info, too_long, empty, nsp = run(go())
+    assert [r["index"] for r in ranks] == np.argsort(-want, kind="stable").tolist()
+    np.testing.assert_allclose([r["score"] for r in ranks], np.sort(want)[::-1], atol=1e-5)
+    assert [r["text"] for r in ranks] == [TEXTS[r["index"]] for r in ranks]
+    np.testing.assert_allclose([r["score"] for r in sorted(raw, key=lambda r: r["index"])], logits, atol=1e-4)
+    assert "text" not in raw[0]
+    assert predicted == [{"score": pytest.approx(float(want[0]), abs=1e-5), "label": "LABEL_0"}]
+    assert info["classifier_labels"] == ["LABEL_0"]
+    assert_error(too_long, 413, "input_too_long", "texts[0]")
+    assert_error(empty, 422, "invalid_request", "empty")
+    assert_error(nsp, 400, "unsupported", "next-sentence")
+
+
+def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokenizer_dir, tmp_path):
+    folder, model = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert m.classifier_labels == ["negative", "neutral", "positive"]
+    items = [TEXTS[0], (QUERY, TEXTS[1]), TEXTS[2]]
+    logits = logits_of(model, tiny_tokenizer_dir, items)
+    want = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            return ((await c.post("/predict", json={"inputs": TEXTS[0]})).json(),
+                    (await c.post("/predict", json={"inputs": [[TEXTS[0]], [QUERY, TEXTS[1]], [TEXTS[2]]]})).json(),
+                    (await c.post("/predict", json={"inputs": [QUERY, TEXTS[1]], "raw_scores": True})).json(),
+                    await c.post("/rerank", json={"query": QUERY, "texts": TEXTS}),
+                    await c.post("/predict", json={"inputs": [["a", "b", "c"]]}))
+    one, batch, raw, rerank, three = run(go())
+
+    def as_rows(answer):  # [{"score", "label"}] highest first -> scores in label order
+        assert [p["score"] for p in answer] == sorted((p["score"] for p in answer), reverse=True)
+        return [next(p["score"] for p in answer if p["label"] == label) for label in LABELS.values()]
+    np.testing.assert_allclose(as_rows(one), want[0], atol=1e-5)
+    np.testing.assert_allclose([as_rows(a) for a in batch], want, atol=1e-5)
+    np.testing.assert_allclose(as_rows(raw), logits[1], atol=1e-4)
+    assert_error(rerank, 400, "unsupported", "3 labels")
+    assert_error(three, 422, "invalid_request", "inputs")
+
+
+def test_an_encoder_has_no_classifier_routes(tiny_artifact_dir):
+    async def go():
+        async with serving(tiny_artifact_dir) as (c, _):
+            return (await c.post("/rerank", json={"query": "q", "texts": ["t"]}),
+                    await c.post("/predict", json={"inputs": "t"}), (await c.get("/info")).json())
+    rerank, predict, info = run(go())
+    for r in (rerank, predict):
+        assert_error(r, 400, "unsupported", "no sequence-classification head")
+    assert info["classifier_labels"] == []
+
+
+def test_rerank_through_http_workers(cross_encoder, tiny_tokenizer_dir, tmp_path):
+    """The engine process answers the classifier's output to the HTTP workers (the link names it)."""
+    folder, model = cross_encoder
+    export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    logits = logits_of(model, tiny_tokenizer_dir, [(QUERY, t) for t in TEXTS])[:, 0]
+    with running_server(tmp_path / "art", workers=2) as base:
+        answers = [httpx.post(f"{base}/rerank", json={"query": QUERY, "texts": TEXTS, "raw_scores": True},
+                              timeout=30).json() for _ in range(4)]
+    for ranks in answers:
+        np.testing.assert_allclose([r["score"] for r in sorted(ranks, key=lambda r: r["index"])], logits, atol=1e-4)
+
+
+def test_continued_pretraining_refuses_a_classifier_naming_what_it_would_lose(cross_encoder):
+    folder, _ = cross_encoder
+    with pytest.raises(ModelFolderError, match="BertForSequenceClassification.*pretraining would drop that head"):
+        load_model_folder(folder)  # as --init-from reads it
