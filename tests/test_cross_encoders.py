@@ -70,7 +70,7 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
     if saved_by == "sentence-transformers":  # modules.json, config_sentence_transformers.json (CrossEncoder)
         st.CrossEncoder(str(folder), device="cpu").save(str(tmp_path / "st"))
         folder = tmp_path / "st"
-    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES, int8=True)
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
     assert m.classifier_labels == ["LABEL_0"] and not m.has_nsp_head
     for graph in m.graphs.values():
         assert "classifier_logits" in graph.outputs
