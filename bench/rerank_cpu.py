@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
