@@ -15,7 +15,7 @@ from app.backend import Backend
 from app.batcher import GroupResult
 from app.errors import ClientClosed, InvalidInput, Overloaded, ShuttingDown, TooManyInputs, Unsupported
 from app.metrics import Metrics
-from app.pooling import pool
+from app.pooling import l2_normalize, pool
 from app.sentence_dense import SentenceDense
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
@@ -71,13 +71,18 @@ class InferenceService:
         self._expired = False  # the drain deadline passed: waiting requests are answered 503
         self._waiting: set[asyncio.Future] = set()
 
-    def sentence_vectors(self, outputs: dict[str, np.ndarray], pooling: str) -> np.ndarray:
+    def sentence_vectors(self, outputs: dict[str, np.ndarray], pooling: str, normalize: bool,
+                         dimensions: int | None = None) -> np.ndarray:
         """The texts' vectors by `pooling`; the model's own pooling is followed by its Dense modules, as
-        sentence-transformers runs the checkpoint (another pooling gives the encoder's vectors as they are)."""
+        sentence-transformers runs the checkpoint (another pooling gives the encoder's vectors as they are).
+        `dimensions` (checked by check_dimensions) keeps the first that many, before normalising, as OpenAI
+        shortens its embeddings."""
         vectors = pool(outputs, pooling)
         if self.sentence_dense is not None and pooling == self.manifest.default_pooling:
             vectors = self.sentence_dense(vectors)
-        return vectors
+        if dimensions is not None:
+            vectors = vectors[:, :dimensions]
+        return l2_normalize(vectors) if normalize else vectors
 
     def prompted(self, items: Sequence[Item], prompt_name: str | None, field: str,
                  direction: str = "right") -> Sequence[Item]:

@@ -5,7 +5,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from app.errors import Unsupported
-from app.pooling import POOLING_OUTPUT, encode_rows, encode_vectors, l2_normalize
+from app.pooling import POOLING_OUTPUT, encode_rows, encode_vectors
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import SERVICE_ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
@@ -32,8 +32,7 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
     fmt = body.encoding_format
     embeddings: list = [None] * len(result.tokenized)
     if pooling != "none":  # the whole request's vectors at once
-        vectors = service.sentence_vectors(result.outputs, pooling)
-        embeddings = encode_rows(l2_normalize(vectors) if normalize else vectors, fmt)
+        embeddings = encode_rows(service.sentence_vectors(result.outputs, pooling, normalize), fmt)
     if body.return_tokens:
         token_vectors = result.outputs[TOKEN_EMBEDDINGS]
         data = [{"index": i, "embedding": embeddings[i], "tokens": describe_tokens(enc),

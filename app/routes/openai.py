@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
 from app.errors import Unsupported
-from app.pooling import POOLING_OUTPUT, encode_rows, l2_normalize
+from app.pooling import POOLING_OUTPUT, encode_rows
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import SERVICE_ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
@@ -30,11 +30,7 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     inputs = service.prompted(inputs, None, "input")  # the model's default prompt, if it has one
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
-    vectors = service.sentence_vectors(result.outputs, pooling)
-    if body.dimensions is not None:  # as OpenAI shortens its embeddings: the first ones, then normalised
-        vectors = vectors[:, :body.dimensions]
-    if service.openai_normalize:
-        vectors = l2_normalize(vectors)
+    vectors = service.sentence_vectors(result.outputs, pooling, service.openai_normalize, body.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": e}
             for i, e in enumerate(encode_rows(vectors, body.encoding_format))]
     usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}

@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from app.pooling import POOLING_OUTPUT, l2_normalize
+from app.pooling import POOLING_OUTPUT
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import SERVICE_ERROR_RESPONSES, TeiEmbedRequest
@@ -29,11 +29,7 @@ async def tei_embed(body: TeiEmbedRequest, request: Request,
     truncate = True if body.truncate is None else body.truncate
     result = await service.infer(request, inputs, truncate, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
                                  direction=direction)
-    vectors = service.sentence_vectors(result.outputs, pooling)
-    if body.dimensions is not None:
-        vectors = vectors[:, :body.dimensions]
-    if body.normalize:
-        vectors = l2_normalize(vectors)
+    vectors = service.sentence_vectors(result.outputs, pooling, body.normalize, body.dimensions)
     return json_response(np.ascontiguousarray(vectors, dtype=np.float32), headers=result.timings.headers())
 
 
