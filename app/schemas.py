@@ -76,15 +76,29 @@ class OpenAIEmbeddingRequest(BaseModel):
                                    "`dimensions`), normalised after if the vectors are: for Matryoshka-trained models")
 
 
-class TeiEmbedRequest(BaseModel):
-    """POST / as text-embeddings-inference's /embed takes it. Fields TEI ignores are ignored here too."""
+class _TeiRequest(BaseModel):
+    """A body as text-embeddings-inference takes it: fields TEI ignores are ignored here too, `truncate` may
+    be null and the direction capitalised."""
     model_config = ConfigDict(extra="ignore", strict=True)
+    truncate: bool | None = Field(None, description="cut inputs to the model's max length, a pair's longer text "
+                                  "first (null: true); false: an over-long input is answered 413")
+    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
+
+    @property
+    def truncates(self) -> bool:
+        return self.truncate is not False
+
+    @property
+    def direction(self) -> str:
+        """app.tokenization.DIRECTIONS"""
+        return self.truncation_direction.lower()
+
+
+class TeiEmbedRequest(_TeiRequest):
+    """POST / as text-embeddings-inference's /embed takes it."""
     inputs: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
         description="a text or a list of texts", examples=["What is deep learning?"])
     normalize: bool = Field(True, description="L2-normalise each embedding (TEI's default: true)")
-    truncate: bool | None = Field(None, description="cut inputs to the model's max length (null: true); false: "
-                                  "an over-long input is answered 413")
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
     prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
     dimensions: int | None = Field(None, description="keep the first that many values of each embedding, "
                                    "normalised after if `normalize`: for Matryoshka-trained models")
@@ -94,15 +108,11 @@ class TeiEmbedRequest(BaseModel):
 _RAW_SCORES_TEXT = "the head's logits instead of scores (a sigmoid for one label, else a softmax)"
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(_TeiRequest):
     """POST /rerank as text-embeddings-inference takes it: a cross-encoder scores each (query, text) pair."""
-    model_config = ConfigDict(extra="ignore", strict=True)
     query: Text = Field(examples=["What is deep learning?"])
     texts: Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
         examples=[["Deep learning is a kind of machine learning.", "Paris is in France."]])
-    truncate: bool | None = Field(None, description="cut each pair to the model's max length, the longer text "
-                                  "first (null: true); false: an over-long pair is answered 413")
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
     raw_scores: bool = Field(False, description=_RAW_SCORES_TEXT)
     return_text: bool = Field(False, description="add each text to its rank")
 
@@ -116,16 +126,12 @@ class Rank(BaseModel):
 PredictItem = Text | Annotated[list[Text], Field(min_length=1, max_length=2)]
 
 
-class PredictRequest(BaseModel):
+class PredictRequest(_TeiRequest):
     """POST /predict as text-embeddings-inference takes it: a sequence classifier's labels and scores."""
-    model_config = ConfigDict(extra="ignore", strict=True)
     inputs: PredictItem | Annotated[list[Annotated[list[Text], Field(min_length=1, max_length=2)]],
                                     Field(json_schema_extra={"minItems": 1})] = Field(
         description="a text, a pair [text_a, text_b], or a batch of [text] and [text_a, text_b]",
         examples=["I like you.", [["I like you.", "I love you."], ["a single text"]]])
-    truncate: bool | None = Field(None, description="cut inputs to the model's max length (null: true); false: "
-                                  "an over-long input is answered 413")
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
     raw_scores: bool = Field(False, description=_RAW_SCORES_TEXT)
 
 

@@ -45,9 +45,8 @@ async def rerank(body: RerankRequest, request: Request, service: InferenceServic
         raise Unsupported(f"this model classifies into {len(labels)} labels ({', '.join(labels)}), it is not a "
                           f"cross-encoder with one score: use /predict")
     pairs = [(body.query, text) for text in body.texts]
-    truncate = True if body.truncate is None else body.truncate
-    result = await service.infer(request, pairs, truncate, frozenset({CLASSIFIER_LOGITS}), "texts",
-                                 direction=body.truncation_direction.lower())
+    result = await service.infer(request, pairs, body.truncates, frozenset({CLASSIFIER_LOGITS}), "texts",
+                                 direction=body.direction)
     ranked = scores(result.outputs[CLASSIFIER_LOGITS], body.raw_scores)[:, 0]
     order = np.argsort(-ranked, kind="stable").tolist()
     answer = [{"index": i, "score": float(ranked[i]), **({"text": body.texts[i]} if body.return_text else {})}
@@ -64,9 +63,8 @@ async def predict(body: PredictRequest, request: Request,
     single = isinstance(body.inputs, str) or isinstance(body.inputs[0], str)
     batch = [body.inputs] if single else body.inputs
     items = [x if isinstance(x, str) else x[0] if len(x) == 1 else (x[0], x[1]) for x in batch]
-    truncate = True if body.truncate is None else body.truncate
-    result = await service.infer(request, items, truncate, frozenset({CLASSIFIER_LOGITS}), "inputs",
-                                 direction=body.truncation_direction.lower())
+    result = await service.infer(request, items, body.truncates, frozenset({CLASSIFIER_LOGITS}), "inputs",
+                                 direction=body.direction)
     answer = [[{"score": float(row[k]), "label": labels[k]} for k in np.argsort(-row, kind="stable").tolist()]
               for row in scores(result.outputs[CLASSIFIER_LOGITS], body.raw_scores)]
     return json_response(answer[0] if single else answer, headers=result.timings.headers())

@@ -21,14 +21,12 @@ router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_k
 async def tei_embed(body: TeiEmbedRequest, request: Request,
                     service: InferenceService = Depends(get_service)) -> Response:
     """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
-    direction = body.truncation_direction.lower()
     inputs = service.prompted([body.inputs] if isinstance(body.inputs, str) else body.inputs, body.prompt_name,
-                              "inputs", direction)
+                              "inputs", body.direction)
     pooling = service.manifest.default_pooling
     service.check_dimensions(body.dimensions, pooling)
-    truncate = True if body.truncate is None else body.truncate
-    result = await service.infer(request, inputs, truncate, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
-                                 direction=direction)
+    result = await service.infer(request, inputs, body.truncates, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
+                                 direction=body.direction)
     vectors = service.sentence_vectors(result.outputs, pooling, body.normalize, body.dimensions)
     return json_response(np.ascontiguousarray(vectors, dtype=np.float32), headers=result.timings.headers())
 
