@@ -130,16 +130,25 @@ def _replace_dir(src: Path, dst: Path) -> None:
 
 
 def read_config(folder: Path) -> BertConfig:
+    return _bert_config(folder, _config_json(folder))
+
+
+def _config_json(folder: Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; not a model folder (expected one written by "
                                f"`python -m training.pretrain` or a Hugging Face BERT checkpoint)")
     try:
-        return BertConfig.from_hf_dict(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFolderError(f"{path} is not valid JSON ({e}); the folder is corrupt, re-create it") from e
+
+
+def _bert_config(folder: Path, raw: dict) -> BertConfig:
+    try:
+        return BertConfig.from_hf_dict(raw)
     except (TypeError, ValueError) as e:
-        raise ModelFolderError(f"{path}: {e}") from e
+        raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: {e}") from e
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -188,9 +197,10 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     if not folder.is_dir():
         raise ModelFolderError(f"{folder} is not a folder")
     folder = transformer_folder(folder)
-    config = read_config(folder)
+    raw_config = _config_json(folder)
+    config = _bert_config(folder, raw_config)
     state = _our_names(read_state_dict(folder))
-    architectures = json.loads((folder / CONFIG_FILE).read_text()).get("architectures") or []
+    architectures = raw_config.get("architectures") or []
     classifier = None
     if sequence_classifier and architectures[:1] == ["BertForSequenceClassification"]:
         classifier = _classifier_head(folder, state, config.hidden_size)
@@ -225,7 +235,7 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     if classifier is not None and not has_pooler:
         raise ModelFolderError(f"{folder}: a sequence classifier without its pooler (bert.pooler.*), which its "
                                f"head reads")
-    labels = _labels(folder, classifier.out_features) if classifier is not None else ()
+    labels = _labels(folder, raw_config.get("id2label"), classifier.out_features) if classifier is not None else ()
     return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels)
 
 
@@ -243,11 +253,10 @@ def _classifier_head(folder: Path, state: dict[str, torch.Tensor], hidden_size: 
     return head.eval()
 
 
-def _labels(folder: Path, count: int) -> tuple[str, ...]:
+def _labels(folder: Path, id2label: dict | None, count: int) -> tuple[str, ...]:
     """config.json's id2label in id order (transformers' LABEL_i where it has none)."""
-    id2label = json.loads((folder / CONFIG_FILE).read_text()).get("id2label") or {}
     try:
-        named = {int(k): str(v) for k, v in id2label.items()}
+        named = {int(k): str(v) for k, v in (id2label or {}).items()}
     except (AttributeError, ValueError) as e:
         raise ModelFolderError(f"{folder / CONFIG_FILE}: id2label is not an object of ids to labels") from e
     return tuple(named.get(i, f"LABEL_{i}") for i in range(count))
