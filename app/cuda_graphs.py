@@ -5,7 +5,9 @@ every kernel of the graph one by one, from a thread that has often just woken up
 launches them all at once (what that saves: bench/engine_idle_gaps.py, BENCHMARKS.md). A CUDA graph needs fixed shapes
 and fixed addresses, which the packed graph (its shapes follow the data) cannot give, so small batches
 run on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
-input and output buffers on the device, the batch padded up to the smallest bucket that holds it.
+input and output buffers on the device. A batch is cut into a few row groups by length, each padded up to
+the smallest bucket that holds it and replayed in turn: a batch of 64 texts whose longest has 90 tokens
+would otherwise cost 64 x 128 tokens of GPU time however short the rest (`ReplayPlanner`).
 
 ONNX Runtime keeps captured graphs per calling thread (the CUDA provider's per-thread context): a graph
 captured in one thread is captured again in the next, and a capture beside a running batch fails both.
@@ -24,6 +26,9 @@ from artifact.manifest import INPUT_NAMES
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
 LENGTHS = (16, 32, 64, 128)  # sequence lengths captured (up to the model's maximum)
 _RUNS_TO_CAPTURE = 3  # ORT runs a graph normally before it captures it
+# What one more replay costs, in padded tokens of GPU time: its input and output copies and its launch
+# (~0.1 ms on the host) against ~0.3 us of GPU time a BERT-base token (bench/cuda_graph_replays.py).
+REPLAY_COST_TOKENS = 256
 
 
 def rows_up_to(max_rows: int) -> tuple[int, ...]:
@@ -31,6 +36,57 @@ def rows_up_to(max_rows: int) -> tuple[int, ...]:
     if max_rows < 1:
         raise ValueError(f"CUDA graphs need at least 1 row, not {max_rows}")
     return tuple(1 << i for i in range(max_rows.bit_length()) if 1 << i < max_rows) + (max_rows,)
+
+
+class ReplayPlanner:
+    """Which rows of a batch go into which bucket: the fewest padded tokens, counting REPLAY_COST_TOKENS
+    for each replay. Rows sorted longest first fall into runs by length bucket; neighbouring runs may share
+    a replay (at the longer one's length), and a run may take several replays of fewer rows each (33 rows
+    as 32 + 1, not 64). Cheap enough to plan every batch: the row splits are worked out once here."""
+
+    def __init__(self, rows: tuple[int, ...], lengths: tuple[int, ...], replay_cost: int = REPLAY_COST_TOKENS):
+        self.rows, self.lengths, self.replay_cost = rows, lengths, replay_cost
+        # splits[k][j]: (cost, row buckets) of k rows at length bucket j, for k up to the largest bucket
+        self._splits = [[(0, ())] * len(lengths)]
+        for k in range(1, rows[-1] + 1):
+            up = next(r for r in rows if r >= k)
+            down = max((r for r in rows if r <= k), default=up)
+            per_length = []
+            for length in lengths:
+                best = (up * length + replay_cost, (up,))
+                if down < k:
+                    cost, buckets = self._splits[k - down][len(per_length)]
+                    if down * length + replay_cost + cost < best[0]:
+                        best = (down * length + replay_cost + cost, (down,) + buckets)
+                per_length.append(best)
+            self._splits.append(per_length)
+
+    def plan(self, lengths: np.ndarray) -> list[tuple[np.ndarray, int, int]]:
+        """(row indices, bucket rows, bucket length) for each replay of a batch whose rows have these real
+        lengths (each at most the largest bucket's, the batch at most the largest bucket's rows)."""
+        order = np.argsort(-lengths, kind="stable")
+        bucket_of = np.searchsorted(self.lengths, lengths[order])  # length bucket index, longest first
+        # runs: (first position in `order`, row count, length bucket index), longest first
+        starts = np.flatnonzero(np.r_[True, bucket_of[1:] != bucket_of[:-1]])
+        runs = [(int(a), int(b - a), int(bucket_of[a])) for a, b in zip(starts, np.r_[starts[1:], len(order)])]
+        # best[i]: (cost, replays) for runs[i:]; the replay that starts at run i spans runs i..j-1
+        best: list[tuple[int, list]] = [(0, [])] * (len(runs) + 1)
+        for i in range(len(runs) - 1, -1, -1):
+            options = []
+            for j in range(i + 1, len(runs) + 1):
+                count = sum(n for _, n, _ in runs[i:j])
+                if count > self.rows[-1]:
+                    break
+                cost, buckets = self._splits[count][runs[i][2]]
+                options.append((cost + best[j][0], [(runs[i][0], count, runs[i][2], buckets)] + best[j][1]))
+            best[i] = min(options, key=lambda option: option[0])  # never empty: a run has at most the batch's rows
+        replays = []
+        for first, count, length_index, buckets in best[0][1]:
+            for rows in buckets:
+                taken = order[first:first + min(rows, count)]
+                replays.append((taken, rows, self.lengths[length_index]))
+                first, count = first + len(taken), count - len(taken)
+        return replays
 
 
 @dataclass
@@ -49,10 +105,12 @@ class CudaGraphBuckets:
     batch's own rows and length. One batch at a time, on the buckets' own thread."""
 
     def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int, pad_id: int,
-                 max_rows: int = MAX_ROWS, lengths: tuple[int, ...] | None = None):
+                 max_rows: int = MAX_ROWS, lengths: tuple[int, ...] | None = None,
+                 replay_cost_tokens: int = REPLAY_COST_TOKENS):
         self.session, self.device, self.device_id, self.pad_id = session, device, device_id, pad_id
         self.rows = rows_up_to(max_rows)
         self.lengths = tuple(sorted({min(n, max_length) for n in lengths or LENGTHS}))
+        self.planner = ReplayPlanner(self.rows, self.lengths, replay_cost_tokens)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         for r in self.rows:
@@ -89,15 +147,30 @@ class CudaGraphBuckets:
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
             outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        replays = self.planner.plan(attention_mask.sum(1))
+        return self._thread.submit(self._replay, replays, input_ids, attention_mask, token_type_ids, outputs).result()
+
+    def _replay(self, replays: list[tuple[np.ndarray, int, int]], input_ids: np.ndarray, attention_mask: np.ndarray,
+                token_type_ids: np.ndarray, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Each replay's rows padded into its bucket, run, and put back in their places in the batch."""
         rows, length = input_ids.shape
-        bucket = self._buckets[next(r for r in self.rows if r >= rows), next(n for n in self.lengths if n >= length)]
-        ids = np.full((bucket.rows, bucket.length), self.pad_id, np.int64)
-        mask = np.zeros_like(ids)
-        types = np.zeros_like(ids)
-        ids[:rows, :length], mask[:rows, :length], types[:rows, :length] = input_ids, attention_mask, token_type_ids
-        mask[rows:, 0] = 1  # rows that only fill the bucket attend to one token: no empty softmax
-        values = self._thread.submit(self._run, bucket, ids, mask, types, outputs).result()
-        return {name: v[:rows, :length] if v.ndim == 3 else v[:rows] for name, v in values.items()}
+        answer: dict[str, np.ndarray] = {}
+        for taken, bucket_rows, bucket_length in replays:
+            n, width = len(taken), min(length, bucket_length)  # the rows' real tokens all lie within `width`
+            ids = np.full((bucket_rows, bucket_length), self.pad_id, np.int64)
+            mask, types = np.zeros_like(ids), np.zeros_like(ids)
+            ids[:n, :width] = input_ids[taken, :width]
+            mask[:n, :width] = attention_mask[taken, :width]
+            types[:n, :width] = token_type_ids[taken, :width]
+            mask[n:, 0] = 1  # rows that only fill the bucket attend to one token: no empty softmax
+            values = self._run(self._buckets[bucket_rows, bucket_length], ids, mask, types, outputs)
+            for name, value in values.items():
+                if value.ndim == 3:  # token vectors; past a row's bucket only padding, left at zero
+                    answer.setdefault(name, np.zeros((rows, length, value.shape[2]), value.dtype))[taken, :width] = \
+                        value[:n, :width]
+                else:
+                    answer.setdefault(name, np.empty((rows,) + value.shape[1:], value.dtype))[taken] = value[:n]
+        return answer
 
     def _run(self, bucket: _Bucket, ids: np.ndarray, mask: np.ndarray, types: np.ndarray,
              outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -131,6 +131,31 @@ def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokeni
     assert_error(three, 422, "invalid_request", "inputs")
 
 
+@pytest.mark.gpu
+def test_a_cross_encoder_scores_on_the_gpu_as_transformers_does(cross_encoder, tiny_tokenizer_dir, tmp_path):
+    """The fp16 graph the GPU serves (packed, with our kernels when built) and its padded twin replayed as
+    CUDA graphs give the classifier's scores within the export gate's 0.01."""
+    from tokenizers import Tokenizer
+
+    from app.engine import Batch, OrtEngine
+    from artifact.manifest import CLASSIFIER_LOGITS
+    from tests.feeds import padded_feed
+
+    folder, model = cross_encoder
+    m = export_artifact(folder, tmp_path / "art", device="cuda", parity_shapes=SHAPES)
+    assert m.graph("fp16").padded is not None and CLASSIFIER_LOGITS in m.graph("fp16").outputs
+    items = [(QUERY, text) for text in TEXTS] * 3
+    want = 1 / (1 + np.exp(-logits_of(model, tiny_tokenizer_dir, items)[:, 0]))
+    tok = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))
+    feed = padded_feed([tok.encode(*item) for item in items])
+    batch = Batch(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"], (CLASSIFIER_LOGITS,))
+    for graphs in ("off", "on"):
+        engine = OrtEngine(tmp_path / "art", m, "cuda", "fp16", cuda_graphs=graphs)
+        assert engine.cuda_graphs == (graphs == "on")
+        got = 1 / (1 + np.exp(-engine.run(batch)[CLASSIFIER_LOGITS][:, 0]))
+        np.testing.assert_allclose(got, want, atol=0.01, err_msg=f"cuda_graphs {graphs}")
+
+
 def test_an_encoder_has_no_classifier_routes(tiny_artifact_dir):
     async def go():
         async with serving(tiny_artifact_dir) as (c, _):

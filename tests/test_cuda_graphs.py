@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from app.cuda_graphs import CudaGraphBuckets, rows_up_to
+from app.cuda_graphs import CudaGraphBuckets, ReplayPlanner, rows_up_to
 from app.engine import EngineError, OrtEngine
 from artifact.manifest import INPUT_NAMES, read_manifest
 
@@ -43,6 +43,45 @@ def test_a_batch_padded_into_a_bucket_gives_its_own_outputs(graph, rows, length)
         assert got[name].shape == want[name].shape, name
         real = mask.astype(bool) if got[name].ndim == 3 else slice(None)
         np.testing.assert_allclose(got[name][real], want[name][real], atol=2e-5, err_msg=name)
+
+
+def test_a_batch_of_mixed_lengths_is_replayed_in_several_buckets_and_put_back_in_order(graph):
+    manifest, session = graph
+    pad = manifest.special_tokens["[PAD]"]
+    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, pad, max_rows=8, lengths=(8, 16, 32),
+                               replay_cost_tokens=4)
+    ids, mask, types = batch(np.random.default_rng(7), 7, 30, manifest.vocab_size, pad)
+    mask[1:4, 6:] = ids[1:4, 6:] = 0  # three short rows among long ones, not next to each other
+    mask[5, 6:] = ids[5, 6:] = 0
+    ids[mask == 0] = pad
+    plan = buckets.planner.plan(mask.sum(1))
+    assert {bucket for _, _, bucket in plan} == {8, 32}
+    names = tuple(o.name for o in session.get_outputs())
+    got = buckets.run(ids, mask, types, names)
+    want = dict(zip(names, session.run(list(names), dict(zip(INPUT_NAMES, (ids, mask, types))))))
+    for name in names:
+        assert got[name].shape == want[name].shape, name
+        real = mask.astype(bool) if got[name].ndim == 3 else slice(None)
+        np.testing.assert_allclose(got[name][real], want[name][real], atol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("replay_cost", [0, 256, 10**9])
+def test_a_replay_plan_covers_every_row_once_within_its_buckets_and_pads_no_more_than_one_bucket(replay_cost):
+    rows, lengths = rows_up_to(64), (16, 32, 64, 128)
+    planner = ReplayPlanner(rows, lengths, replay_cost)
+    rng = np.random.default_rng(replay_cost)
+    for n in list(range(1, 65)) * 3:
+        real = np.clip(rng.lognormal(3.3, 0.7, n).astype(int), 2, 128)
+        plan = planner.plan(real)
+        taken = np.concatenate([t for t, _, _ in plan])
+        assert sorted(taken.tolist()) == list(range(n))
+        for t, bucket_rows, bucket_length in plan:
+            assert 0 < len(t) <= bucket_rows and bucket_rows in rows and bucket_length in lengths
+            assert real[t].max() <= bucket_length
+        one_bucket = next(r for r in rows if r >= n) * next(L for L in lengths if L >= real.max())
+        assert sum(r * L + replay_cost for _, r, L in plan) <= one_bucket + replay_cost
+    if replay_cost == 10**9:  # replays so dear that the whole batch goes into one bucket
+        assert len(plan) == 1
 
 
 def test_only_batches_within_the_largest_bucket_fit(graph):
