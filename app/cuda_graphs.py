@@ -26,9 +26,10 @@ from artifact.manifest import INPUT_NAMES
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
 LENGTHS = (16, 32, 64, 128)  # sequence lengths captured (up to the model's maximum)
 _RUNS_TO_CAPTURE = 3  # ORT runs a graph normally before it captures it
-# What one more replay costs, in padded tokens of GPU time: its input and output copies and its launch
-# (~0.1 ms on the host) against ~0.3 us of GPU time a BERT-base token (bench/cuda_graph_replays.py).
-REPLAY_COST_TOKENS = 256
+# What one more replay costs, in padded tokens of GPU time: BERT-base on an H100 took 0.77 ms a replay
+# (the copies, and each of the graph's few hundred kernels' least time) + 0.39 us a padded token
+# (bench/cuda_graph_replays.py): a batch is split only where that saves more than a replay's worth.
+REPLAY_COST_TOKENS = 1900
 
 
 def rows_up_to(max_rows: int) -> tuple[int, ...]:

@@ -8,6 +8,8 @@ planner's REPLAY_COST_TOKENS is chosen; and two threads running packed batches a
 inference worker add GPU throughput, or only wait?).
 
   python bench/cuda_graph_replays.py --artifact ART --rows 16,32,48,64      # GPU machine
+
+Sizes marked L have one long text (about 120 tokens) among the short ones.
 """
 from __future__ import annotations
 
@@ -31,11 +33,20 @@ from artifact.manifest import CLS_EMBEDDING, read_manifest  # noqa: E402
 from bench.http_load import make_texts  # noqa: E402
 
 
-def batches(tokenizer: Tokenizer, rows: int, count: int, rng: np.random.Generator, pad: int) -> list[Batch]:
+def batches(tokenizer: Tokenizer, rows: int, count: int, rng: np.random.Generator, pad: int,
+            one_long: bool = False) -> list[Batch]:
+    """`count` batches of `rows` texts drawn from bench/http_load.py's; with `one_long`, the first text of
+    each is a long one (about 120 tokens, cut at 128): the batch the planner is for."""
     texts = make_texts(4000)
+    long_texts = make_texts(count, seed=1, min_words=95, max_words=110)
     out = []
-    for _ in range(count):
-        encodings = tokenizer.encode_batch([texts[i] for i in rng.choice(len(texts), rows, replace=False)])
+    for n in range(count):
+        chosen = [texts[i] for i in rng.choice(len(texts), rows, replace=False)]
+        if one_long:
+            chosen[0] = long_texts[n]
+        encodings = tokenizer.encode_batch(chosen)
+        for e in encodings:
+            e.truncate(128)
         width = max(len(e.ids) for e in encodings)
         ids = np.full((rows, width), pad, np.int64)
         mask = np.zeros_like(ids)
@@ -116,8 +127,8 @@ def main() -> None:
     print(f"{'texts':>5} {'real tok':>8} {'one-bucket tok':>14} {'planned tok':>11} {'replays':>7} | ms a batch: "
           f"{'packed':>7} {'packed x2 thr':>13} {'one bucket':>10} {'planned':>8} | planned texts/s", flush=True)
     report["sizes"] = {}
-    for rows in sizes:
-        work = batches(tokenizer, rows, args.batches, rng, pad)
+    for rows, one_long in [(n, False) for n in sizes] + [(n, True) for n in sizes if n >= 16]:
+        work = batches(tokenizer, rows, args.batches, rng, pad, one_long)
         lengths = [b.attention_mask.sum(1) for b in work]
         padded_one = np.mean([sum(r * L for _, r, L in one_bucket.plan(x)) for x in lengths])
         plans = [planned.plan(x) for x in lengths]
@@ -133,10 +144,10 @@ def main() -> None:
         buckets.planner = planned
         split = ms_per_batch(replay, work)
         real = np.mean([x.sum() for x in lengths])
-        print(f"{rows:>5} {real:>8.0f} {padded_one:>14.0f} {padded_planned:>11.0f} {replays:>7.1f} | "
+        print(f"{rows:>4}{'L' if one_long else ' '} {real:>8.0f} {padded_one:>14.0f} {padded_planned:>11.0f} {replays:>7.1f} | "
               f"{'':>10}{packed:>7.3f} {packed_two:>13.3f} {whole:>10.3f} {split:>8.3f} | {rows / split * 1000:,.0f}",
               flush=True)
-        report["sizes"][rows] = {"real_tokens": real, "one_bucket_tokens": padded_one,
+        report["sizes"][f"{rows}{' with one long text' if one_long else ''}"] = {"real_tokens": real, "one_bucket_tokens": padded_one,
                                  "planned_tokens": padded_planned, "replays": replays, "packed_ms": packed,
                                  "packed_two_threads_ms_each": packed_two, "one_bucket_ms": whole,
                                  "planned_ms": split}
