@@ -43,8 +43,10 @@ class Settings(BaseSettings):
         "(BENCHMARKS.md). auto: when the artifact has the twin; on: fail without it; off: never")
     cuda_graph_rows: int = Field(16, ge=1, le=256, description="CUDA: the largest batch (texts) replayed from a "
                                  "CUDA graph; one is captured for each power of two below it and for it, at each "
-                                 "length bucket. More rows: more GPU memory (BERT-base on an H100: 2,065 MiB "
-                                 "in all with 16 rows, 2,385 MiB with 32; BENCHMARKS.md)")
+                                 "length bucket (a batch of mixed lengths may be replayed as a few buckets). More "
+                                 "rows: more GPU memory (BERT-base on an H100: 2,065 MiB in all with 16 rows, "
+                                 "2,385 MiB with 32); above about 32 short texts the packed graph is faster "
+                                 "(BENCHMARKS.md)")
     workers: int = Field(1, ge=1, le=64, description="HTTP worker processes (not inference_workers), handed the "
                          "port's connections in turn. Above 1 they parse, tokenise and answer around one engine "
                          "process that holds the session and the batcher (app/multiprocess/), metrics summed over "
