@@ -105,6 +105,25 @@ class TeiEmbedRequest(_TeiRequest):
     encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")
 
 
+class SimilarityInput(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    source_sentence: Text = Field(examples=["What is deep learning?"])
+    sentences: list[Text] = Field(
+        min_length=1, description="compared with source_sentence, each in turn", examples=[["Deep learning is a kind of ML."]])
+
+
+class SimilarityParameters(_TeiRequest):
+    prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
+
+
+class TeiSimilarityRequest(BaseModel):
+    """POST /similarity as text-embeddings-inference takes it (and POST / with such `inputs`, where
+    huggingface_hub's InferenceClient.sentence_similarity sends it)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = Field(None, description="truncate, truncation_direction, prompt_name")
+
+
 _RAW_SCORES_TEXT = "the head's logits instead of scores (a sigmoid for one label, else a softmax)"
 
 

@@ -457,6 +457,34 @@ def test_tei_embed_at_the_root(artifact, reference):
     assert out["page"].status_code == 200 and "text/html" in out["page"].headers["content-type"]
 
 
+def test_tei_similarity_compares_each_sentence_with_the_source(artifact, reference):
+    """POST /similarity, and POST / with TEI's similarity inputs: the cosine of each sentence's embedding
+    (the model's default pooling) with the source sentence's; TEI's `parameters` honoured or refused."""
+    sentences = ["hello world", "b c", "a longer sentence about something else"]
+    body = {"inputs": {"source_sentence": "hello world", "sentences": sentences}}
+    long_text = "first words " + "filler " * 400
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            return (await c.post("/similarity", json=body), await c.post("/", json={**body, "parameters": {}}),
+                    await c.post("/similarity", json={**body, "parameters": None}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": long_text, "sentences": ["x"]},
+                                                      "parameters": {"truncate": False}}),
+                    await c.post("/similarity", json={**body, "parameters": {"prompt_name": "query"}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": []}}),
+                    await c.post("/", json={"inputs": {"sentences": ["x"]}}))
+    direct, root, null_parameters, not_cut, prompt, empty, no_source = run(go())
+    vectors = np.array([reference(text)[0]["cls_embedding"] for text in sentences])
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    np.testing.assert_allclose(direct.json(), unit @ unit[0], atol=1e-5)
+    assert direct.json()[0] == pytest.approx(1, abs=1e-5) and root.json() == direct.json()
+    assert null_parameters.json() == direct.json()
+    assert_error(not_cut, 413, "input_too_long", "inputs[0]")
+    assert_error(prompt, 400, "unsupported", "prompt_name 'query'")
+    assert_error(empty, 422, "invalid_request", "sentences")
+    assert_error(no_source, 422, "invalid_request", "source_sentence")
+
+
 @pytest.mark.parametrize("offsets", [True, False])
 def test_left_truncation_keeps_the_end_as_the_tokenizers_library_does(artifact, offsets):
     """truncation_direction left: the same ids and segments as tokenizer.json truncating on the left, for

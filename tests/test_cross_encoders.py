@@ -168,15 +168,38 @@ def test_an_encoder_has_no_classifier_routes(tiny_artifact_dir):
 
 
 def test_rerank_through_http_workers(cross_encoder, tiny_tokenizer_dir, tmp_path):
-    """The engine process answers the classifier's output to the HTTP workers (the link names it)."""
+    """The engine process answers the classifier's output to the HTTP workers (the link names it). POST /
+    and /invocations rerank, as text-embeddings-inference serves a cross-encoder."""
     folder, model = cross_encoder
     export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
     logits = logits_of(model, tiny_tokenizer_dir, [(QUERY, t) for t in TEXTS])[:, 0]
+    body = {"query": QUERY, "texts": TEXTS, "raw_scores": True}
     with running_server(tmp_path / "art", workers=2) as base:
-        answers = [httpx.post(f"{base}/rerank", json={"query": QUERY, "texts": TEXTS, "raw_scores": True},
-                              timeout=30).json() for _ in range(4)]
+        answers = [httpx.post(f"{base}{path}", json=body, timeout=30).json()
+                   for path in ("/rerank", "/rerank", "/", "/invocations")]
+        embed_body = httpx.post(f"{base}/", json={"inputs": "a text"}, timeout=30)
     for ranks in answers:
         np.testing.assert_allclose([r["score"] for r in sorted(ranks, key=lambda r: r["index"])], logits, atol=1e-4)
+    assert_error(embed_body, 422, "invalid_request", "query")  # the root is /rerank's here, as in TEI
+
+
+def test_huggingface_inference_client_classifies_at_the_root(tiny_tokenizer_dir, tmp_path):
+    """huggingface_hub's InferenceClient.text_classification pointed at the server's URL, as at a
+    text-embeddings-inference server of a classifier: POST / answers as /predict."""
+    from huggingface_hub import InferenceClient
+
+    folder, model = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
+    export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    logits = logits_of(model, tiny_tokenizer_dir, [TEXTS[0]])[0]
+    want = np.exp(logits) / np.exp(logits).sum()
+    with running_server(tmp_path / "art", workers=2) as base:
+        answer = InferenceClient(base).text_classification(TEXTS[0])
+        predicted = httpx.post(f"{base}/predict", json={"inputs": TEXTS[0]}, timeout=30).json()
+        at_root = httpx.post(f"{base}/", json={"inputs": TEXTS[0]}, timeout=30).json()
+    assert at_root == predicted
+    # TEI answers one text with a flat list, highest first, of which this client keeps the first
+    assert answer.label == list(LABELS.values())[int(np.argmax(want))]
+    assert answer.score == pytest.approx(float(want.max()), abs=1e-5)
 
 
 def test_continued_pretraining_refuses_a_classifier_naming_what_it_would_lose(cross_encoder):

@@ -383,14 +383,20 @@ def test_huggingface_inference_client_as_against_text_embeddings_inference(tiny_
         one = client.feature_extraction("hello world")
         many = client.feature_extraction(["hello world", "second text"], normalize=False, truncate=True,
                                          truncation_direction="left", dimensions=32)
-        embed = httpx.post(f"{base}/embed", json={"inputs": ["hello world", "second text"]}).json()["data"]
+        similar = client.sentence_similarity("hello world", ["hello world", "second text", "a third one"])
+        embed = httpx.post(f"{base}/embed", json={"inputs": ["hello world", "second text", "a third one"]}).json()
         with pytest.raises(HfHubHTTPError) as too_long:
             client.feature_extraction("word " * 1000, truncate=False)
-    want = np.array([d["embedding"] for d in embed])  # the model's default pooling, not normalised
+        sagemaker = httpx.post(f"{base}/invocations", json={"inputs": "hello world"}), httpx.get(f"{base}/ping")
+    want = np.array([d["embedding"] for d in embed["data"]])  # the model's default pooling, not normalised
     assert one.shape == (1, 128) and one.dtype == np.float32
     np.testing.assert_allclose(one[0], want[0] / np.linalg.norm(want[0]), atol=1e-6)
-    np.testing.assert_allclose(many, want[:, :32], atol=1e-6)
+    np.testing.assert_allclose(many, want[:2, :32], atol=1e-6)
+    unit = want / np.linalg.norm(want, axis=1, keepdims=True)
+    np.testing.assert_allclose(similar, unit @ unit[0], atol=1e-5)  # TEI's similarity: cosines, in order
     assert too_long.value.response.status_code == 413 and "input_too_long" in too_long.value.response.text
+    np.testing.assert_allclose(sagemaker[0].json(), one, atol=1e-6)  # SageMaker's paths, as TEI serves them
+    assert sagemaker[1].status_code == 200
 
 
 @pytest.mark.parametrize("args,env,words", [

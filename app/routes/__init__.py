@@ -95,7 +95,7 @@ class DirectRoute:
         data = _json_body(raw)
         await require_api_key(request)
         service = await get_service(request)
-        return await self.endpoint(_validate(self.body, data), request, service)
+        return await self.endpoint(validate_body(self.body, data), request, service)
 
 
 def _json_body(raw: bytes):
@@ -109,7 +109,8 @@ def _json_body(raw: bytes):
                                        "input": {}, "ctx": {"error": e.msg}}], body=e.doc) from e
 
 
-def _validate(model: type[BaseModel], data) -> BaseModel:
+def validate_body(model: type[BaseModel], data) -> BaseModel:
+    """`data` (a parsed JSON body; None when there was none) as `model`; else FastAPI's 422 for a body."""
     if data is None:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:

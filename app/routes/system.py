@@ -18,6 +18,7 @@ router = APIRouter(route_class=ServiceRoute, tags=["system"])
 
 
 @router.get("/health")
+@router.get("/ping")  # SageMaker's health path, as text-embeddings-inference serves it
 async def health() -> Response:
     """The process is alive (says nothing about the model: see /ready)."""
     return json_response({"status": "ok"})

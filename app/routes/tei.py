@@ -1,25 +1,41 @@
-"""POST /: text-embeddings-inference's embed route, where TEI serves it and where its clients call it
-(huggingface_hub's InferenceClient.feature_extraction, LangChain's HuggingFaceEndpointEmbeddings,
-Haystack's TEI embedders): a list of embeddings, one list of floats per text, pooled as the model's
-makers meant (GET /info `default_pooling`, the model's Dense layers included) and normalised by default."""
+"""text-embeddings-inference's own routes, where TEI serves them and where its clients call them:
+
+- POST / (and /invocations, SageMaker's path) answers as TEI does for the model it serves: an embedding
+  model embeds (huggingface_hub's InferenceClient.feature_extraction, LangChain's
+  HuggingFaceEndpointEmbeddings, Haystack's TEI embedders), a cross-encoder reranks, a classifier of
+  several labels predicts (InferenceClient.text_classification). An embedding model also answers
+  {"inputs": {"source_sentence", "sentences"}} there with /similarity's answer, as
+  InferenceClient.sentence_similarity sends it (TEI needs TASK=sentence-similarity for that);
+- POST /similarity: the cosine of each sentence's embedding with the source sentence's.
+
+Embeddings are pooled as the model's makers meant (GET /info `default_pooling`, Dense layers included)."""
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
+from pydantic import RootModel
 from starlette.responses import Response
 
 from app.pooling import POOLING_OUTPUT
 from app.responses import json_response
-from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import SERVICE_ERROR_RESPONSES, TeiEmbedRequest
+from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key, validate_body
+from app.routes.classify import predict, rerank
+from app.schemas import (SERVICE_ERROR_RESPONSES, Prediction, PredictRequest, Rank, RerankRequest, SimilarityParameters,
+                         TeiEmbedRequest, TeiSimilarityRequest)
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
 
+ROOT_PATHS = ("/", "/invocations")
 
-@router.post("/", response_model=list[list[float]], responses=SERVICE_ERROR_RESPONSES)
-async def tei_embed(body: TeiEmbedRequest, request: Request,
-                    service: InferenceService = Depends(get_service)) -> Response:
+
+class TeiRootBody(RootModel[dict[str, Any]]):
+    """POST /'s body before it is read as the model's own route's."""
+
+
+async def tei_embed(body: TeiEmbedRequest, request: Request, service: InferenceService) -> Response:
     """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
     inputs = service.prompted([body.inputs] if isinstance(body.inputs, str) else body.inputs, body.prompt_name,
                               "inputs", body.direction)
@@ -31,4 +47,44 @@ async def tei_embed(body: TeiEmbedRequest, request: Request,
     return json_response(np.ascontiguousarray(vectors, dtype=np.float32), headers=result.timings.headers())
 
 
-DIRECT_ROUTES = {"/": DirectRoute(tei_embed, TeiEmbedRequest)}
+@router.post("/similarity", response_model=list[float], responses=SERVICE_ERROR_RESPONSES)
+async def similarity(body: TeiSimilarityRequest, request: Request,
+                     service: InferenceService = Depends(get_service)) -> Response:
+    """The cosine of each of `sentences`' embeddings with `source_sentence`'s, in their order."""
+    parameters = body.parameters or SimilarityParameters()
+    texts = service.prompted([body.inputs.source_sentence, *body.inputs.sentences], parameters.prompt_name,
+                             "inputs", parameters.direction)
+    pooling = service.manifest.default_pooling
+    result = await service.infer(request, texts, parameters.truncates, frozenset({POOLING_OUTPUT[pooling]}),
+                                 "inputs", direction=parameters.direction)
+    vectors = service.sentence_vectors(result.outputs, pooling, normalize=True)
+    return json_response((vectors[1:] @ vectors[0]).astype(np.float32), headers=result.timings.headers())
+
+
+async def tei_root(body: TeiRootBody, request: Request, service: InferenceService) -> Response:
+    """The route TEI serves at / for this model, the body read as that route's."""
+    labels = service.manifest.classifier_labels
+    if labels:
+        model, endpoint = (RerankRequest, rerank) if len(labels) == 1 else (PredictRequest, predict)
+    elif isinstance(body.root.get("inputs"), dict):
+        model, endpoint = TeiSimilarityRequest, similarity
+    else:
+        model, endpoint = TeiEmbedRequest, tei_embed
+    return await endpoint(validate_body(model, body.root), request, service)
+
+
+for _path in ROOT_PATHS:  # for the docs (and HEAD): the serving front answers POST with tei_root itself
+    @router.post(_path, response_model=list[list[float]] | list[float] | list[Rank] | list[Prediction]
+                 | list[list[Prediction]], responses=SERVICE_ERROR_RESPONSES, name=f"tei_root{_path}")
+    async def tei_root_route(body: Annotated[TeiEmbedRequest | TeiSimilarityRequest | RerankRequest | PredictRequest,
+                                             Body()],
+                             request: Request, service: InferenceService = Depends(get_service)) -> Response:
+        """As text-embeddings-inference answers it for the model served: an embedding model embeds
+        (`inputs` a text or a list: [[float, ...], ...]), or with `inputs` {source_sentence, sentences}
+        answers as /similarity; a cross-encoder (one label) answers as /rerank; a classifier of several
+        labels as /predict."""
+        return await tei_root(TeiRootBody(await request.json()), request, service)
+
+
+DIRECT_ROUTES = {path: DirectRoute(tei_root, TeiRootBody) for path in ROOT_PATHS} | {
+    "/similarity": DirectRoute(similarity, TeiSimilarityRequest)}
