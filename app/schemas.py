@@ -142,6 +142,39 @@ class Rank(BaseModel):
     text: str | None = Field(None, description="with return_text")
 
 
+class RerankDocument(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    text: Text
+
+
+class DocumentsRerankRequest(BaseModel):
+    """POST /v1/rerank and /v2/rerank (and /rerank with `documents`) as Cohere's and Jina's rerank APIs
+    take them, and infinity and vLLM serve them. What a one-model server cannot honour (`rank_fields`,
+    `max_chunks_per_doc`, `max_tokens_per_doc`, `priority`) is ignored: documents are cut to the model's
+    max length."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = Field(None, description="accepted and ignored: the server has one model")
+    query: Text = Field(examples=["What is deep learning?"])
+    documents: Annotated[list[Text | RerankDocument], Field(json_schema_extra={"minItems": 1})] = Field(
+        description="texts, or objects with a `text`", examples=[["Deep learning is a kind of ML.", "Paris."]])
+    top_n: int | None = Field(None, ge=1, description="answer the most relevant that many (default: all)")
+    return_documents: bool = Field(False, description="add each document as {\"text\"} to its result")
+
+
+class DocumentRank(BaseModel):
+    index: int = Field(description="the document's place in `documents`")
+    relevance_score: float = Field(description="a sigmoid of the cross-encoder's logit, in [0, 1]")
+    document: RerankDocument | None = Field(None, description="with return_documents")
+
+
+class DocumentsRerankResponse(BaseModel):
+    id: str
+    results: list[DocumentRank] = Field(description="most relevant first")
+    model: str
+    meta: dict = Field(description="Cohere's: `billed_units.search_units` 1")
+    usage: dict = Field(description="Jina's: `total_tokens`")
+
+
 PredictItem = Text | Annotated[list[Text], Field(min_length=1, max_length=2)]
 
 

@@ -160,9 +160,10 @@ def test_an_encoder_has_no_classifier_routes(tiny_artifact_dir):
     async def go():
         async with serving(tiny_artifact_dir) as (c, _):
             return (await c.post("/rerank", json={"query": "q", "texts": ["t"]}),
-                    await c.post("/predict", json={"inputs": "t"}), (await c.get("/info")).json())
-    rerank, predict, info = run(go())
-    for r in (rerank, predict):
+                    await c.post("/predict", json={"inputs": "t"}), (await c.get("/info")).json(),
+                    await c.post("/v2/rerank", json={"query": "q", "documents": ["t"]}))
+    rerank, predict, info, documents = run(go())
+    for r in (rerank, predict, documents):
         assert_error(r, 400, "unsupported", "no sequence-classification head")
     assert info["classifier_labels"] == []
 
@@ -181,6 +182,38 @@ def test_rerank_through_http_workers(cross_encoder, tiny_tokenizer_dir, tmp_path
     for ranks in answers:
         np.testing.assert_allclose([r["score"] for r in sorted(ranks, key=lambda r: r["index"])], logits, atol=1e-4)
     assert_error(embed_body, 422, "invalid_request", "query")  # the root is /rerank's here, as in TEI
+
+
+def test_cohere_and_jina_style_rerank_as_their_clients_call_it(cross_encoder, tiny_tokenizer_dir, tmp_path):
+    """The cohere client (v2 and v1 APIs) and a Jina-style body at /rerank, as infinity and vLLM serve it:
+    the documents most relevant first, at most top_n, scored as CrossEncoder.predict scores them."""
+    import cohere  # a dev dependency: the real client against the real server
+
+    folder, model = cross_encoder
+    export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    want = 1 / (1 + np.exp(-logits_of(model, tiny_tokenizer_dir, [(QUERY, t) for t in TEXTS])[:, 0]))
+    order = np.argsort(-want, kind="stable")
+    with running_server(tmp_path / "art", workers=2) as base:
+        v2 = cohere.ClientV2(api_key="unused", base_url=base).rerank(model="any", query=QUERY, documents=TEXTS,
+                                                                     top_n=2)
+        v1 = cohere.Client(api_key="unused", base_url=base).rerank(
+            model="any", query=QUERY, documents=[{"text": t} for t in TEXTS], return_documents=True)
+        jina = httpx.post(f"{base}/rerank", json={"model": "m", "query": QUERY, "documents": TEXTS, "top_n": 3,
+                                                  "return_documents": True}, timeout=30)
+        errors = [httpx.post(f"{base}/v1/rerank", json=body, timeout=30) for body in (
+            {"query": QUERY, "documents": []}, {"query": QUERY, "documents": TEXTS, "top_n": 0},
+            {"query": QUERY, "documents": [{"title": "no text"}]})]
+    assert [r.index for r in v2.results] == order[:2].tolist()
+    np.testing.assert_allclose([r.relevance_score for r in v2.results], want[order[:2]], atol=1e-5)
+    assert [r.index for r in v1.results] == order.tolist()
+    assert [r.document.text for r in v1.results] == [TEXTS[i] for i in order]
+    answer = jina.json()
+    assert [r["index"] for r in answer["results"]] == order[:3].tolist()
+    assert [r["document"]["text"] for r in answer["results"]] == [TEXTS[i] for i in order[:3]]
+    assert answer["usage"]["total_tokens"] > 0
+    assert_error(errors[0], 422, "invalid_request", "empty")
+    assert_error(errors[1], 422, "invalid_request", "top_n")
+    assert_error(errors[2], 422, "invalid_request", "documents")
 
 
 def test_huggingface_inference_client_classifies_at_the_root(tiny_tokenizer_dir, tmp_path):

@@ -369,6 +369,12 @@ def test_openai_client(server):
     np.testing.assert_allclose(bare.embeddings.create(model="tiny", input="hello world").data[0].embedding,
                                r.data[0].embedding, atol=1e-6)
     assert r.usage.prompt_tokens > 0
+    info = httpx.get(f"{server}/info").json()
+    for c in (client, bare):  # where OpenAI-compatible tools look for the model's name
+        listed = c.models.list().data
+        assert [m.id for m in listed] == [info["model"]] and listed[0].created > 1.7e9
+    with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length"):
+        client.embeddings.create(model="tiny", input=[[101, 2023, 102]])  # ids from another tokenizer
 
 
 def test_huggingface_inference_client_as_against_text_embeddings_inference(tiny_artifact_dir):

@@ -1,17 +1,24 @@
-"""POST /rerank and POST /predict: a fine-tuned sequence classifier's head (GET /info `classifier_labels`),
-as text-embeddings-inference answers them. A cross-encoder (one label) scores (query, text) pairs for
-/rerank; /predict gives every label's score for texts or pairs."""
+"""A fine-tuned sequence classifier's head (GET /info `classifier_labels`). A cross-encoder (one label)
+scores (query, text) pairs: POST /rerank as text-embeddings-inference answers it, and POST /v1/rerank and
+/v2/rerank as Cohere's and Jina's APIs do (their clients, and the rerankers of LangChain, llama-index, Dify
+or Open WebUI given the server's URL; /rerank takes their `documents` body too, as infinity and vLLM serve
+it there). POST /predict gives every label's score for texts or pairs, as TEI answers it."""
 from __future__ import annotations
 
+import uuid
+from typing import Annotated, Any
+
 import numpy as np
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Body, Depends, Request
+from pydantic import RootModel
 from starlette.responses import Response
 
 from app.errors import Unsupported
 from app.pooling import softmax
 from app.responses import json_response
-from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import SERVICE_ERROR_RESPONSES, Prediction, PredictRequest, Rank, RerankRequest
+from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key, validate_body
+from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankRequest, DocumentsRerankResponse, Prediction,
+                         PredictRequest, Rank, RerankRequest)
 from app.service import InferenceService
 from artifact.manifest import CLASSIFIER_LOGITS
 
@@ -36,22 +43,65 @@ def _labels(service: InferenceService) -> list[str]:
     return labels
 
 
-@router.post("/rerank", response_model=list[Rank], responses=SERVICE_ERROR_RESPONSES)
-async def rerank(body: RerankRequest, request: Request, service: InferenceService = Depends(get_service)) -> Response:
-    """The texts by relevance to the query, most relevant first: a cross-encoder's score of each
+async def relevance(service: InferenceService, request: Request, query: str, texts: list[str], field: str,
+                    truncate: bool = True, direction: str = "right", raw: bool = False):
+    """(each text's score against the query, the inference result): a cross-encoder's score of each
     [query, text] pair."""
     labels = _labels(service)
     if len(labels) != 1:
         raise Unsupported(f"this model classifies into {len(labels)} labels ({', '.join(labels)}), it is not a "
                           f"cross-encoder with one score: use /predict")
-    pairs = [(body.query, text) for text in body.texts]
-    result = await service.infer(request, pairs, body.truncates, frozenset({CLASSIFIER_LOGITS}), "texts",
-                                 direction=body.direction)
-    ranked = scores(result.outputs[CLASSIFIER_LOGITS], body.raw_scores)[:, 0]
+    result = await service.infer(request, [(query, text) for text in texts], truncate, frozenset({CLASSIFIER_LOGITS}),
+                                 field, direction=direction)
+    return scores(result.outputs[CLASSIFIER_LOGITS], raw)[:, 0], result
+
+
+async def rerank(body: RerankRequest, request: Request, service: InferenceService) -> Response:
+    """The texts by relevance to the query, most relevant first, as TEI answers them."""
+    ranked, result = await relevance(service, request, body.query, body.texts, "texts", body.truncates,
+                                     body.direction, body.raw_scores)
     order = np.argsort(-ranked, kind="stable").tolist()
     answer = [{"index": i, "score": float(ranked[i]), **({"text": body.texts[i]} if body.return_text else {})}
               for i in order]
     return json_response(answer, headers=result.timings.headers())
+
+
+@router.post("/v1/rerank", response_model=DocumentsRerankResponse, responses=SERVICE_ERROR_RESPONSES)
+async def rerank_documents(body: DocumentsRerankRequest, request: Request,
+                           service: InferenceService = Depends(get_service)) -> Response:
+    """The documents by relevance to the query, most relevant first (the first `top_n`), as Cohere's and
+    Jina's rerank APIs answer them."""
+    texts = [d if isinstance(d, str) else d.text for d in body.documents]
+    ranked, result = await relevance(service, request, body.query, texts, "documents")
+    order = np.argsort(-ranked, kind="stable").tolist()[:body.top_n]
+    results = [{"index": i, "relevance_score": float(ranked[i]),
+                **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order]
+    return json_response({"id": str(uuid.uuid4()), "results": results, "model": service.model_name,
+                          "meta": {"billed_units": {"search_units": 1}}, "usage": {"total_tokens": result.tokens}},
+                         headers=result.timings.headers())
+
+
+router.add_api_route("/v2/rerank", rerank_documents, methods=["POST"], response_model=DocumentsRerankResponse,
+                     responses=SERVICE_ERROR_RESPONSES, name="rerank_documents_v2")
+
+
+class RerankBody(RootModel[dict[str, Any]]):
+    """POST /rerank's body before it is read as TEI's (`texts`) or as Cohere's and Jina's (`documents`)."""
+
+
+async def rerank_either(body: RerankBody, request: Request, service: InferenceService) -> Response:
+    if "documents" in body.root and "texts" not in body.root:
+        return await rerank_documents(validate_body(DocumentsRerankRequest, body.root), request, service)
+    return await rerank(validate_body(RerankRequest, body.root), request, service)
+
+
+@router.post("/rerank", response_model=list[Rank] | DocumentsRerankResponse, responses=SERVICE_ERROR_RESPONSES)
+async def rerank_route(body: Annotated[RerankRequest | DocumentsRerankRequest, Body()], request: Request,
+                       service: InferenceService = Depends(get_service)) -> Response:
+    """The texts by relevance to the query, most relevant first: with `texts`, as text-embeddings-inference
+    answers ([{"index", "score", "text"?}]); with `documents`, as /v1/rerank answers. (For the docs: the
+    serving front answers POST with rerank_either itself.)"""
+    return await rerank_either(RerankBody(await request.json()), request, service)
 
 
 @router.post("/predict", response_model=list[Prediction] | list[list[Prediction]], responses=SERVICE_ERROR_RESPONSES)
@@ -70,4 +120,6 @@ async def predict(body: PredictRequest, request: Request,
     return json_response(answer[0] if single else answer, headers=result.timings.headers())
 
 
-DIRECT_ROUTES = {"/rerank": DirectRoute(rerank, RerankRequest), "/predict": DirectRoute(predict, PredictRequest)}
+DIRECT_ROUTES = {"/rerank": DirectRoute(rerank_either, RerankBody), "/predict": DirectRoute(predict, PredictRequest),
+                 "/v1/rerank": DirectRoute(rerank_documents, DocumentsRerankRequest),
+                 "/v2/rerank": DirectRoute(rerank_documents, DocumentsRerankRequest)}

@@ -1,6 +1,8 @@
 """POST /v1/embeddings (and /embeddings), compatible with OpenAI's API and client (texts only; truncates to
-max length)."""
+max length); GET /v1/models (and /models), the one model, where OpenAI-compatible tools look for it."""
 from __future__ import annotations
+
+from datetime import datetime
 
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
@@ -9,7 +11,7 @@ from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import SERVICE_ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+from app.schemas import ERROR_RESPONSES, SERVICE_ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["openai"])
@@ -23,7 +25,8 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     settings say otherwise; `dimensions` keeps the first that many (for Matryoshka-trained models)."""
     inputs = [body.input] if isinstance(body.input, str) else body.input
     if any(not isinstance(x, str) for x in inputs):
-        raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text")
+        raise Unsupported("token-id inputs are not supported (their ids come from another tokenizer): send text "
+                          "(LangChain's OpenAIEmbeddings sends ids unless check_embedding_ctx_length=False)")
     pooling = service.openai_pooling
     service.check_dimensions(body.dimensions, pooling)
     if pooling == "pooled" and not service.manifest.has_pooler:
@@ -41,5 +44,18 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
 # The same route without the version prefix, as text-embeddings-inference and infinity also serve it: for
 # clients given the server's bare URL as their base URL.
 router.add_api_route("/embeddings", embeddings, methods=["POST"], include_in_schema=False)
+
+@router.get("/v1/models", responses=ERROR_RESPONSES)
+async def models(service: InferenceService = Depends(get_service)) -> Response:
+    """The server's one model, as OpenAI lists models: what `model` may name (any name is accepted)."""
+    try:
+        created = int(datetime.fromisoformat(service.manifest.created_at).timestamp())
+    except ValueError:
+        created = 0
+    return json_response({"object": "list", "data": [{"id": service.model_name, "object": "model",
+                                                      "created": created, "owned_by": "bertserve"}]})
+
+
+router.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
 
 DIRECT_ROUTES = {path: DirectRoute(embeddings, OpenAIEmbeddingRequest) for path in ("/v1/embeddings", "/embeddings")}
