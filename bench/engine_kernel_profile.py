@@ -8,13 +8,20 @@ time is well above the kernel time, the batch is bound by launches on the host, 
 
   python bench/engine_kernel_profile.py 256        # GPU machine, with onnxruntime-gpu; L = 128
   python bench/engine_kernel_profile.py 48 48      # a batch the server forms from one-text requests
+  python bench/engine_kernel_profile.py 48 32 --artifact ART   # the graphs an exported artifact serves
+
+With --artifact, the graphs profiled are that artifact's (`python -m export --device cuda`): the fp16 graph
+the server runs (our kernels' variant when built) and its padded twin replayed as a CUDA graph; and the
+served graph is also timed from two threads at once, as the server's two inference workers run it.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from artifact.manifest import read_manifest  # noqa: E402
 from artifact.session import kernels_library  # noqa: E402
 from bench.engine_throughput import (PACKED_KINDS, DeviceBoundSession, TorchEngine, build, fixed_batch,  # noqa: E402
                                      stdlib_docstrings)
@@ -78,27 +86,68 @@ def wall_ms(engine, feed, runs: int = 50) -> tuple[float, float]:
     return back_to_back, (time.perf_counter() - started) / runs * 1000
 
 
+def two_threads_ms(engine, feed, runs: int = 50) -> float:
+    """Milliseconds per batch with two threads each running `runs` batches, each waited for, at once."""
+    prepared = [engine.prepare(feed), engine.prepare(feed)]
+    barrier = threading.Barrier(3)
+
+    def worker(p):
+        barrier.wait()
+        for _ in range(runs):
+            engine.run(p)
+            engine.sync()
+    threads = [threading.Thread(target=worker, args=(p,)) for p in prepared]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    return (time.perf_counter() - started) / (2 * runs) * 1000
+
+
+def artifact_engines(folder: Path) -> dict:
+    manifest = read_manifest(folder)
+    graph, library = manifest.graph("fp16"), kernels_library("auto", "cuda")
+    served = graph.custom_kernels if graph.custom_kernels and library else graph
+    engines = {f"served {served.file}": DeviceBoundSession(folder / served.file, "cuda", kernels_library=library)}
+    if graph.padded is not None:
+        twin = graph.padded.custom_kernels if graph.padded.custom_kernels and library else graph.padded
+        engines[f"padded twin {twin.file}, CUDA graph"] = DeviceBoundSession(folder / twin.file, "cuda", cuda_graph=True,
+                                                                             kernels_library=library)
+    return engines
+
+
 def main() -> None:
-    batch = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-    length = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-    work = Path(tempfile.mkdtemp())
-    _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000), list(PACKED_KINDS))
-    library = kernels_library("auto", "cuda")
-    engines = {"torch sdpa": TorchEngine(model, "cuda", torch.float16)}
-    for kind, artifact in artifacts.items():  # padded, packed, packed-mha; each with our kernels when built
-        engines[f"ort {kind}"] = DeviceBoundSession(work / kind / artifact.graph("fp16").file, "cuda")
-        if kernels := artifact.graph("fp16").custom_kernels:
-            engines[f"ort {kind}+kernels"] = DeviceBoundSession(work / kind / kernels.file, "cuda",
-                                                                kernels_library=library)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("batch", type=int, nargs="?", default=256)
+    parser.add_argument("length", type=int, nargs="?", default=128)
+    parser.add_argument("--artifact", type=Path, help="profile this artifact's graphs instead of building models")
+    args = parser.parse_args()
+    batch, length = args.batch, args.length
+    if args.artifact:
+        engines = artifact_engines(args.artifact)
+    else:
+        work = Path(tempfile.mkdtemp())
+        _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000), list(PACKED_KINDS))
+        library = kernels_library("auto", "cuda")
+        engines = {"torch sdpa": TorchEngine(model, "cuda", torch.float16)}
+        for kind, artifact in artifacts.items():  # padded, packed, packed-mha; each with our kernels when built
+            engines[f"ort {kind}"] = DeviceBoundSession(work / kind / artifact.graph("fp16").file, "cuda")
+            if kernels := artifact.graph("fp16").custom_kernels:
+                engines[f"ort {kind}+kernels"] = DeviceBoundSession(work / kind / kernels.file, "cuda",
+                                                                    kernels_library=library)
     feed = fixed_batch(batch, length, np.random.default_rng(0))
     product_flops = 2 * 12 * (12 * 768 * 768) * batch * length  # the encoder's Q/K/V, output and FFN products
     for name, engine in engines.items():
         by_kind, by_name = kernel_times(engine, feed)
         total_ms = sum(by_kind.values()) / RUNS / 1000
         back_to_back, each = wall_ms(engine, feed)
+        both = "" if getattr(engine, "cuda_graph", False) or args.artifact is None else \
+            f", {two_threads_ms(engine, feed):.2f} ms a batch from two threads at once"
         print(f"== {name} b={batch} L={length}: GPU kernel time {total_ms:.2f} ms/batch "
               f"({batch / total_ms * 1000:,.0f} seq/s if back to back); wall {back_to_back:.2f} ms back to back, "
-              f"{each:.2f} ms one at a time")
+              f"{each:.2f} ms one at a time{both}")
         for k, us in by_kind.most_common():
             print(f"   {k:<10} {us / RUNS / 1000:7.3f} ms  {us / RUNS / 1000 / total_ms:5.1%}")
         print(f"   gemm rate on encoder GEMM FLOPs: {product_flops / (by_kind['gemm'] / RUNS / 1e6) / 1e12:.0f} TFLOP/s")
