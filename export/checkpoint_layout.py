@@ -12,6 +12,7 @@ import numpy as np
 
 from artifact.source_folder import SENTENCE_BERT_CONFIG_FILE as SBERT_CONFIG_FILE
 from export import ExportError
+from training import distilbert
 from training.model_folder import read_state_dict
 
 MODULES_FILE = "modules.json"
@@ -178,7 +179,8 @@ def _check_normalize(path: Path) -> None:
 
 
 def _hidden_size(encoder_dir: Path) -> int:
-    return int(_read_object(encoder_dir / "config.json").get("hidden_size", -1))
+    config = _read_object(encoder_dir / "config.json")
+    return int((distilbert.bert_config(config) if distilbert.is_distilbert(config) else config).get("hidden_size", -1))
 
 
 def _read_json(path: Path):

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SENTENCE_BERT_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                     transformer_folder)
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
+from training import distilbert
 from training.model import BertConfig, BertForPreTraining
 from training.writes import write_failed
 
@@ -34,7 +35,7 @@ _TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 _BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
 # The heads of fine-tuned BERTs (sequence / token classification and multiple choice, question answering):
 # named in the error, since "unexpected tensors" alone does not say that the checkpoint is a cross-encoder.
-_TASK_HEADS = ("classifier.", "qa_outputs.")
+_TASK_HEADS = ("classifier.", "pre_classifier.", "qa_outputs.")
 # Old (TF-converted) checkpoints, such as Google's bert-base-uncased, renamed as transformers does at load.
 _LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
@@ -146,7 +147,7 @@ def _config_json(folder: Path) -> dict:
 
 def _bert_config(folder: Path, raw: dict) -> BertConfig:
     try:
-        return BertConfig.from_hf_dict(raw)
+        return BertConfig.from_hf_dict(distilbert.bert_config(raw) if distilbert.is_distilbert(raw) else raw)
     except (TypeError, ValueError) as e:
         raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: {e}") from e
 
@@ -183,7 +184,8 @@ def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> LoadedModel:
-    """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU).
+    """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU); a DistilBERT one is
+    read as BERT (training/distilbert.py).
 
     `sequence_classifier`: a BertForSequenceClassification's head (a cross-encoder's, a classifier's) is
     read into `LoadedModel.classifier`; otherwise such a checkpoint is refused, as other task heads are.
@@ -199,7 +201,8 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     folder = transformer_folder(folder)
     raw_config = _config_json(folder)
     config = _bert_config(folder, raw_config)
-    state = _our_names(read_state_dict(folder))
+    state = read_state_dict(folder)
+    state = _our_names(distilbert.bert_state_dict(state) if distilbert.is_distilbert(raw_config) else state)
     architectures = raw_config.get("architectures") or []
     classifier = None
     if sequence_classifier and architectures[:1] == ["BertForSequenceClassification"]:
