@@ -159,6 +159,7 @@ class DocumentsRerankRequest(BaseModel):
         description="texts, or objects with a `text`", examples=[["Deep learning is a kind of ML.", "Paris."]])
     top_n: int | None = Field(None, ge=1, description="answer the most relevant that many (default: all)")
     return_documents: bool = Field(False, description="add each document as {\"text\"} to its result")
+    raw_scores: bool = Field(False, description="infinity's: the logits as relevance_score, not their sigmoid")
 
 
 class DocumentRank(BaseModel):
@@ -168,11 +169,13 @@ class DocumentRank(BaseModel):
 
 
 class DocumentsRerankResponse(BaseModel):
+    object: Literal["rerank"]
     id: str
-    results: list[DocumentRank] = Field(description="most relevant first")
+    created: int = Field(description="Unix time")
     model: str
+    results: list[DocumentRank] = Field(description="most relevant first")
+    usage: dict = Field(description="`prompt_tokens` and `total_tokens`: the tokens of every [query, document] pair")
     meta: dict = Field(description="Cohere's: `billed_units.search_units` 1")
-    usage: dict = Field(description="Jina's: `total_tokens`")
 
 
 PredictItem = Text | Annotated[list[Text], Field(min_length=1, max_length=2)]

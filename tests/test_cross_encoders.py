@@ -200,6 +200,8 @@ def test_cohere_and_jina_style_rerank_as_their_clients_call_it(cross_encoder, ti
             model="any", query=QUERY, documents=[{"text": t} for t in TEXTS], return_documents=True)
         jina = httpx.post(f"{base}/rerank", json={"model": "m", "query": QUERY, "documents": TEXTS, "top_n": 3,
                                                   "return_documents": True}, timeout=30)
+        infinity = httpx.post(f"{base}/rerank", json={"query": QUERY, "documents": TEXTS, "raw_scores": True},
+                              timeout=30).json()
         errors = [httpx.post(f"{base}/v1/rerank", json=body, timeout=30) for body in (
             {"query": QUERY, "documents": []}, {"query": QUERY, "documents": TEXTS, "top_n": 0},
             {"query": QUERY, "documents": [{"title": "no text"}]})]
@@ -211,6 +213,8 @@ def test_cohere_and_jina_style_rerank_as_their_clients_call_it(cross_encoder, ti
     assert [r["index"] for r in answer["results"]] == order[:3].tolist()
     assert [r["document"]["text"] for r in answer["results"]] == [TEXTS[i] for i in order[:3]]
     assert answer["usage"]["total_tokens"] > 0
+    logits = np.log(want / (1 - want))
+    np.testing.assert_allclose([r["relevance_score"] for r in infinity["results"]], logits[order], atol=1e-4)
     assert_error(errors[0], 422, "invalid_request", "empty")
     assert_error(errors[1], 422, "invalid_request", "top_n")
     assert_error(errors[2], 422, "invalid_request", "documents")

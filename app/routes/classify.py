@@ -5,6 +5,7 @@ or Open WebUI given the server's URL; /rerank takes their `documents` body too, 
 it there). POST /predict gives every label's score for texts or pairs, as TEI answers it."""
 from __future__ import annotations
 
+import time
 import uuid
 from typing import Annotated, Any
 
@@ -72,13 +73,16 @@ async def rerank_documents(body: DocumentsRerankRequest, request: Request,
     """The documents by relevance to the query, most relevant first (the first `top_n`), as Cohere's and
     Jina's rerank APIs answer them."""
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    ranked, result = await relevance(service, request, body.query, texts, "documents")
+    ranked, result = await relevance(service, request, body.query, texts, "documents", raw=body.raw_scores)
     order = np.argsort(-ranked, kind="stable").tolist()[:body.top_n]
     results = [{"index": i, "relevance_score": float(ranked[i]),
                 **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order]
-    return json_response({"id": str(uuid.uuid4()), "results": results, "model": service.model_name,
-                          "meta": {"billed_units": {"search_units": 1}}, "usage": {"total_tokens": result.tokens}},
-                         headers=result.timings.headers())
+    # Each API's own fields, so that each client's parser finds what it requires: Cohere's meta, Jina's and
+    # vLLM's usage, infinity's object and created.
+    return json_response({"object": "rerank", "id": str(uuid.uuid4()), "created": int(time.time()),
+                          "model": service.model_name, "results": results,
+                          "usage": {"prompt_tokens": result.tokens, "total_tokens": result.tokens},
+                          "meta": {"billed_units": {"search_units": 1}}}, headers=result.timings.headers())
 
 
 router.add_api_route("/v2/rerank", rerank_documents, methods=["POST"], response_model=DocumentsRerankResponse,
