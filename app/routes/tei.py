@@ -73,18 +73,20 @@ async def tei_root(body: TeiRootBody, request: Request, service: InferenceServic
     return await endpoint(validate_body(model, body.root), request, service)
 
 
-for _path in ROOT_PATHS:  # for the docs (and HEAD): the serving front answers POST with tei_root itself
-    @router.post(_path, response_model=list[list[float]] | list[float] | list[Rank] | list[Prediction]
-                 | list[list[Prediction]], responses=SERVICE_ERROR_RESPONSES, name=f"tei_root{_path}")
-    async def tei_root_route(body: Annotated[TeiEmbedRequest | TeiSimilarityRequest | RerankRequest | PredictRequest,
-                                             Body()],
-                             request: Request, service: InferenceService = Depends(get_service)) -> Response:
-        """As text-embeddings-inference answers it for the model served: an embedding model embeds
-        (`inputs` a text or a list: [[float, ...], ...]), or with `inputs` {source_sentence, sentences}
-        answers as /similarity; a cross-encoder (one label) answers as /rerank; a classifier of several
-        labels as /predict."""
-        return await tei_root(TeiRootBody(await request.json()), request, service)
+async def tei_root_route(body: Annotated[TeiEmbedRequest | TeiSimilarityRequest | RerankRequest | PredictRequest,
+                                         Body()],
+                         request: Request, service: InferenceService = Depends(get_service)) -> Response:
+    """As text-embeddings-inference answers it for the model served: an embedding model embeds (`inputs` a
+    text or a list: [[float, ...], ...]), or with `inputs` {source_sentence, sentences} answers as
+    /similarity; a cross-encoder (one label) answers as /rerank; a classifier of several labels as /predict.
+    (For the docs and HEAD: the serving front answers POST with tei_root itself.)"""
+    return await tei_root(TeiRootBody(await request.json()), request, service)
 
+
+for path in ROOT_PATHS:
+    router.add_api_route(path, tei_root_route, methods=["POST"], responses=SERVICE_ERROR_RESPONSES,
+                         response_model=list[list[float]] | list[float] | list[Rank] | list[Prediction]
+                         | list[list[Prediction]])
 
 DIRECT_ROUTES = {path: DirectRoute(tei_root, TeiRootBody) for path in ROOT_PATHS} | {
     "/similarity": DirectRoute(similarity, TeiSimilarityRequest)}
