@@ -103,19 +103,3 @@ def test_distilbert_variants_the_server_cannot_reproduce_are_one_line(case, word
         export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
     assert not (tmp_path / "art").exists()
 
-
-def test_continued_pretraining_of_a_distilbert_writes_a_bert_folder(tiny_tokenizer_dir, tmp_path):
-    """`--init-from` a DistilBertForMaskedLM: pretraining runs (the NSP head and segment embeddings start
-    fresh) and writes a BERT folder that transformers loads whole."""
-    from tests.test_init_from import init_args
-    from tests.test_trainer import write_corpus
-    from training.pretrain import main
-
-    folder, _ = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir, transformers.DistilBertForMaskedLM)
-    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=300, seed=7)
-    out = tmp_path / "model"
-    assert main(init_args(corpus, tmp_path / "cache", folder, out, tmp_path / "run", "--max-steps", "2",
-                     "--heldout-fraction", "0.3")) == 0
-    model, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    assert load_model_folder(out).has_nsp_head

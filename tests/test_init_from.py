@@ -153,6 +153,26 @@ def test_folder_without_heads_trains_and_writes_a_transformers_folder(layout, ro
     assert (out / "modules.json").is_file() == (layout == "sentence_transformers")
 
 
+def test_a_distilbert_masked_lm_trains_and_writes_a_bert_folder(root, corpus, tokenizer_dir, tmp_path):
+    """A DistilBertForMaskedLM (read as BERT, training/distilbert.py) keeps its MLM head; the NSP head and
+    the segment embeddings start fresh, and the folder written is a BERT that transformers loads whole."""
+    torch.manual_seed(1)
+    vocab_size = len((tokenizer_dir / "vocab.txt").read_text().splitlines())
+    source = tmp_path / "distilbert"
+    transformers.DistilBertForMaskedLM(transformers.DistilBertConfig(
+        vocab_size=vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+        max_position_embeddings=POSITIONS)).save_pretrained(source)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, source / f.name)
+    before = load_model_folder(source)
+    assert before.has_mlm_head and not before.has_nsp_head and not before.has_pooler
+    out = tmp_path / "model"
+    assert main(init_args(corpus, root / "cache", source, out, tmp_path / "run", "--max-steps", "2")) == 0
+    _, info = transformers.BertForPreTraining.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert load_model_folder(out).has_nsp_head
+
+
 def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corpus, pretraining_dir, bare_dir,
                                                                       tmp_path, capsys):
     run_dir = tmp_path / "run"
