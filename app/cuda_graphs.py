@@ -166,11 +166,13 @@ class CudaGraphBuckets:
             mask[n:, 0] = 1  # rows that only fill the bucket attend to one token: no empty softmax
             values = self._run(self._buckets[bucket_rows, bucket_length], ids, mask, types, outputs)
             for name, value in values.items():
-                if value.ndim == 3:  # token vectors; past a row's bucket only padding, left at zero
-                    answer.setdefault(name, np.zeros((rows, length, value.shape[2]), value.dtype))[taken, :width] = \
-                        value[:n, :width]
+                if name not in answer:  # token vectors past a row's bucket are padding, left at zero
+                    answer[name] = np.zeros((rows, length) + value.shape[2:] if value.ndim == 3
+                                            else (rows,) + value.shape[1:], value.dtype)
+                if value.ndim == 3:
+                    answer[name][taken, :width] = value[:n, :width]
                 else:
-                    answer.setdefault(name, np.empty((rows,) + value.shape[1:], value.dtype))[taken] = value[:n]
+                    answer[name][taken] = value[:n]
         return answer
 
     def _run(self, bucket: _Bucket, ids: np.ndarray, mask: np.ndarray, types: np.ndarray,
