@@ -6,13 +6,14 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from fastapi import Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
@@ -80,6 +81,12 @@ class _OrjsonRequest(Request):
 
 
 ServiceEndpoint = Callable[..., Awaitable[Response]]  # endpoint(body, request, service)
+
+
+class JsonObject(RootModel[dict[str, Any]]):
+    """A body read as a JSON object only, for a route that answers several contracts at one path: the
+    route picks the contract (by the model served, or by the fields present) and validates the body as
+    that contract's (validate_body)."""
 
 
 @dataclass(frozen=True, slots=True)

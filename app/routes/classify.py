@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated
 
 import numpy as np
 from fastapi import APIRouter, Body, Depends, Request
-from pydantic import RootModel
 from starlette.responses import Response
 
 from app.errors import Unsupported
 from app.pooling import softmax
 from app.responses import json_response
-from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key, validate_body
+from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
 from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankRequest, DocumentsRerankResponse, Prediction,
                          PredictRequest, Rank, RerankRequest)
 from app.service import InferenceService
@@ -89,11 +88,8 @@ router.add_api_route("/v2/rerank", rerank_documents, methods=["POST"], response_
                      responses=SERVICE_ERROR_RESPONSES, name="rerank_documents_v2")
 
 
-class RerankBody(RootModel[dict[str, Any]]):
-    """POST /rerank's body before it is read as TEI's (`texts`) or as Cohere's and Jina's (`documents`)."""
-
-
-async def rerank_either(body: RerankBody, request: Request, service: InferenceService) -> Response:
+async def rerank_either(body: JsonObject, request: Request, service: InferenceService) -> Response:
+    """/rerank's body read as Cohere's and Jina's when it has `documents` and no `texts`, else as TEI's."""
     if "documents" in body.root and "texts" not in body.root:
         return await rerank_documents(validate_body(DocumentsRerankRequest, body.root), request, service)
     return await rerank(validate_body(RerankRequest, body.root), request, service)
@@ -105,7 +101,7 @@ async def rerank_route(body: Annotated[RerankRequest | DocumentsRerankRequest, B
     """The texts by relevance to the query, most relevant first: with `texts`, as text-embeddings-inference
     answers ([{"index", "score", "text"?}]); with `documents`, as /v1/rerank answers. (For the docs: the
     serving front answers POST with rerank_either itself.)"""
-    return await rerank_either(RerankBody(await request.json()), request, service)
+    return await rerank_either(JsonObject(await request.json()), request, service)
 
 
 @router.post("/predict", response_model=list[Prediction] | list[list[Prediction]], responses=SERVICE_ERROR_RESPONSES)
@@ -124,6 +120,6 @@ async def predict(body: PredictRequest, request: Request,
     return json_response(answer[0] if single else answer, headers=result.timings.headers())
 
 
-DIRECT_ROUTES = {"/rerank": DirectRoute(rerank_either, RerankBody), "/predict": DirectRoute(predict, PredictRequest),
+DIRECT_ROUTES = {"/rerank": DirectRoute(rerank_either, JsonObject), "/predict": DirectRoute(predict, PredictRequest),
                  "/v1/rerank": DirectRoute(rerank_documents, DocumentsRerankRequest),
                  "/v2/rerank": DirectRoute(rerank_documents, DocumentsRerankRequest)}

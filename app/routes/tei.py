@@ -11,16 +11,15 @@
 Embeddings are pooled as the model's makers meant (GET /info `default_pooling`, Dense layers included)."""
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import numpy as np
 from fastapi import APIRouter, Body, Depends, Request
-from pydantic import RootModel
 from starlette.responses import Response
 
 from app.pooling import POOLING_OUTPUT
 from app.responses import json_response
-from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key, validate_body
+from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
 from app.routes.classify import predict, rerank
 from app.schemas import (SERVICE_ERROR_RESPONSES, Prediction, PredictRequest, Rank, RerankRequest, SimilarityParameters,
                          TeiEmbedRequest, TeiSimilarityRequest)
@@ -29,10 +28,6 @@ from app.service import InferenceService
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
 
 ROOT_PATHS = ("/", "/invocations")
-
-
-class TeiRootBody(RootModel[dict[str, Any]]):
-    """POST /'s body before it is read as the model's own route's."""
 
 
 async def tei_embed(body: TeiEmbedRequest, request: Request, service: InferenceService) -> Response:
@@ -61,7 +56,7 @@ async def similarity(body: TeiSimilarityRequest, request: Request,
     return json_response((vectors[1:] @ vectors[0]).astype(np.float32), headers=result.timings.headers())
 
 
-async def tei_root(body: TeiRootBody, request: Request, service: InferenceService) -> Response:
+async def tei_root(body: JsonObject, request: Request, service: InferenceService) -> Response:
     """The route TEI serves at / for this model, the body read as that route's."""
     labels = service.manifest.classifier_labels
     if labels:
@@ -80,7 +75,7 @@ async def tei_root_route(body: Annotated[TeiEmbedRequest | TeiSimilarityRequest 
     text or a list: [[float, ...], ...]), or with `inputs` {source_sentence, sentences} answers as
     /similarity; a cross-encoder (one label) answers as /rerank; a classifier of several labels as /predict.
     (For the docs and HEAD: the serving front answers POST with tei_root itself.)"""
-    return await tei_root(TeiRootBody(await request.json()), request, service)
+    return await tei_root(JsonObject(await request.json()), request, service)
 
 
 for path in ROOT_PATHS:
@@ -88,5 +83,5 @@ for path in ROOT_PATHS:
                          response_model=list[list[float]] | list[float] | list[Rank] | list[Prediction]
                          | list[list[Prediction]])
 
-DIRECT_ROUTES = {path: DirectRoute(tei_root, TeiRootBody) for path in ROOT_PATHS} | {
+DIRECT_ROUTES = {path: DirectRoute(tei_root, JsonObject) for path in ROOT_PATHS} | {
     "/similarity": DirectRoute(similarity, TeiSimilarityRequest)}
