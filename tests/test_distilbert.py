@@ -1,6 +1,7 @@
-"""DistilBERT checkpoints, read as BERT (training/distilbert.py): served as transformers and
-sentence-transformers compute them, continued-pretrained from their own MLM head, and their task heads
-and unsupported variants refused in one line."""
+"""DistilBERT checkpoints, read as BERT (training/distilbert.py): encoders served as transformers and
+sentence-transformers compute them, classifiers scored as transformers scores them, the MLM head kept
+for continued pretraining (tests/test_init_from.py), and what the server cannot reproduce refused in
+one line."""
 from __future__ import annotations
 
 import json
@@ -87,19 +88,47 @@ def test_a_distilbert_masked_lm_keeps_its_mlm_head(tiny_tokenizer_dir, tmp_path)
     np.testing.assert_allclose(got.numpy(), want.numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("case,words", [
-    ("classifier", "DistilBertForSequenceClassification: its weights hold a task head"),
-    ("relu", "unsupported hidden_act 'relu'"),
-])
-def test_distilbert_variants_the_server_cannot_reproduce_are_one_line(case, words, tiny_tokenizer_dir, tmp_path):
-    if case == "classifier":
-        folder, _ = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir,
-                                      transformers.DistilBertForSequenceClassification)
+@pytest.mark.parametrize("labels", [1, 3])
+def test_a_distilbert_classifier_scores_as_transformers_does(labels, tiny_tokenizer_dir, tmp_path):
+    """DistilBertForSequenceClassification (relu(pre_classifier([CLS])), then classifier): a cross-encoder
+    (one label) on /rerank, a classifier on /predict, each within 1e-5 of transformers' own scores."""
+    folder, model = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir,
+                                      transformers.DistilBertForSequenceClassification, num_labels=labels,
+                                      initializer_range=0.3)  # scores spread, so that the order is tested
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert len(m.classifier_labels) == labels
+    tok = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))
+    pairs = [("how do cats sleep", text) for text in TEXTS]
+    with torch.no_grad():
+        logits = np.array([model(input_ids=torch.tensor([tok.encode(*pair).ids])).logits[0].numpy()
+                           for pair in pairs], dtype=np.float64)
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            if labels == 1:
+                return (await c.post("/rerank", json={"query": pairs[0][0], "texts": TEXTS})).json()
+            return (await c.post("/predict", json={"inputs": [list(pair) for pair in pairs]})).json()
+    answer = run(go())
+    if labels == 1:
+        np.testing.assert_allclose([r["score"] for r in sorted(answer, key=lambda r: r["index"])],
+                                   1 / (1 + np.exp(-logits[:, 0])), atol=1e-5)
     else:
-        folder, _ = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir, activation="relu")
-    with pytest.raises(ModelFolderError, match=words):
-        load_model_folder(folder, sequence_classifier=True)
-    with pytest.raises(Exception, match=words):
+        want = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+        got = [[next(p["score"] for p in row if p["label"] == f"LABEL_{k}") for k in range(labels)] for row in answer]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_continued_pretraining_refuses_a_distilbert_classifier_naming_what_it_would_lose(tiny_tokenizer_dir,
+                                                                                         tmp_path):
+    folder, _ = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir, transformers.DistilBertForSequenceClassification)
+    with pytest.raises(ModelFolderError, match="DistilBertForSequenceClassification.*pretraining would drop"):
+        load_model_folder(folder)  # as --init-from reads it
+
+
+def test_a_distilbert_of_another_activation_is_one_line(tiny_tokenizer_dir, tmp_path):
+    folder, _ = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir, activation="relu")
+    with pytest.raises(ModelFolderError, match="unsupported hidden_act 'relu'"):
+        load_model_folder(folder)
+    with pytest.raises(Exception, match="unsupported hidden_act 'relu'"):
         export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
     assert not (tmp_path / "art").exists()
-

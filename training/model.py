@@ -278,9 +278,10 @@ class BertPooler(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation: nn.Module = nn.Tanh()  # BERT's; a DistilBERT classifier's head reads as this with ReLU
 
     def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dense(first_tokens))  # [B, H] from the [CLS] vectors
+        return self.activation(self.dense(first_tokens))  # [B, H] from the [CLS] vectors
 
 
 class BertModel(nn.Module):

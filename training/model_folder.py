@@ -35,7 +35,7 @@ _TIED_KEYS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 _BUFFER_SUFFIXES = ("embeddings.position_ids", "embeddings.token_type_ids")
 # The heads of fine-tuned BERTs (sequence / token classification and multiple choice, question answering):
 # named in the error, since "unexpected tensors" alone does not say that the checkpoint is a cross-encoder.
-_TASK_HEADS = ("classifier.", "pre_classifier.", "qa_outputs.")
+_TASK_HEADS = ("classifier.", "qa_outputs.")
 # Old (TF-converted) checkpoints, such as Google's bert-base-uncased, renamed as transformers does at load.
 _LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
@@ -205,9 +205,12 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     state = _our_names(distilbert.bert_state_dict(state) if distilbert.is_distilbert(raw_config) else state)
     architectures = raw_config.get("architectures") or []
     classifier = None
-    if sequence_classifier and architectures[:1] == ["BertForSequenceClassification"]:
+    if sequence_classifier and architectures[:1] in (["BertForSequenceClassification"],
+                                                     [distilbert.SEQUENCE_CLASSIFIER]):
         classifier = _classifier_head(folder, state, config.hidden_size)
     model = BertForPreTraining(config)
+    if architectures[:1] == [distilbert.SEQUENCE_CLASSIFIER]:
+        model.bert.pooler.activation = distilbert.POOLER_ACTIVATION()
     expected = {k for k in model.state_dict() if k not in _TIED_KEYS}
     missing = expected - state.keys()
     encoder_missing = sorted(k for k in missing if k.startswith("bert.") and not k.startswith("bert.pooler."))
@@ -219,7 +222,7 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     if heads:
         kind = architectures[0] if architectures else "a fine-tuned model"
         what = ("export serves it (/rerank, /predict), but pretraining would drop that head"
-                if kind == "BertForSequenceClassification" else
+                if kind in ("BertForSequenceClassification", distilbert.SEQUENCE_CLASSIFIER) else
                 "which this project neither trains nor serves (it serves BERT encoders, cross-encoders and "
                 "sequence classifiers)")
         raise ModelFolderError(f"{folder} is {kind}: its weights hold a task head ({', '.join(heads)}); {what}")
