@@ -145,10 +145,11 @@ def main() -> None:
         buckets.planner = planned
         split = ms_per_batch(replay, work)
         real = np.mean([x.sum() for x in lengths])
-        print(f"{rows:>4}{'L' if one_long else ' '} {real:>8.0f} {padded_one:>14.0f} {padded_planned:>11.0f} {replays:>7.1f} | "
-              f"{'':>10}{packed:>7.3f} {packed_two:>13.3f} {whole:>10.3f} {split:>8.3f} | {rows / split * 1000:,.0f}",
+        print(f"{rows:>4}{'L' if one_long else ' '} {real:>8.0f} {padded_one:>14.0f} {padded_planned:>11.0f} "
+              f"{replays:>7.1f} | {'':>10}{packed:>7.3f} {packed_two:>13.3f} {whole:>10.3f} {split:>8.3f} | {rows / split * 1000:,.0f}",
               flush=True)
-        report["sizes"][f"{rows}{' with one long text' if one_long else ''}"] = {"real_tokens": real, "one_bucket_tokens": padded_one,
+        name = f"{rows}{' with one long text' if one_long else ''}"
+        report["sizes"][name] = {"real_tokens": real, "one_bucket_tokens": padded_one,
                                  "planned_tokens": padded_planned, "replays": replays, "packed_ms": packed,
                                  "packed_two_threads_ms_each": packed_two, "one_bucket_ms": whole,
                                  "planned_ms": split}

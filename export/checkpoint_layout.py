@@ -12,7 +12,7 @@ import numpy as np
 
 from artifact.source_folder import SENTENCE_BERT_CONFIG_FILE as SBERT_CONFIG_FILE
 from export import ExportError
-from training import distilbert
+from training import bert_family
 from training.model_folder import read_state_dict
 
 MODULES_FILE = "modules.json"
@@ -179,8 +179,10 @@ def _check_normalize(path: Path) -> None:
 
 
 def _hidden_size(encoder_dir: Path) -> int:
-    config = _read_object(encoder_dir / "config.json")
-    return int((distilbert.bert_config(config) if distilbert.is_distilbert(config) else config).get("hidden_size", -1))
+    try:
+        return int(bert_family.bert_config(_read_object(encoder_dir / "config.json")).get("hidden_size", -1))
+    except ValueError as e:  # a family member the server cannot reproduce, in its reader's words
+        raise ExportError(f"{encoder_dir / 'config.json'}: {e}") from e
 
 
 def _read_json(path: Path):

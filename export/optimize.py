@@ -33,18 +33,19 @@ class FusionError(ExportError):
     """ORT's optimiser did not fuse what a BERT graph must fuse."""
 
 
-def expected_fusions(num_layers: int) -> dict[tuple[str, ...], int]:
-    """Op-type groups -> the count each group must reach for a fully fused BERT encoder."""
+def expected_fusions(num_layers: int, head_gelus: int = 0) -> dict[tuple[str, ...], int]:
+    """Op-type groups -> the count each group must reach for a fully fused BERT encoder; `head_gelus`:
+    GELUs outside the encoder (an ELECTRA classifier's head has one where BERT's pooler has tanh)."""
     return {
         ATTENTION_OPS: num_layers,
         ("EmbedLayerNormalization",): 1,
         ("SkipLayerNormalization",): 2 * num_layers,  # after attention and after the FFN
-        GELU_OPS: num_layers,
+        GELU_OPS: num_layers + head_gelus,
     }
 
 
-def check_fusions(counts: dict[str, int], num_layers: int, what: str) -> None:
-    for group, want in expected_fusions(num_layers).items():
+def check_fusions(counts: dict[str, int], num_layers: int, what: str, head_gelus: int = 0) -> None:
+    for group, want in expected_fusions(num_layers, head_gelus).items():
         got = sum(counts.get(op, 0) for op in group)
         if got != want:
             raise FusionError(
@@ -55,14 +56,16 @@ def check_fusions(counts: dict[str, int], num_layers: int, what: str) -> None:
 
 
 def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, float16: bool,
-                   remove_padding: bool = False, packed_attention: str = PACKED_ATTENTION_OPS[0]) -> dict[str, int]:
+                   remove_padding: bool = False, packed_attention: str = PACKED_ATTENTION_OPS[0],
+                   head_gelus: int = 0) -> dict[str, int]:
     """Fuse `raw` (fp32, as traced) into `dst`, fp16 inside with float32 inputs/outputs if `float16`.
 
     `remove_padding` (CUDA only: ORT has no CPU kernels for it) packs the real tokens of the batch
     before the first layer and restores the padded shape after the last, so the matmuls skip padding;
     the graph's inputs and outputs stay the same; `packed_attention` (one of PACKED_ATTENTION_OPS) is
     the attention operator it then runs. Returns the fused-operator counts, with the packed attention /
-    RemovePadding counts when packed; raises FusionError when the encoder did not fully fuse."""
+    RemovePadding counts when packed; raises FusionError when the encoder did not fully fuse (`head_gelus`:
+    see expected_fusions)."""
     from onnxruntime.transformers import optimizer
     from onnxruntime.transformers.fusion_options import FusionOptions
 
@@ -82,7 +85,7 @@ def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, f
         optimization_options=options,
     )
     counts = {k: int(v) for k, v in opt.get_fused_operator_statistics().items()}
-    check_fusions(counts, config.num_hidden_layers, "fp16 graph" if float16 else "fp32 graph")
+    check_fusions(counts, config.num_hidden_layers, "fp16 graph" if float16 else "fp32 graph", head_gelus)
     if float16:
         # keep_io_types: the server feeds int64 ids and reads float32 outputs, with no cast of its own
         opt.convert_float_to_float16(keep_io_types=True)

@@ -20,8 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from artifact.manifest import (DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
-                               PADDED_KERNELS_GRAPH_FILE, TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, Manifest,
-                               PaddedGraph, sha256_file)
+                               PADDED_KERNELS_GRAPH_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
+                               GraphInfo, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
@@ -207,10 +207,13 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
                  calibration: list[dict[str, np.ndarray]] | None = None,
                  packed_attention: str = PACKED_ATTENTION_OPS[0]) -> GraphInfo:
     path = tmp / (file or GRAPH_FILES[precision])
+    # an ELECTRA classifier's head: a GELU where BERT's pooler has tanh, which ORT fuses as the encoder's
+    head_gelus = int(POOLED_EMBEDDING in graph.outputs
+                     and isinstance(loaded.model.bert.pooler.activation, torch.nn.GELU))
     if precision == "fp32":
-        counts = optimize_graph(traced, path, loaded.config, use_gpu=False, float16=False)
+        counts = optimize_graph(traced, path, loaded.config, use_gpu=False, float16=False, head_gelus=head_gelus)
     elif precision == "fp16":
-        counts = optimize_graph(traced, path, loaded.config, use_gpu=True, float16=True,
+        counts = optimize_graph(traced, path, loaded.config, use_gpu=True, float16=True, head_gelus=head_gelus,
                                 remove_padding=remove_padding, packed_attention=packed_attention)
     else:
         counts = quantize_int8(tmp / GRAPH_FILES["fp32"], path, loaded.config, calibration)

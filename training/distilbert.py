@@ -27,10 +27,6 @@ _LAYER = re.compile(r"^transformer\.layer\.(\d+)\.(.+)\.(weight|bias)$")
 TYPE_VOCAB_SIZE = 2  # [CLS] A [SEP] B [SEP] still carries segments 0 and 1; both embed to zero
 
 
-def is_distilbert(raw_config: dict) -> bool:
-    return raw_config.get("model_type") == MODEL_TYPE
-
-
 def bert_config(raw_config: dict) -> dict:
     """A DistilBERT config.json's contents as a BERT config.json's."""
     # sinusoidal_pos_embds: the table is stored with the weights all the same

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SENTENCE_BERT_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
                                     transformer_folder)
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
-from training import distilbert
+from training import bert_family
 from training.model import BertConfig, BertForPreTraining
 from training.writes import write_failed
 
@@ -147,7 +147,7 @@ def _config_json(folder: Path) -> dict:
 
 def _bert_config(folder: Path, raw: dict) -> BertConfig:
     try:
-        return BertConfig.from_hf_dict(distilbert.bert_config(raw) if distilbert.is_distilbert(raw) else raw)
+        return BertConfig.from_hf_dict(bert_family.bert_config(raw))
     except (TypeError, ValueError) as e:
         raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: {e}") from e
 
@@ -184,8 +184,8 @@ def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> LoadedModel:
-    """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU); a DistilBERT one is
-    read as BERT (training/distilbert.py).
+    """Load a BERT checkpoint folder into our BertForPreTraining (eval mode, fp32, CPU); DistilBERT and
+    ELECTRA ones are read as BERT (training/bert_family.py).
 
     `sequence_classifier`: a BertForSequenceClassification's head (a cross-encoder's, a classifier's) is
     read into `LoadedModel.classifier`; otherwise such a checkpoint is refused, as other task heads are.
@@ -201,16 +201,15 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     folder = transformer_folder(folder)
     raw_config = _config_json(folder)
     config = _bert_config(folder, raw_config)
-    state = read_state_dict(folder)
-    state = _our_names(distilbert.bert_state_dict(state) if distilbert.is_distilbert(raw_config) else state)
+    state = _our_names(bert_family.bert_state_dict(raw_config, read_state_dict(folder)))
     architectures = raw_config.get("architectures") or []
     classifier = None
-    if sequence_classifier and architectures[:1] in (["BertForSequenceClassification"],
-                                                     [distilbert.SEQUENCE_CLASSIFIER]):
+    architecture = architectures[0] if architectures else None
+    if sequence_classifier and architecture in bert_family.SEQUENCE_CLASSIFIERS:
         classifier = _classifier_head(folder, state, config.hidden_size)
     model = BertForPreTraining(config)
-    if architectures[:1] == [distilbert.SEQUENCE_CLASSIFIER]:
-        model.bert.pooler.activation = distilbert.POOLER_ACTIVATION()
+    if (activation := bert_family.pooler_activation(architecture)) is not None:
+        model.bert.pooler.activation = activation
     expected = {k for k in model.state_dict() if k not in _TIED_KEYS}
     missing = expected - state.keys()
     encoder_missing = sorted(k for k in missing if k.startswith("bert.") and not k.startswith("bert.pooler."))
@@ -222,7 +221,7 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     if heads:
         kind = architectures[0] if architectures else "a fine-tuned model"
         what = ("export serves it (/rerank, /predict), but pretraining would drop that head"
-                if kind in ("BertForSequenceClassification", distilbert.SEQUENCE_CLASSIFIER) else
+                if kind in bert_family.SEQUENCE_CLASSIFIERS else
                 "which this project neither trains nor serves (it serves BERT encoders, cross-encoders and "
                 "sequence classifiers)")
         raise ModelFolderError(f"{folder} is {kind}: its weights hold a task head ({', '.join(heads)}); {what}")
