@@ -21,7 +21,6 @@ import collections
 import re
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 
 from artifact.manifest import read_manifest  # noqa: E402
 from artifact.session import kernels_library  # noqa: E402
+from bench.cuda_graph_replays import two_threads_ms  # noqa: E402
 from bench.engine_throughput import (PACKED_KINDS, DeviceBoundSession, TorchEngine, build, fixed_batch,  # noqa: E402
                                      stdlib_docstrings)
 
@@ -86,24 +86,14 @@ def wall_ms(engine, feed, runs: int = 50) -> tuple[float, float]:
     return back_to_back, (time.perf_counter() - started) / runs * 1000
 
 
-def two_threads_ms(engine, feed, runs: int = 50) -> float:
+def two_threads_batch_ms(engine, feed, runs: int = 50) -> float:
     """Milliseconds per batch with two threads each running `runs` batches, each waited for, at once."""
-    prepared = [engine.prepare(feed), engine.prepare(feed)]
-    barrier = threading.Barrier(3)
+    prepared = [engine.prepare(feed), engine.prepare(feed)]  # one binding per thread
 
-    def worker(p):
-        barrier.wait()
-        for _ in range(runs):
-            engine.run(p)
-            engine.sync()
-    threads = [threading.Thread(target=worker, args=(p,)) for p in prepared]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    started = time.perf_counter()
-    for t in threads:
-        t.join()
-    return (time.perf_counter() - started) / (2 * runs) * 1000
+    def run(thread: int, _: int) -> None:
+        engine.run(prepared[thread])
+        engine.sync()
+    return two_threads_ms(run, runs)
 
 
 def artifact_engines(folder: Path) -> dict:
@@ -144,7 +134,7 @@ def main() -> None:
         total_ms = sum(by_kind.values()) / RUNS / 1000
         back_to_back, each = wall_ms(engine, feed)
         both = "" if getattr(engine, "cuda_graph", False) or args.artifact is None else \
-            f", {two_threads_ms(engine, feed):.2f} ms a batch from two threads at once"
+            f", {two_threads_batch_ms(engine, feed):.2f} ms a batch from two threads at once"
         print(f"== {name} b={batch} L={length}: GPU kernel time {total_ms:.2f} ms/batch "
               f"({batch / total_ms * 1000:,.0f} seq/s if back to back); wall {back_to_back:.2f} ms back to back, "
               f"{each:.2f} ms one at a time{both}")

@@ -219,7 +219,7 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     unexpected = sorted(state.keys() - expected)
     heads = sorted({k.split(".")[1] for k in unexpected if k.removeprefix("bert.").startswith(_TASK_HEADS)})
     if heads:
-        kind = architectures[0] if architectures else "a fine-tuned model"
+        kind = architecture or "a fine-tuned model"
         what = ("export serves it (/rerank, /predict), but pretraining would drop that head"
                 if kind in bert_family.SEQUENCE_CLASSIFIERS else
                 "which this project neither trains nor serves (it serves BERT encoders, cross-encoders and "
