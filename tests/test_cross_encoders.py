@@ -4,8 +4,6 @@ transformers BertForSequenceClassification folder or a sentence-transformers Cro
 with transformers' softmax. Both in one process and through HTTP workers."""
 from __future__ import annotations
 
-import json
-import shutil
 
 import httpx
 import numpy as np
@@ -13,6 +11,7 @@ import pytest
 import torch
 
 from export.pipeline import export_artifact
+from tests.hf_checkpoints import saved_model, vocab_size
 from tests.test_app import assert_error, run, serving
 from tests.test_server import running_server
 from training.model_folder import ModelFolderError, load_model_folder
@@ -28,16 +27,11 @@ def classifier_folder(root, tokenizer_dir, num_labels: int, seed: int):
     """A tiny transformers BertForSequenceClassification (random, initialised wide so that scores spread)."""
     import transformers
 
-    torch.manual_seed(seed)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    config = transformers.BertConfig(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2,
+    config = transformers.BertConfig(vocab_size=vocab_size(tokenizer_dir), hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
                                      num_labels=num_labels, initializer_range=0.3,  # inputs then differ
                                      **({"id2label": LABELS} if num_labels == 3 else {}))
-    model = transformers.BertForSequenceClassification(config)
-    model.save_pretrained(root)
-    shutil.copy(tokenizer_dir / "tokenizer.json", root / "tokenizer.json")
-    return root, model.eval()
+    return saved_model(root, tokenizer_dir, transformers.BertForSequenceClassification, config, seed)
 
 
 def logits_of(model, tokenizer_dir, items) -> np.ndarray:

@@ -4,9 +4,6 @@ for continued pretraining (tests/test_init_from.py), and what the server cannot 
 one line."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +11,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from export.pipeline import export_artifact
+from tests.hf_checkpoints import saved_model, sentence_transformer_exported, vocab_size
 from tests.test_app import assert_error, run, serving
 from training.model_folder import ModelFolderError, load_model_folder
 
@@ -23,14 +21,9 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "short", "naïve café,
 
 def distilbert_folder(root, tokenizer_dir, model_class=transformers.DistilBertModel, seed=2, **config):
     """A tiny random transformers DistilBERT with the test tokenizer, saved by transformers."""
-    torch.manual_seed(seed)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    cfg = transformers.DistilBertConfig(vocab_size=len(vocab), dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                        max_position_embeddings=64, **config)
-    model = model_class(cfg).eval()
-    model.save_pretrained(root)
-    shutil.copy(tokenizer_dir / "tokenizer.json", root / "tokenizer.json")
-    return root, model
+    return saved_model(root, tokenizer_dir, model_class, transformers.DistilBertConfig(
+        vocab_size=vocab_size(tokenizer_dir), dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+        max_position_embeddings=64, **config), seed)
 
 
 def test_a_distilbert_encoder_is_served_as_transformers_computes_it(tiny_tokenizer_dir, tmp_path):
@@ -59,15 +52,8 @@ def test_a_distilbert_encoder_is_served_as_transformers_computes_it(tiny_tokeniz
 
 def test_a_sentence_transformers_distilbert_model_is_served_as_it_encodes(tiny_tokenizer_dir, tmp_path):
     st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers.models import Normalize, Pooling, Transformer
-
     folder, _ = distilbert_folder(tmp_path / "hf", tiny_tokenizer_dir)
-    model = st.SentenceTransformer(modules=[Transformer(str(folder), max_seq_length=24), Pooling(32, "mean"),
-                                            Normalize()], device="cpu")
-    model.save(str(tmp_path / "model"))
-    m = export_artifact(tmp_path / "model", tmp_path / "art", parity_shapes=SHAPES)
-    assert (m.default_pooling, m.default_normalize, m.max_length) == ("mean", True, 24)
-    want = st.SentenceTransformer(str(tmp_path / "model"), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    want = sentence_transformer_exported(st, folder, tmp_path, TEXTS, SHAPES)
 
     async def go():
         async with serving(tmp_path / "art") as (c, _):

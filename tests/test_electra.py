@@ -4,9 +4,6 @@ transformers and sentence-transformers' CrossEncoder score it, and ELECTRA-small
 refused in one line."""
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
@@ -14,6 +11,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from export.pipeline import export_artifact
+from tests.hf_checkpoints import saved_model, vocab_size
 from tests.test_app import run, serving
 from training.model_folder import ModelFolderError, load_model_folder
 
@@ -24,15 +22,10 @@ TEXTS = ["Cats sleep for most of the day, curled up somewhere warm.", "The stock
 
 
 def electra_folder(root, tokenizer_dir, model_class=transformers.ElectraModel, seed=3, **config):
-    torch.manual_seed(seed)
-    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    cfg = transformers.ElectraConfig(**{"vocab_size": len(vocab), "embedding_size": 32, "hidden_size": 32,
-                                        "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
-                                        "max_position_embeddings": 64, **config})
-    model = model_class(cfg).eval()
-    model.save_pretrained(root)
-    shutil.copy(tokenizer_dir / "tokenizer.json", root / "tokenizer.json")
-    return root, model
+    """A tiny random transformers ELECTRA with the test tokenizer, saved by transformers."""
+    return saved_model(root, tokenizer_dir, model_class, transformers.ElectraConfig(**{
+        "vocab_size": vocab_size(tokenizer_dir), "embedding_size": 32, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64, **config}), seed)
 
 
 def test_an_electra_discriminator_is_served_as_transformers_computes_it(tiny_tokenizer_dir, tmp_path):

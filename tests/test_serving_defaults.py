@@ -17,6 +17,7 @@ from artifact.manifest import POOLINGS, ManifestError, read_manifest
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export.__main__ import main
 from export.pipeline import export_artifact
+from tests.hf_checkpoints import sentence_transformer_exported
 from tests.test_app import assert_error, run, serving
 from tests.test_export import no_leftovers
 from tests.test_server import running_server
@@ -202,14 +203,7 @@ def test_defaults_match_sentence_transformers(st, hf_bert, tmp_path, pooling, co
 def test_a_model_saved_by_the_installed_sentence_transformers_is_served_as_it_encodes(st, hf_bert, tmp_path):
     """The folder as SentenceTransformer.save writes it today (sentence-transformers 6 names its modules
     sentence_transformers.base.modules.transformer.Transformer, not sentence_transformers.models.Transformer)."""
-    from sentence_transformers.models import Normalize, Pooling, Transformer
-
-    model = st.SentenceTransformer(modules=[Transformer(str(hf_bert), max_seq_length=24), Pooling(32, "mean"),
-                                            Normalize()], device="cpu")
-    model.save(str(tmp_path / "model"))
-    m = export_artifact(tmp_path / "model", tmp_path / "art", parity_shapes=SHAPES)
-    assert (m.default_pooling, m.default_normalize, m.max_length) == ("mean", True, 24)
-    want = st.SentenceTransformer(str(tmp_path / "model"), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    want = sentence_transformer_exported(st, hf_bert, tmp_path, TEXTS, SHAPES)
 
     async def go():
         async with serving(tmp_path / "art") as (c, _):
