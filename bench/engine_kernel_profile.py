@@ -48,8 +48,9 @@ def kind(kernel: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, kernel)), "other")
 
 
-def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter]:
-    """Microseconds of GPU time over RUNS runs, by kind and by kernel name."""
+def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter, collections.Counter]:
+    """Microseconds over RUNS runs: of GPU time by kind and by kernel name, and of the GPU idle before each
+    kernel (from the end of the one before it), by that kernel's name."""
     prepared = engine.prepare(feed)
     for _ in range(5):
         engine.run(prepared)
@@ -60,13 +61,18 @@ def kernel_times(engine, feed) -> tuple[collections.Counter, collections.Counter
             engine.run(prepared)
         engine.sync()
         torch.cuda.synchronize()
-    by_kind, by_name = collections.Counter(), collections.Counter()
+    by_kind, by_name, idle_before = collections.Counter(), collections.Counter(), collections.Counter()
+    spans = []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             us = getattr(event, "device_time_total", None) or event.cuda_time_total
             by_kind[kind(event.name)] += us
             by_name[event.name[:90]] += us
-    return by_kind, by_name
+            spans.append((event.time_range.start, event.time_range.end, event.name[:90]))
+    spans.sort()
+    for (_, end, _), (start, _, name) in zip(spans, spans[1:]):
+        idle_before[name] += max(0, start - end)
+    return by_kind, by_name, idle_before
 
 
 def wall_ms(engine, feed, runs: int = 50) -> tuple[float, float]:
@@ -130,7 +136,7 @@ def main() -> None:
     feed = fixed_batch(batch, length, np.random.default_rng(0))
     product_flops = 2 * 12 * (12 * 768 * 768) * batch * length  # the encoder's Q/K/V, output and FFN products
     for name, engine in engines.items():
-        by_kind, by_name = kernel_times(engine, feed)
+        by_kind, by_name, idle_before = kernel_times(engine, feed)
         total_ms = sum(by_kind.values()) / RUNS / 1000
         back_to_back, each = wall_ms(engine, feed)
         both = "" if getattr(engine, "cuda_graph", False) or args.artifact is None else \
@@ -142,6 +148,10 @@ def main() -> None:
             print(f"   {k:<10} {us / RUNS / 1000:7.3f} ms  {us / RUNS / 1000 / total_ms:5.1%}")
         print(f"   gemm rate on encoder GEMM FLOPs: {product_flops / (by_kind['gemm'] / RUNS / 1e6) / 1e12:.0f} TFLOP/s")
         for kernel, us in by_name.most_common(12):
+            print(f"     {us / RUNS / 1000:7.3f} ms  {kernel}")
+        print(f"   GPU idle between kernels: {sum(idle_before.values()) / RUNS / 1000:.3f} ms/batch "
+              f"(between runs included); the most before:")
+        for kernel, us in idle_before.most_common(6):
             print(f"     {us / RUNS / 1000:7.3f} ms  {kernel}")
 
 

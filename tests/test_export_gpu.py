@@ -130,6 +130,33 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999
 
 
+def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_gives(tiny_model_dir, tmp_path,
+                                                                                    monkeypatch):
+    """A batch of more than 4096 tokens: the operator times cuBLASLt's candidates and keeps the fastest
+    (BERTSERVE_KERNELS_AUTOTUNE=0 keeps the heuristic's first); both agree with the graph without our kernels."""
+    from app.engine import Batch, OrtEngine
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]) == 0
+    m = read_manifest(out)
+    tuned = OrtEngine(out, m, "cuda", "fp16", kernels="on")
+    monkeypatch.setenv("BERTSERVE_KERNELS_AUTOTUNE", "0")  # read when a session's kernels are made
+    first_choice = OrtEngine(out, m, "cuda", "fp16", kernels="on")
+    monkeypatch.delenv("BERTSERVE_KERNELS_AUTOTUNE")
+    plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, m.vocab_size, (80, 96)).astype(np.int64)
+    mask = (np.arange(96) < rng.integers(40, 97, (80, 1))).astype(np.int64)
+    assert mask.sum() > 4096
+    batch = Batch(ids, mask, np.zeros_like(ids), (TOKEN_EMBEDDINGS, CLS_EMBEDDING))
+    want = plain.run(batch)
+    real = mask.astype(bool)
+    for engine in (tuned, first_choice, tuned):  # the second run of `tuned` uses the algorithm it kept
+        got = engine.run(batch)
+        assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999
+        assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
+
+
 @pytest.mark.parametrize("kernels,keep_padding", [("off", False), ("on", False), ("on", True)])
 def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp_path, kernels, keep_padding):
     """The export writes a padded twin of the packed fp16 graph (and its kernels variant with the
