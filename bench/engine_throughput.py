@@ -10,7 +10,6 @@ the standard library, 16..256 tokens) where padding costs the engines that keep 
   python bench/engine_throughput.py --device cuda --packed-attention PackedAttention,PackedMultiHeadAttention
   python bench/engine_throughput.py --device cpu --preset tiny --batches 1,8 --iters 3   # smoke test
   python bench/engine_throughput.py --device cuda --untuned   # +kernels graphs also on cuBLASLt's first pick
-  python bench/engine_throughput.py --device cuda --residual  # +kernels graphs also with the residual rewrites
 
 Prints a table; writes engine_throughput.json under $OUT when set (or --json PATH).
 """
@@ -37,7 +36,6 @@ from artifact.manifest import INPUT_NAMES  # noqa: E402
 from artifact.session import kernels_library, open_session, require_cuda  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.onnx_graph import EmbeddingGraph  # noqa: E402
-from export.optimize import PACKED_ATTENTION_OPS  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model import BertForPreTraining, preset_config  # noqa: E402
 from training.model_folder import save_model_folder  # noqa: E402
@@ -84,14 +82,7 @@ def build(preset: str, device: str, work: Path, texts: list[str], packed_attenti
         artifacts["cpu"] = export_artifact(model_dir, work / "cpu", device="cpu", int8=True)
     else:
         # padded first: CUDA graphs need its fixed shapes, and it stands in if packing fails here
-        artifacts["padded"] = export_artifact(model_dir, work / "padded", device="cuda", remove_padding=False,
-                                              packed_attention=PACKED_ATTENTION_OPS[0])
-        if os.environ.get("BERTSERVE_PADDED_MHA") == "1":  # padded, on MultiHeadAttention
-            try:
-                artifacts["padded-mha"] = export_artifact(model_dir, work / "padded-mha", device="cuda",
-                                                          remove_padding=False, packed_attention=PACKED_ATTENTION_OPS[1])
-            except ExportError as e:
-                print(f"padded-mha fp16 export failed, benchmarking without it: {e}", flush=True)
+        artifacts["padded"] = export_artifact(model_dir, work / "padded", device="cuda", remove_padding=False)
         for op in packed_attention:
             kind = PACKED_KINDS[op]
             try:
@@ -184,20 +175,6 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
-def residual_variant(path: Path, residual: bool) -> Path:
-    """`path` rewritten by fuse_residual_products(residual), saved beside it."""
-    import onnx
-
-    from custom_kernels.fusion import fuse_residual_products
-
-    model = onnx.load(str(path))
-    if not fuse_residual_products(model, residual=residual):
-        raise SystemExit(f"{path.name}: no SkipLayerNormalization to rewrite")
-    out = path.with_name(f"{path.stem}_{'residual' if residual else 'bias'}.onnx")
-    onnx.save(model, str(out))
-    return out
-
-
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
     before = os.environ.get("BERTSERVE_KERNELS_AUTOTUNE")
@@ -241,9 +218,6 @@ def main(argv=None) -> int:
                    help=f"comma-separated ORT operators of the packed graphs to build and time: {', '.join(PACKED_KINDS)}")
     p.add_argument("--untuned", action="store_true",
                    help="also time each +kernels graph with the operator's autotuning off (BERTSERVE_KERNELS_AUTOTUNE=0)")
-    p.add_argument("--residual", action="store_true",
-                   help="also time each +kernels graph rewritten by custom_kernels.fusion.fuse_residual_products, "
-                        "both ways (residual summed in the product; bias alone)")
     p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -284,16 +258,10 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         for kind in packed:
             engines[f"ort fp16 {kind}"] = lambda kind=kind: DeviceBoundSession(graph_file(kind, "fp16"), "cuda")
         engines["ort fp16 padded"] = lambda: DeviceBoundSession(graph_file("padded", "fp16"), "cuda")
-        if "padded-mha" in artifacts:
-            packed.append("padded-mha")
         for kind in (*packed, "padded"):
             if kind in artifacts and kernels_file(kind):
                 engines[f"ort fp16 {kind}+kernels"] = (
                     lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))
-                for residual in (True, False) if args.residual else ():
-                    engines[f"ort fp16 {kind}+kernels+{'residual' if residual else 'bias'}"] = (
-                        lambda kind=kind, residual=residual: DeviceBoundSession(
-                            residual_variant(kernels_file(kind), residual), "cuda", kernels_library=library))
                 if args.untuned:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",

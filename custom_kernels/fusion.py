@@ -1,14 +1,11 @@
 """Graph rewrites onto our operators (needs onnx; export runs them, the server never does):
 each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one bertserve.MatMulBiasGelu
-node; the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
-add the attention's bias themselves; and each MatMul whose product a SkipLayerNormalization adds to the
-block's residual becomes either a MatMulBiasResidual that sums all three before a plain
-LayerNormalization, or a MatMulBias beside the SkipLayerNormalization."""
+node, and the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
+add the attention's bias themselves."""
 from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -16,8 +13,6 @@ from custom_kernels import DOMAIN
 
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
-MATMUL_BIAS_RESIDUAL = "MatMulBiasResidual"
-LAYER_NORMALIZATION_OPSET = 17  # LayerNormalization's first opset in the default domain
 # ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
@@ -116,80 +111,16 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
-def fuse_residual_products(model: onnx.ModelProto, residual: bool = True) -> int:
-    """Rewrites `model` in place and returns how many MatMuls it replaced. A com.microsoft
-    SkipLayerNormalization computes LayerNorm(input + skip + bias); where one of its two summands is a
-    MatMul read by it alone (weight a 2-D initializer), its bias a 1-D initializer or absent, and none of
-    its mean, inverse-deviation or sum outputs is read:
-    - residual=True: MatMulBiasResidual sums the product, the bias and the other summand in the GEMM's
-      epilogue, and a LayerNormalization (opset >= 17) normalises that one tensor;
-    - residual=False: MatMulBias adds the bias in the GEMM, and the SkipLayerNormalization keeps the
-      residual without its bias."""
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    if residual and opset < LAYER_NORMALIZATION_OPSET:
-        return 0
-    g = _Graph(model.graph)
-    replaced: dict[int, onnx.NodeProto] = {}
-    dropped: set[int] = set()
-    new_initializers: list[onnx.TensorProto] = []
-    for i, norm in enumerate(g.nodes):
-        if norm.op_type != "SkipLayerNormalization" or norm.domain != "com.microsoft" or len(norm.input) < 3:
-            continue
-        if any(name and (g.uses[name] or name in g.outputs) for name in norm.output[1:]):
-            continue
-        found, side = next(((f, k) for k in (0, 1) if (f := g.sole_matmul(norm.input[k])) is not None), (None, 0))
-        bias_name = norm.input[4] if len(norm.input) > 4 else ""
-        bias = g.initializers.get(bias_name) if bias_name else None
-        if found is None or (bias_name and (bias is None or len(bias.dims) != 1)):
-            continue
-        j, matmul, weight = found
-        if bias is None:  # the products' operators take a bias: a zero one
-            zeros = np.zeros(weight.dims[1], dtype=helper.tensor_dtype_to_np_dtype(weight.data_type))
-            bias = numpy_helper.from_array(zeros, f"{matmul.output[0]}_zero_bias")
-            new_initializers.append(bias)
-        other = norm.input[1 - side]
-        name = norm.name or norm.output[0]
-        if residual:
-            total = f"{norm.output[0]}_residual_sum"
-            dropped.add(j)
-            replaced[i] = [
-                helper.make_node(MATMUL_BIAS_RESIDUAL, [matmul.input[0], matmul.input[1], bias.name, other],
-                                 [total], name=f"{name}_product", domain=DOMAIN),
-                helper.make_node("LayerNormalization", [total, norm.input[2], *norm.input[3:4]], [norm.output[0]],
-                                 name=f"{name}_norm", axis=-1, epsilon=_epsilon(norm))]
-        else:
-            replaced[j] = helper.make_node(MATMUL_BIAS, [matmul.input[0], matmul.input[1], bias.name],
-                                           list(matmul.output), name=f"{matmul.name or matmul.output[0]}_bias",
-                                           domain=DOMAIN)
-            del norm.input[4:]  # the messages in `nodes` are graph.node's own: this edits the graph
-    if not replaced:
-        return 0
-    model.graph.initializer.extend(new_initializers)
-    _rewrite(model, replaced, dropped)
-    return len(replaced)
-
-
-def _epsilon(node: onnx.NodeProto) -> float:
-    """A SkipLayerNormalization's epsilon (its schema's default when unset)."""
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-12)
-
-
-def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto | list[onnx.NodeProto]],
-             dropped: set[int]) -> None:
-    """graph.node with node i replaced by replaced[i] (one node or several) and the nodes in `dropped`
-    left out, in the same order, and our domain imported."""
+def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], dropped: set[int]) -> None:
+    """graph.node with node i replaced by replaced[i] and the nodes in `dropped` left out, in the same
+    order, and our domain imported."""
     graph = model.graph
     # Copies: the messages in graph.node go when it is emptied.
-    kept = [_copy(new) for i, node in enumerate(graph.node) if i not in dropped
-            for new in _as_list(replaced.get(i, node))]
+    kept = [_copy(replaced.get(i, node)) for i, node in enumerate(graph.node) if i not in dropped]
     del graph.node[:]
     graph.node.extend(kept)
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-
-
-def _as_list(nodes):
-    return nodes if isinstance(nodes, list) else [nodes]
 
 
 def _copy(message):

@@ -6,7 +6,6 @@ times slower on GPU, so the export fails instead of shipping it.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,10 +72,8 @@ def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, f
     if packed_attention not in PACKED_ATTENTION_OPS:
         raise ValueError(f"packed attention must be one of {', '.join(PACKED_ATTENTION_OPS)}, not {packed_attention!r}")
     options = FusionOptions("bert")
-    # MultiHeadAttention (the Q, K, V MatMuls left outside) is what packing turns into PackedMultiHeadAttention;
-    # a padded graph keeps it when asked for it (BERTSERVE_PADDED_MHA=1: an experiment, bench/engine_throughput.py)
-    options.use_multi_head_attention = packed_attention == "PackedMultiHeadAttention" and (
-        remove_padding or os.environ.get("BERTSERVE_PADDED_MHA") == "1")
+    # MultiHeadAttention (the Q, K, V MatMuls left outside) is what packing turns into PackedMultiHeadAttention
+    options.use_multi_head_attention = remove_padding and packed_attention == "PackedMultiHeadAttention"
 
     opt = optimizer.optimize_model(
         str(raw),

@@ -1,12 +1,10 @@
 // ONNX Runtime custom-op library: matrix products with their epilogue fused, on the CUDA provider.
 //
-//   bertserve.MatMulBiasGelu      Y = gelu(X·W + bias)
-//   bertserve.MatMulBias          Y = X·W + bias
-//   bertserve.MatMulBiasResidual  Y = X·W + bias + R
-//   X [..., K] fp16, W [K, N] fp16, bias [N] fp16, R [..., N] fp16  ->  Y [..., N] fp16
+//   bertserve.MatMulBiasGelu  Y = gelu(X·W + bias)
+//   bertserve.MatMulBias      Y = X·W + bias
+//   X [..., K] fp16, W [K, N] fp16, bias [N] fp16  ->  Y [..., N] fp16
 //
-// One cublasLtMatmul with the CUBLASLT_EPILOGUE_GELU_BIAS / _BIAS epilogue, fp32 accumulation; R is
-// cuBLASLt's C operand with beta = 1. Row-major
+// One cublasLtMatmul with the CUBLASLT_EPILOGUE_GELU_BIAS / _BIAS epilogue, fp32 accumulation. Row-major
 // tensors are handed to column-major cuBLASLt as their transposes: Yᵀ[N×M] = Wᵀ[N×K] · Xᵀ[K×M], bias
 // one value per row of Yᵀ. Load with SessionOptions.register_custom_ops_library(path).
 //
@@ -14,8 +12,7 @@
 // (custom_kernels/fusion.py rewrites the graph): the GEMM writes gelu(x) directly instead of x for a
 // second kernel to read back, which saved about 1.4 ms of 14.4 per BERT-base batch of 256 x 128 on an
 // H100. MatMulBias gives PackedMultiHeadAttention its Q, K and V with their biases added, so that the
-// attention reads them where they are instead of adding the bias into a copy first. MatMulBiasResidual
-// adds a block's residual in the GEMM, so that the LayerNorm after it reads one tensor instead of two.
+// attention reads them where they are instead of adding the bias into a copy first.
 //
 // cuBLASLt's heuristic ranks algorithms by a model of the card, and for the large products of a big
 // batch its first choice is not always the fastest. So the first time a product of at least
@@ -84,8 +81,7 @@ OrtStatusPtr type_and_shape(const OrtValue* v, ONNXTensorElementDataType* type, 
 // One registered operator: its name and epilogue, element type and execution provider.
 struct OpDef : OrtCustomOp {
   const char* name;
-  bool gelu;      // GELU after the bias, or the bias alone
-  bool residual;  // a fourth input R added to the product
+  bool gelu;  // GELU after the bias, or the bias alone
   ONNXTensorElementDataType type;
   const char* provider;
 };
@@ -97,10 +93,10 @@ struct Kernel {
 };
 
 template <typename T>
-void host_matmul(const T* x, const T* w, const T* b, const T* r, T* y, int64_t M, int64_t K, int64_t N, bool gelu) {
+void host_matmul(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t K, int64_t N, bool gelu) {
   std::vector<float> wf(w, w + K * N), acc(N);
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) acc[n] = float(b[n]) + (r ? float(r[m * N + n]) : 0.0f);
+    for (int64_t n = 0; n < N; ++n) acc[n] = float(b[n]);
     for (int64_t k = 0; k < K; ++k) {
       const float xv = float(x[m * K + k]);
       for (int64_t n = 0; n < N; ++n) acc[n] += xv * wf[k * N + n];
@@ -116,13 +112,13 @@ OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernel
 }
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
-                 const void* r, void* y, void* /*stream: none on the CPU provider*/) {
+                 void* y, void* /*stream: none on the CPU provider*/) {
   if (k.def->type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
     host_matmul(static_cast<const _Float16*>(x), static_cast<const _Float16*>(w), static_cast<const _Float16*>(b),
-                static_cast<const _Float16*>(r), static_cast<_Float16*>(y), M, K, N, k.def->gelu);
+                static_cast<_Float16*>(y), M, K, N, k.def->gelu);
   else
     host_matmul(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(b),
-                static_cast<const float*>(r), static_cast<float*>(y), M, K, N, k.def->gelu);
+                static_cast<float*>(y), M, K, N, k.def->gelu);
   return nullptr;
 }
 
@@ -269,19 +265,19 @@ OrtStatusPtr make_plan(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Pl
   return nullptr;
 }
 
-// Y = X·W + bias (+ R as cuBLASLt's C, beta 1), with the plan's epilogue.
-cublasStatus_t matmul(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w,
-                      const void* r, void* y, cudaStream_t s) {
-  const float alpha = 1.0f, beta = r ? 1.0f : 0.0f;
-  return cublasLtMatmul(k.lt, p.op, &alpha, w, p.w, x, p.x, &beta, r ? r : y, p.y, y, p.y, &algo, k.workspace,
+// Y = X·W with the plan's epilogue (the bias pointer is set on the plan).
+cublasStatus_t matmul(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y,
+                      cudaStream_t s) {
+  const float alpha = 1.0f, beta = 0.0f;
+  return cublasLtMatmul(k.lt, p.op, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &algo, k.workspace,
                         k.workspace_bytes, s);
 }
 
 // Milliseconds a call of `algo` takes on stream s (the mean of kTuneRuns after one warm-up), or a
 // negative value when cuBLASLt refuses it. Writes y, which the real call overwrites afterwards.
-float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, const void* r,
-                void* y, cudaStream_t s) {
-  auto call = [&] { return matmul(k, p, algo, x, w, r, y, s); };
+float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y,
+                cudaStream_t s) {
+  auto call = [&] { return matmul(k, p, algo, x, w, y, s); };
   if (call() != CUBLAS_STATUS_SUCCESS) return -1.0f;
   if (cudaEventRecord(k.tune_start, s) != cudaSuccess) return -1.0f;
   for (int i = 0; i < kTuneRuns; ++i)
@@ -296,8 +292,7 @@ float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void
 // Sets p.algo for a new plan: the process's tuned choice for its bucket when there is one and it
 // fits this problem, else (outside a CUDA-graph capture) the fastest of `candidates`, remembered.
 void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates, int64_t M,
-                 int64_t K, int64_t N, int align, const void* x, const void* w, const void* r, void* y,
-                 cudaStream_t s) {
+                 int64_t K, int64_t N, int align, const void* x, const void* w, void* y, cudaStream_t s) {
   if (!k.autotune || M < kTuneMinRows || candidates.size() < 2) return;
   TunedAlgos& tuned = tuned_algos();
   const auto key = std::make_tuple(k.def->name, K, N, align, log2_floor(M));
@@ -317,7 +312,7 @@ void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicRe
   float best = -1.0f;
   for (const auto& c : candidates) {
     if (c.state != CUBLAS_STATUS_SUCCESS) continue;
-    const float ms = time_algo(k, p, c.algo, x, w, r, y, s);
+    const float ms = time_algo(k, p, c.algo, x, w, y, s);
     if (ms >= 0.0f && (best < 0.0f || ms < best)) {
       best = ms;
       p.algo = c.algo;
@@ -328,10 +323,10 @@ void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicRe
 }
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
-                 const void* r, void* y, void* stream) {
+                 void* y, void* stream) {
   const char* name = k.def->name;
   if (!stream) return fail(name, ORT_EP_FAIL, "ORT gave no CUDA compute stream (is the node on CUDAExecutionProvider?)");
-  const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y) | uintptr_t(r);
+  const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y);
   int align = 256;
   while (align > 2 && (bits & uintptr_t(align - 1))) align >>= 1;
 
@@ -356,8 +351,8 @@ OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, cons
   }
   Plan& p = it->second;
   LT_CHECK(name, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)));
-  if (!candidates.empty()) choose_algo(k, p, candidates, M, K, N, align, x, w, r, y, s);
-  LT_CHECK(name, matmul(k, p, p.algo, x, w, r, y, s));
+  if (!candidates.empty()) choose_algo(k, p, candidates, M, K, N, align, x, w, y, s);
+  LT_CHECK(name, matmul(k, p, p.algo, x, w, y, s));
   e = cudaEventRecord(k.done, s);
   if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaEventRecord", e));
   k.last = s;
@@ -372,11 +367,10 @@ const char* const kProvider = "CUDAExecutionProvider";
 OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   Kernel& k = *static_cast<Kernel*>(kernel);
   const char* name = k.def->name;
-  const size_t inputs = k.def->residual ? 4 : 3;
-  const OrtValue* in[4] = {};
-  ONNXTensorElementDataType type[4];
-  std::vector<int64_t> dims[4];
-  for (size_t i = 0; i < inputs; ++i) {
+  const OrtValue* in[3];
+  ONNXTensorElementDataType type[3];
+  std::vector<int64_t> dims[3];
+  for (size_t i = 0; i < 3; ++i) {
     RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
     if (!in[i]) return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
     RETURN_IF_ERROR(type_and_shape(in[i], &type[i], &dims[i]));
@@ -392,34 +386,30 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   std::vector<int64_t> yd(xd);
   yd.back() = N;
-  if (k.def->residual && dims[3] != yd)
-    return fail(name, ORT_INVALID_ARGUMENT, "residual R " + dims_str(dims[3]) + " is not the shape of X·W, " + dims_str(yd));
   OrtValue* out = nullptr;
   RETURN_IF_ERROR(api->KernelContext_GetOutput(ctx, 0, yd.data(), yd.size(), &out));
   if (M == 0 || N == 0) return nullptr;
 
-  void* ptr[4] = {};  // X, W, bias, R (or none)
-  for (size_t i = 0; i < inputs; ++i) RETURN_IF_ERROR(api->GetTensorMutableData(const_cast<OrtValue*>(in[i]), &ptr[i]));
-  void* y = nullptr;
-  RETURN_IF_ERROR(api->GetTensorMutableData(out, &y));
+  void* ptr[4];
+  for (int i = 0; i < 3; ++i) RETURN_IF_ERROR(api->GetTensorMutableData(const_cast<OrtValue*>(in[i]), &ptr[i]));
+  RETURN_IF_ERROR(api->GetTensorMutableData(out, &ptr[3]));
   void* stream = nullptr;
   RETURN_IF_ERROR(api->KernelContext_GetGPUComputeStream(ctx, &stream));
-  return run(k, M, K, N, ptr[0], ptr[1], ptr[2], ptr[3], y, stream);
+  return run(k, M, K, N, ptr[0], ptr[1], ptr[2], ptr[3], stream);
 }
 
-OpDef make_op(const char* name, bool gelu, bool residual, ONNXTensorElementDataType type, const char* provider) {
+OpDef make_op(const char* name, bool gelu, ONNXTensorElementDataType type, const char* provider) {
   OpDef op;
   std::memset(static_cast<void*>(&op), 0, sizeof(op));
   op.version = kOpVersion;
   op.name = name;
   op.gelu = gelu;
-  op.residual = residual;
   op.type = type;
   op.provider = provider;
   op.GetName = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->name; };
   op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->provider; };
   op.GetInputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
-  op.GetInputTypeCount = [](const OrtCustomOp* o) -> size_t { return static_cast<const OpDef*>(o)->residual ? 4 : 3; };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
@@ -451,9 +441,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatusPtr RegisterCustomOps
   static std::vector<OpDef> ops = [] {
     std::vector<OpDef> v;
     for (auto t : kTypes) {
-      v.push_back(make_op("MatMulBiasGelu", true, false, t, kProvider));
-      v.push_back(make_op("MatMulBias", false, false, t, kProvider));
-      v.push_back(make_op("MatMulBiasResidual", false, true, t, kProvider));
+      v.push_back(make_op("MatMulBiasGelu", true, t, kProvider));
+      v.push_back(make_op("MatMulBias", false, t, kProvider));
     }
     return v;
   }();
