@@ -16,15 +16,17 @@
 //
 // cuBLASLt's heuristic ranks algorithms by a model of the card, and for the large products of a big
 // batch its first choice is not always the fastest. So the first time a product of at least
-// kTuneMinRows rows is seen (per epilogue, K, N, alignment and power-of-two bucket of M), its top
+// kTuneMinRows rows is seen (per operator, K, N, alignment and power-of-two bucket of M), its top
 // candidates are timed on the node's own stream and the fastest is kept for the process; later row
 // counts in the bucket reuse it (cublasLtMatmulAlgoCheck first). BERTSERVE_KERNELS_AUTOTUNE=0 keeps the
-// heuristic's first choice. Nothing is timed while a stream is being captured into a CUDA graph.
+// heuristic's first choice; BERTSERVE_KERNELS_AUTOTUNE_LOG=1 prints each choice and its timings to stderr.
+// Nothing is timed while a stream is being captured into a CUDA graph.
 //
 // Built with -DBERTSERVE_HOST_REFERENCE (build.sh --host-reference) the library has no CUDA at all:
 // the same ops run on the CPU provider (fp16 and fp32, plain loops, exact-erf GELU), so the hand-made
 // ABI (ort_abi.h) and the graph rewrites are tested on machines without a GPU (tests/test_custom_kernels.py).
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -141,7 +143,8 @@ std::string lt_error(const char* what, cublasStatus_t s) {
 
 constexpr int64_t kTuneMinRows = 4096;  // smaller products take a few microseconds whatever the algorithm
 constexpr int kTuneCandidates = 8;
-constexpr int kTuneRuns = 5;
+constexpr int kTuneRuns = 5;  // timed calls of a candidate per pass
+constexpr int kTunePasses = 4;  // over all candidates, alternately in order and in reverse
 
 // The fastest algorithm found for each (operator, K, N, alignment, log2 M), shared by every node of
 // every session in the process: the twelve layers of an encoder tune each shape once.
@@ -185,6 +188,7 @@ struct Kernel {
   cudaEvent_t done = nullptr;
   cudaStream_t last = nullptr;
   bool autotune = true;
+  bool tune_log = false;  // BERTSERVE_KERNELS_AUTOTUNE_LOG=1: each decision and its timings on stderr
   cudaEvent_t tune_start = nullptr, tune_stop = nullptr;  // timing events, for autotuning only
   std::mutex mu;  // guards plans, last, and the bias pointer written into a plan's descriptor
   std::map<std::tuple<int64_t, int64_t, int64_t, int>, Plan> plans;  // (M, K, N, pointer alignment)
@@ -212,6 +216,8 @@ OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernel
   if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaEventCreate", e));
   const char* tune = std::getenv("BERTSERVE_KERNELS_AUTOTUNE");
   k->autotune = !(tune && std::strcmp(tune, "0") == 0);
+  const char* log = std::getenv("BERTSERVE_KERNELS_AUTOTUNE_LOG");
+  k->tune_log = log && std::strcmp(log, "1") == 0;
   const char* mb = std::getenv("BERTSERVE_KERNELS_WORKSPACE_MB");
   k->workspace_bytes = size_t(mb ? std::atol(mb) : 32) << 20;
   if (k->workspace_bytes) {
@@ -309,14 +315,30 @@ void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicRe
   }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return;
-  float best = -1.0f;
-  for (const auto& c : candidates) {
-    if (c.state != CUBLAS_STATUS_SUCCESS) continue;
-    const float ms = time_algo(k, p, c.algo, x, w, y, s);
-    if (ms >= 0.0f && (best < 0.0f || ms < best)) {
-      best = ms;
-      p.algo = c.algo;
+  // Each candidate's best pass: the GPU's clock climbs while an idle card starts work, which would favour
+  // whichever candidate comes last; alternating the order gives every one a turn at the end.
+  const size_t n = candidates.size();
+  std::vector<float> fastest(n, -1.0f);
+  for (int pass = 0; pass < kTunePasses; ++pass)
+    for (size_t j = 0; j < n; ++j) {
+      const size_t i = pass % 2 ? n - 1 - j : j;
+      if (candidates[i].state != CUBLAS_STATUS_SUCCESS) continue;
+      const float ms = time_algo(k, p, candidates[i].algo, x, w, y, s);
+      if (ms >= 0.0f && (fastest[i] < 0.0f || ms < fastest[i])) fastest[i] = ms;
     }
+  float best = -1.0f;
+  size_t chosen = 0;
+  for (size_t i = 0; i < n; ++i)
+    if (fastest[i] >= 0.0f && (best < 0.0f || fastest[i] < best)) {
+      best = fastest[i];
+      chosen = i;
+      p.algo = candidates[i].algo;
+    }
+  if (k.tune_log) {
+    std::string line = std::string("bertserve autotune ") + k.def->name + " M=" + std::to_string(M) + " K=" +
+                       std::to_string(K) + " N=" + std::to_string(N) + " align=" + std::to_string(align) + " ms:";
+    for (size_t i = 0; i < n; ++i) line += " " + std::to_string(fastest[i]).substr(0, 6);
+    std::fprintf(stderr, "%s -> #%zu\n", line.c_str(), chosen);
   }
   std::lock_guard<std::mutex> lock(tuned.mu);
   tuned.best.emplace(key, p.algo);

@@ -1,0 +1,62 @@
+"""The server's engine (app.engine.OrtEngine) in a fresh process: one small batch (a CUDA-graph replay of the
+padded twin, with CUDA graphs on), then batches of 64, 128 and 256 texts of 128 tokens, each timed on its
+first run and then as the median of ten. The first run of each size pays custom_kernels' autotuning
+(BERTSERVE_KERNELS_AUTOTUNE=0 to compare); run it several times to see start-up failures.
+
+  python bench/engine_first_batches.py ART [--kernels auto|on|off] [--cuda-graphs auto|on|off]
+      [--cuda-graph-rows 16] [--first-rows 2] [--only-first]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from app.engine import Batch, OrtEngine  # noqa: E402
+from artifact.manifest import CLS_EMBEDDING, read_manifest  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--kernels", default="on")
+    p.add_argument("--cuda-graphs", default="auto")
+    p.add_argument("--cuda-graph-rows", type=int, default=16)
+    p.add_argument("--first-rows", type=int, default=2, help="rows of the first, small batch (16 tokens)")
+    p.add_argument("--only-first", action="store_true", help="stop after the first batch")
+    args = p.parse_args()
+    manifest = read_manifest(args.artifact)
+    engine = OrtEngine(args.artifact, manifest, "cuda", "fp16", kernels=args.kernels, cuda_graphs=args.cuda_graphs,
+                       cuda_graph_rows=args.cuda_graph_rows)
+    rng = np.random.default_rng(0)
+
+    def batch(rows: int, length: int) -> Batch:
+        ids = rng.integers(1000, 8000, (rows, length)).astype(np.int64)
+        return Batch(ids, np.ones_like(ids), np.zeros_like(ids), (CLS_EMBEDDING,))
+
+    engine.run(batch(args.first_rows, 16))
+    if args.only_first:
+        return
+    tuning = os.environ.get("BERTSERVE_KERNELS_AUTOTUNE", "on")
+    for rows in (64, 128, 256):  # 8,192, 16,384 and 32,768 tokens: three size classes
+        b = batch(rows, 128)
+        started = time.perf_counter()
+        engine.run(b)
+        first = time.perf_counter() - started
+        times = []
+        for _ in range(10):
+            started = time.perf_counter()
+            engine.run(b)
+            times.append(time.perf_counter() - started)
+        print(f"autotune={tuning} rows={rows} x 128: first run {first * 1e3:.1f} ms, then median "
+              f"{np.median(times) * 1e3:.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
