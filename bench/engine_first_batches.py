@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from app.engine import Batch, OrtEngine  # noqa: E402
 from artifact.manifest import CLS_EMBEDDING, read_manifest  # noqa: E402
+from bench.engine_throughput import fixed_batch  # noqa: E402
 
 
 def main() -> None:
@@ -37,8 +38,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     def batch(rows: int, length: int) -> Batch:
-        ids = rng.integers(1000, 8000, (rows, length)).astype(np.int64)
-        return Batch(ids, np.ones_like(ids), np.zeros_like(ids), (CLS_EMBEDDING,))
+        return Batch(**fixed_batch(rows, length, rng), outputs=(CLS_EMBEDDING,))
 
     engine.run(batch(args.first_rows, 16))
     if args.only_first:

@@ -26,6 +26,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
@@ -177,15 +178,8 @@ class DeviceBoundSession:
 
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
-    before = os.environ.get("BERTSERVE_KERNELS_AUTOTUNE")
-    os.environ["BERTSERVE_KERNELS_AUTOTUNE"] = "0"
-    try:
+    with mock.patch.dict(os.environ, BERTSERVE_KERNELS_AUTOTUNE="0"):
         return make()
-    finally:
-        if before is None:
-            del os.environ["BERTSERVE_KERNELS_AUTOTUNE"]
-        else:
-            os.environ["BERTSERVE_KERNELS_AUTOTUNE"] = before
 
 
 def timed(engine, feeds: list, iters: int, warmup: int = 3) -> float:

@@ -133,7 +133,8 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
 def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_gives(tiny_model_dir, tmp_path,
                                                                                     monkeypatch):
     """A batch of more than 4096 tokens: the operator times cuBLASLt's candidates and keeps the fastest
-    (BERTSERVE_KERNELS_AUTOTUNE=0 keeps the heuristic's first); both agree with the graph without our kernels."""
+    (BERTSERVE_KERNELS_AUTOTUNE=0 keeps the heuristic's first); both agree with the graph without our kernels,
+    and so does a batch of another token count in the same power of two, which reuses the kept choice."""
     from app.engine import Batch, OrtEngine
 
     out = tmp_path / "art"
@@ -146,13 +147,13 @@ def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_giv
     plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
     rng = np.random.default_rng(0)
     ids = rng.integers(5, m.vocab_size, (80, 96)).astype(np.int64)
-    mask = (np.arange(96) < rng.integers(40, 97, (80, 1))).astype(np.int64)
-    assert mask.sum() > 4096
-    batch = Batch(ids, mask, np.zeros_like(ids), (TOKEN_EMBEDDINGS, CLS_EMBEDDING))
-    want = plain.run(batch)
-    real = mask.astype(bool)
-    for engine in (tuned, first_choice, tuned):  # the second run of `tuned` uses the algorithm it kept
-        got = engine.run(batch)
+    masks = [(np.arange(96) < rng.integers(40, 97, (80, 1))).astype(np.int64) for _ in range(2)]
+    assert 4096 < masks[0].sum() < 8192 and 4096 < masks[1].sum() < 8192 and masks[0].sum() != masks[1].sum()
+    # tuned, untuned, the same batch again (the plan made for it), another token count (the bucket's choice)
+    for engine, mask in ((tuned, masks[0]), (first_choice, masks[0]), (tuned, masks[0]), (tuned, masks[1])):
+        batch = Batch(ids, mask, np.zeros_like(ids), (TOKEN_EMBEDDINGS, CLS_EMBEDDING))
+        got, want = engine.run(batch), plain.run(batch)
+        real = mask.astype(bool)
         assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999
         assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
 

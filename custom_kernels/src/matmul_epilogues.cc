@@ -326,14 +326,10 @@ void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicRe
       const float ms = time_algo(k, p, candidates[i].algo, x, w, y, s);
       if (ms >= 0.0f && (fastest[i] < 0.0f || ms < fastest[i])) fastest[i] = ms;
     }
-  float best = -1.0f;
-  size_t chosen = 0;
+  size_t chosen = 0;  // the heuristic's first when none could be timed
   for (size_t i = 0; i < n; ++i)
-    if (fastest[i] >= 0.0f && (best < 0.0f || fastest[i] < best)) {
-      best = fastest[i];
-      chosen = i;
-      p.algo = candidates[i].algo;
-    }
+    if (fastest[i] >= 0.0f && (fastest[chosen] < 0.0f || fastest[i] < fastest[chosen])) chosen = i;
+  p.algo = candidates[chosen].algo;
   if (k.tune_log) {
     std::string line = std::string("bertserve autotune ") + k.def->name + " M=" + std::to_string(M) + " K=" +
                        std::to_string(K) + " N=" + std::to_string(N) + " align=" + std::to_string(align) + " ms:";
