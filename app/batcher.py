@@ -30,7 +30,7 @@ import numpy as np
 
 from app.engine import Batch
 from app.backlog import EngineSpeed, retry_after_s
-from app.errors import NotReady, Overloaded
+from app.errors import EngineLost, NotReady, Overloaded
 from app.metrics import Metrics
 
 log = logging.getLogger("app.batcher")
@@ -159,8 +159,10 @@ class DynamicBatcher:
     def __init__(self, run: Callable[[Batch], dict[str, np.ndarray]], *, pad_id: int, max_batch_tokens: int,
                  max_batch_size: int, max_wait_ms: float, max_queued: int, inference_workers: int = 1,
                  packed: bool = False, max_padding: float = 1.0, max_queue_ms: float | None = None,
-                 overlap_min_tokens: int | None = None, metrics: Metrics | None = None):
+                 overlap_min_tokens: int | None = None, metrics: Metrics | None = None,
+                 on_engine_lost: Callable[[], None] | None = None):
         self._run = run
+        self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
         self.max_wait_s, self.max_queued = max_wait_ms / 1000, max_queued
@@ -456,6 +458,8 @@ class DynamicBatcher:
             for entry in entries:
                 if not entry.group.future.done():
                     entry.group.future.set_exception(outcome)
+            if isinstance(outcome, EngineLost) and self._on_engine_lost is not None:
+                self._on_engine_lost()
             return
         inference_s = now - started
         size = sum(e.count for e in entries)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,9 +66,10 @@ def load_tokenizer(settings: Settings) -> tuple[Manifest, TextTokenizer]:
     return manifest, tokenizer
 
 
-def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenizer,
-                 metrics: Metrics) -> tuple[OrtEngine, DynamicBatcher]:
-    """The session (after a real forward pass) and its batcher; raises if the model is unusable."""
+def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, metrics: Metrics,
+                 on_engine_lost: Callable[[], None] | None = None) -> tuple[OrtEngine, DynamicBatcher]:
+    """The session (after a real forward pass) and its batcher; raises if the model is unusable.
+    `on_engine_lost`: called when a batch finds the engine unusable (EngineLost)."""
     import onnxruntime as ort
 
     device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
@@ -91,7 +93,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_queued=settings.max_queued_sequences, inference_workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device),
                              max_queue_ms=settings.max_queue_ms, overlap_min_tokens=settings.overlap_min_tokens,
-                             metrics=metrics)
+                             metrics=metrics, on_engine_lost=on_engine_lost)
     _measure_speed(engine, batcher, probe.ids, manifest.max_length)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher
@@ -127,7 +129,8 @@ IN_PROCESS_INLINE_TOKENIZING = InlineTokenizing(max_texts=1, max_chars=4096)
 
 async def start_in_process(settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, metrics: Metrics,
                            on_lost=None) -> Backend:
-    """The one-process deployment: this process's engine and batcher (the engine cannot be lost)."""
-    engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
+    """The one-process deployment: this process's engine and batcher. The engine is lost when its device
+    is (EngineLost): `on_lost` then, and the app answers 503."""
+    engine, batcher = build_engine(settings, manifest, tokenizer, metrics, on_lost)
     batcher.start()
     return Backend(batcher, EngineInfo.of(engine, batcher), IN_PROCESS_INLINE_TOKENIZING)

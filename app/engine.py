@@ -6,6 +6,7 @@ copies back only the outputs the batch needs. Pooling, normalisation and softmax
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import numpy as np
 import onnxruntime as ort
 
 from app.cuda_graphs import MAX_ROWS, CudaGraphBuckets
+from app.errors import EngineLost
 from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo, Manifest
 from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
@@ -31,6 +33,22 @@ class Batch:
     attention_mask: np.ndarray  # [B, S] int64, 1 on real tokens
     token_type_ids: np.ndarray  # [B, S] int64
     outputs: tuple[str, ...]  # graph outputs wanted by at least one entry
+
+
+# CUDA's "sticky" errors: after one, every later call in the process's CUDA context fails too
+# (illegal address 700, device assert 710, hardware stack error 714, illegal instruction 715, misaligned
+# address 716, invalid address space 717, invalid PC 718, launch failure 719, uncorrectable ECC 214).
+STICKY_CUDA_ERRORS = frozenset({214, 700, 710, 714, 715, 716, 717, 718, 719})
+_CUDA_FAILURE = re.compile(r"CUDA failure (\d+): ([^;]*)")  # as ONNX Runtime's CUDA provider words it
+
+
+def device_lost(error: Exception) -> EngineLost | None:
+    """EngineLost when `error` is ONNX Runtime reporting a sticky CUDA error, else None."""
+    found = _CUDA_FAILURE.search(str(error))
+    if found is None or int(found.group(1)) not in STICKY_CUDA_ERRORS:
+        return None
+    return EngineLost(f"the GPU can run nothing more in this process (CUDA error {found.group(1)}: "
+                      f"{found.group(2).strip()}); the server must be restarted")
 
 
 def resolve_device_precision(device: str, precision: str, manifest: Manifest,
@@ -119,7 +137,17 @@ class OrtEngine:
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A small batch replays a CUDA graph when it is the only batch on the GPU; the rest run on the
         session's graph. Only alone: a replay's input and output copies are synchronous and wait for a
-        batch running beside it (replaying beside one cost 7-8% at 16-64 texts per request, BENCHMARKS.md)."""
+        batch running beside it (replaying beside one cost 7-8% at 16-64 texts per request, BENCHMARKS.md).
+        Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable."""
+        try:
+            return self._run_batch(batch)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own types
+            lost = device_lost(e)
+            if lost is None:
+                raise
+            raise lost from e
+
+    def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
         if self.graph_buckets is None:
             return self._run_session(batch)
         with self._running_lock:

@@ -71,6 +71,12 @@ class NotReady(ServiceError):
         super().__init__(message, {"Retry-After": "1"})
 
 
+class EngineLost(NotReady):
+    """The engine can run nothing more in this process: a CUDA error that leaves the device's context
+    unusable. The batch's requests are answered 503 (another replica can take them) and the server stops
+    serving: the process has to be restarted."""
+
+
 class ShuttingDown(ServiceError):
     """The server is draining after a stop signal: a request that came after it, or one still queued at
     the drain deadline. Another replica can answer it."""

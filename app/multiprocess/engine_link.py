@@ -236,7 +236,7 @@ def serve_workers(batcher: DynamicBatcher, info: EngineInfo) -> Callable[[], asy
 
 # -- worker side -------------------------------------------------------------------------------------------
 _ERRORS = {cls.__name__: cls for cls in (errors.InvalidInput, errors.TooManyInputs, errors.InputTooLong,
-                                         errors.Overloaded, errors.NotReady, errors.Unsupported)}
+                                         errors.Overloaded, errors.NotReady, errors.EngineLost, errors.Unsupported)}
 
 
 def _error_payload(error: BaseException) -> bytes:

@@ -36,18 +36,28 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int) -> None:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
-        asyncio.run(_serve(settings, socket_path))
+        device_lost = asyncio.run(_serve(settings, socket_path))
     finally:
         remove_if_orphaned(launcher_pid, os.path.dirname(socket_path))
+    if device_lost:
+        sys.exit(1)  # the launcher sees its engine die and stops the server, for its supervisor to restart
 
 
-async def _serve(settings: Settings, socket_path: str) -> None:
+async def _serve(settings: Settings, socket_path: str) -> bool:
+    """Serves the HTTP workers until SIGTERM, or until the engine's device is lost (then True)."""
     metrics = Metrics()
     manifest, tokenizer = load_tokenizer(settings)
-    engine, batcher = build_engine(settings, manifest, tokenizer, metrics)
+    stop, lost = asyncio.Event(), asyncio.Event()
+
+    def engine_lost() -> None:  # the device is unusable: stop serving, and the process exits 1
+        if not lost.is_set():
+            log.critical("the engine's device is lost; the engine process stops, and with it the server")
+        lost.set()
+        stop.set()
+
+    engine, batcher = build_engine(settings, manifest, tokenizer, metrics, engine_lost)
     batcher.start()
     info = EngineInfo.of(engine, batcher)
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     # The socket file appears once the model is loaded and checked: `python -m app` waits for it.
@@ -61,3 +71,4 @@ async def _serve(settings: Settings, socket_path: str) -> None:
             os.unlink(socket_path)  # asyncio leaves a Unix socket's file behind (before Python 3.13)
         await batcher.stop()
         metrics.process_exited()
+    return lost.is_set()
