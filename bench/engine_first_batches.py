@@ -38,7 +38,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
 
     def batch(rows: int, length: int) -> Batch:
-        return Batch(**fixed_batch(rows, length, rng), outputs=(CLS_EMBEDDING,))
+        return Batch(**fixed_batch(rows, length, rng, manifest.vocab_size), outputs=(CLS_EMBEDDING,))
 
     engine.run(batch(args.first_rows, 16))
     if args.only_first:

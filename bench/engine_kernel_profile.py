@@ -32,8 +32,8 @@ import torch  # noqa: E402
 from artifact.manifest import read_manifest  # noqa: E402
 from artifact.session import kernels_library  # noqa: E402
 from bench.cuda_graph_replays import two_threads_ms  # noqa: E402
-from bench.engine_throughput import (PACKED_KINDS, DeviceBoundSession, TorchEngine, build, fixed_batch,  # noqa: E402
-                                     stdlib_docstrings)
+from bench.engine_throughput import (PACKED_KINDS, VOCAB_SIZE, DeviceBoundSession, TorchEngine, build,  # noqa: E402
+                                     fixed_batch, stdlib_docstrings)
 
 # First match wins: attention and LayerNorm kernels before the generic product names.
 KINDS = [("attention", r"fmha|flash|attention|Attention|softmax"),
@@ -133,7 +133,8 @@ def main() -> None:
             if kernels := artifact.graph("fp16").custom_kernels:
                 engines[f"ort {kind}+kernels"] = DeviceBoundSession(work / kind / kernels.file, "cuda",
                                                                     kernels_library=library)
-    feed = fixed_batch(batch, length, np.random.default_rng(0))
+    vocab_size = read_manifest(args.artifact).vocab_size if args.artifact else VOCAB_SIZE
+    feed = fixed_batch(batch, length, np.random.default_rng(0), vocab_size)
     product_flops = 2 * 12 * (12 * 768 * 768) * batch * length  # the encoder's Q/K/V, output and FFN products
     for name, engine in engines.items():
         by_kind, by_name, idle_before = kernel_times(engine, feed)

@@ -95,8 +95,11 @@ def build(preset: str, device: str, work: Path, texts: list[str], packed_attenti
     return tokenizer, model, artifacts
 
 
-def fixed_batch(batch: int, seq: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    ids = rng.integers(1000, 8000, (batch, seq)).astype(np.int64)
+def fixed_batch(batch: int, seq: int, rng: np.random.Generator, vocab_size: int = VOCAB_SIZE) -> dict[str, np.ndarray]:
+    """Full-length rows of ordinary token ids, all below `vocab_size`: a larger id makes the embedding
+    lookup read past the table (CUDA error 700 where that memory is unmapped, BENCHMARKS.md)."""
+    high = min(8000, vocab_size)
+    ids = rng.integers(min(1000, high // 2), high, (batch, seq)).astype(np.int64)
     return {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
 
 

@@ -1,19 +1,25 @@
 """A CUDA error that leaves the device unusable (CUDA's sticky errors, as ONNX Runtime reports them): the
 batch's requests are answered 503, the one-process app answers 503 from then on, and the engine process
-exits 1 so that the launcher stops the server for its supervisor to restart. No GPU here: ONNX Runtime's
+exits 1 so that the launcher stops the server for its supervisor to restart. Without a GPU, ONNX Runtime's
 failure is stood in for by raising its message, word for word as an H200 gave it, from the engine's
-batch; everything around it is the real tokenizer, engine, batcher, link and app."""
+batch; everything around it is the real tokenizer, engine, batcher, link and app. On a GPU (marked gpu),
+a real illegal memory access checks that this onnxruntime-gpu still words it so."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from app import errors
 from app.build import build_engine, load_tokenizer
-from app.engine import OrtEngine, device_lost
+from app.engine import STICKY_CUDA_ERRORS, OrtEngine, device_lost
 from app.metrics import Metrics
 from app.multiprocess import engine_process
 from app.multiprocess.engine_link import EngineClient
@@ -106,3 +112,36 @@ def test_the_batcher_fails_the_lost_batch_and_calls_back(tiny_artifact_dir, devi
             await batcher.stop()
     asyncio.run(go())
     assert calls == [True]
+
+
+@pytest.mark.gpu
+def test_a_real_illegal_memory_access_is_told_as_engine_lost(tiny_model_dir, tmp_path):
+    """Token ids far past the embedding table make the embedding lookup read outside any allocation: a
+    sticky CUDA error (an H100 gave 717, invalid address space), reported by this onnxruntime-gpu in its
+    own words. In a child process, whose CUDA context is unusable after it."""
+    from export.pipeline import export_artifact
+    export_artifact(tiny_model_dir, tmp_path / "art", device="cuda")
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from pathlib import Path
+        from app.engine import Batch, OrtEngine
+        from app.errors import EngineLost
+        from artifact.manifest import CLS_EMBEDDING, read_manifest
+        art = Path({str(tmp_path / "art")!r})
+        manifest = read_manifest(art)
+        engine = OrtEngine(art, manifest, "cuda", "fp16", cuda_graphs="off")
+        far = (2**31 - 1) // manifest.hidden_size  # the lookup's offset, in elements, still fits an int32
+        ids = np.full((1, 8), far, np.int64)
+        try:
+            engine.run(Batch(ids, np.ones_like(ids), np.zeros_like(ids), (CLS_EMBEDDING,)))
+        except EngineLost as e:
+            print(e)
+        else:
+            print("no error")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    told = re.fullmatch(r"the GPU can run nothing more in this process \(CUDA error (\d+): .+\); the server must "
+                        r"be restarted", done.stdout.strip())
+    assert told and int(told.group(1)) in STICKY_CUDA_ERRORS, done.stdout
