@@ -95,7 +95,7 @@ class _TeiRequest(BaseModel):
 
 
 class TeiEmbedRequest(_TeiRequest):
-    """POST / as text-embeddings-inference's /embed takes it."""
+    """POST / and /tei/embed as text-embeddings-inference's /embed takes it."""
     inputs: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
         description="a text or a list of texts", examples=["What is deep learning?"])
     normalize: bool = Field(True, description="L2-normalise each embedding (TEI's default: true)")
@@ -103,6 +103,13 @@ class TeiEmbedRequest(_TeiRequest):
     dimensions: int | None = Field(None, description="keep the first that many values of each embedding, "
                                    "normalised after if `normalize`: for Matryoshka-trained models")
     encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")
+
+
+class TeiEmbedAllRequest(_TeiRequest):
+    """text-embeddings-inference's /embed_all body."""
+    inputs: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
+        description="a text or a list of texts", examples=["What is deep learning?"])
+    prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
 
 
 class SimilarityInput(BaseModel):

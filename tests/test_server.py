@@ -405,6 +405,39 @@ def test_huggingface_inference_client_as_against_text_embeddings_inference(tiny_
     assert sagemaker[1].status_code == 200
 
 
+def test_text_embeddings_inference_paths_under_tei(tiny_artifact_dir):
+    """TEI's own paths under /tei, for clients that call them by name where /embed answers in this server's
+    shape: llama-index's TextEmbeddingsInference posts {"inputs", "truncate"} to BASE/embed and reads
+    [[float, ...], ...]; InferenceClient given URL/tei posts to it as to TEI's root. With HTTP workers, whose
+    fast path serves the routes, and through one process's FastAPI routes."""
+    from huggingface_hub import InferenceClient  # a dev dependency: the real client against the real server
+
+    texts = ["hello world", "second text", "a third one"]
+    for workers in (2, 1):
+        with running_server(tiny_artifact_dir, workers=workers) as base:
+            embed = httpx.post(f"{base}/tei/embed", json={"inputs": texts, "truncate": True})
+            root = httpx.post(base, json={"inputs": texts}).json()
+            client = InferenceClient(f"{base}/tei").feature_extraction(texts)
+            raw = httpx.post(f"{base}/tei/embed", json={"inputs": "hello world", "normalize": False}).json()
+            all_tokens = httpx.post(f"{base}/tei/embed_all", json={"inputs": texts[:2]}).json()
+            ours = httpx.post(f"{base}/embed", json={"inputs": texts, "pooling": "none", "return_tokens": True}).json()
+            similar = [httpx.post(f"{base}{path}/similarity", json={"inputs": {"source_sentence": texts[0],
+                                                                              "sentences": texts}}).json()
+                       for path in ("", "/tei")]
+            rerank = httpx.post(f"{base}/tei/rerank", json={"query": "q", "texts": texts})
+            unknown = httpx.post(f"{base}/tei/decode", json={"ids": [1, 2]})
+        assert embed.status_code == 200 and np.array(embed.json()).shape == (3, 128)
+        np.testing.assert_allclose(embed.json(), root, atol=1e-6)
+        np.testing.assert_allclose(client, root, atol=1e-6)
+        assert abs(np.linalg.norm(raw[0]) - 1) > 1e-3 and np.allclose(raw[0] / np.linalg.norm(raw[0]), root[0], atol=1e-5)
+        for got, want in zip(all_tokens, ours["data"]):
+            assert len(got) == len(want["tokens"])  # [CLS] ... [SEP], every token
+            np.testing.assert_allclose(got, want["token_embeddings"], atol=1e-6)
+        np.testing.assert_allclose(similar[1], similar[0], atol=1e-6)
+        assert rerank.status_code == 400 and rerank.json()["error"]["type"] == "unsupported"  # no classifier head
+        assert unknown.status_code == 404
+
+
 @pytest.mark.parametrize("args,env,words", [
     (["--model-dir", "/nonexistent/no-artifact-here"], {}, "model_dir"),
     (["--port", "0"], {}, "port"),

@@ -6,7 +6,10 @@
   several labels predicts (InferenceClient.text_classification). An embedding model also answers
   {"inputs": {"source_sentence", "sentences"}} there with /similarity's answer, as
   InferenceClient.sentence_similarity sends it (TEI needs TASK=sentence-similarity for that);
-- POST /similarity: the cosine of each sentence's embedding with the source sentence's.
+- POST /similarity: the cosine of each sentence's embedding with the source sentence's;
+- under /tei, TEI's own paths for clients that call them by name, where this server's /embed answers in
+  its own shape: /tei/embed (llama-index's TextEmbeddingsInference), /tei/embed_all, and /tei itself,
+  /tei/similarity, /tei/rerank and /tei/predict as above. A TEI client is given URL/tei.
 
 Embeddings are pooled as the model's makers meant (GET /info `default_pooling`, Dense layers included)."""
 from __future__ import annotations
@@ -18,16 +21,18 @@ from fastapi import APIRouter, Body, Depends, Request
 from starlette.responses import Response
 
 from app.pooling import POOLING_OUTPUT
+from artifact.manifest import TOKEN_EMBEDDINGS
 from app.responses import json_response
 from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
-from app.routes.classify import predict, rerank
-from app.schemas import (SERVICE_ERROR_RESPONSES, Prediction, PredictRequest, Rank, RerankRequest, SimilarityParameters,
-                         TeiEmbedRequest, TeiSimilarityRequest)
+from app.routes.classify import predict, rerank, rerank_either, rerank_route
+from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankResponse, Prediction, PredictRequest, Rank, RerankRequest, SimilarityParameters,
+                         TeiEmbedAllRequest, TeiEmbedRequest, TeiSimilarityRequest)
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
 
-ROOT_PATHS = ("/", "/invocations")
+PREFIX = "/tei"
+ROOT_PATHS = ("/", "/invocations", PREFIX, PREFIX + "/")
 
 
 async def tei_embed(body: TeiEmbedRequest, request: Request, service: InferenceService) -> Response:
@@ -40,6 +45,25 @@ async def tei_embed(body: TeiEmbedRequest, request: Request, service: InferenceS
                                  direction=body.direction)
     vectors = service.sentence_vectors(result.outputs, pooling, body.normalize, body.dimensions)
     return json_response(np.ascontiguousarray(vectors, dtype=np.float32), headers=result.timings.headers())
+
+
+async def tei_embed_route(body: TeiEmbedRequest, request: Request,
+                          service: InferenceService = Depends(get_service)) -> Response:
+    """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...] in
+    the model's default pooling, normalised unless `normalize` is false."""
+    return await tei_embed(body, request, service)
+
+
+async def tei_embed_all(body: TeiEmbedAllRequest, request: Request,
+                        service: InferenceService = Depends(get_service)) -> Response:
+    """text-embeddings-inference's /embed_all: every token's vector of each input, [CLS] and [SEP]
+    included, [[[float, ...], ...], ...]."""
+    inputs = service.prompted([body.inputs] if isinstance(body.inputs, str) else body.inputs, body.prompt_name,
+                              "inputs", body.direction)
+    result = await service.infer(request, inputs, body.truncates, frozenset({TOKEN_EMBEDDINGS}), "inputs",
+                                 direction=body.direction)
+    tokens = [np.ascontiguousarray(t, dtype=np.float32) for t in result.outputs[TOKEN_EMBEDDINGS]]
+    return json_response(tokens, headers=result.timings.headers())
 
 
 @router.post("/similarity", response_model=list[float], responses=SERVICE_ERROR_RESPONSES)
@@ -83,5 +107,17 @@ for path in ROOT_PATHS:
                          response_model=list[list[float]] | list[float] | list[Rank] | list[Prediction]
                          | list[list[Prediction]])
 
+for path, endpoint, answer in ((PREFIX + "/embed", tei_embed_route, list[list[float]]),
+                               (PREFIX + "/embed_all", tei_embed_all, list[list[list[float]]]),
+                               (PREFIX + "/similarity", similarity, list[float]),
+                               (PREFIX + "/rerank", rerank_route, list[Rank] | DocumentsRerankResponse),
+                               (PREFIX + "/predict", predict, list[Prediction] | list[list[Prediction]])):
+    router.add_api_route(path, endpoint, methods=["POST"], response_model=answer, responses=SERVICE_ERROR_RESPONSES)
+
 DIRECT_ROUTES = {path: DirectRoute(tei_root, JsonObject) for path in ROOT_PATHS} | {
-    "/similarity": DirectRoute(similarity, TeiSimilarityRequest)}
+    "/similarity": DirectRoute(similarity, TeiSimilarityRequest),
+    PREFIX + "/similarity": DirectRoute(similarity, TeiSimilarityRequest),
+    PREFIX + "/embed": DirectRoute(tei_embed, TeiEmbedRequest),
+    PREFIX + "/embed_all": DirectRoute(tei_embed_all, TeiEmbedAllRequest),
+    PREFIX + "/rerank": DirectRoute(rerank_either, JsonObject),
+    PREFIX + "/predict": DirectRoute(predict, PredictRequest)}
