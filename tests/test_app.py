@@ -1064,6 +1064,9 @@ def test_routes_answered_past_fastapi_answer_as_fastapi_does(artifact, api_key):
                 ("POST", "/nsp", {"pairs": [["a", "b"]]}, auth), ("POST", "/tokenize", {"inputs": "a b"}, auth),
                 ("POST", "/v1/embeddings", {"input": ["a", "b"]}, auth),
                 ("POST", "/v1/embeddings", {"input": [1]}, auth),
+                ("POST", "/tei/embed", {"inputs": ["a b", "c"], "truncate": True}, auth),
+                ("POST", "/tei/embed_all", {"inputs": "a b"}, auth), ("POST", "/tei", {"inputs": "x"}, auth),
+                ("POST", "/tei/embed", {"inputs": [["a", "b"]]}, auth), ("POST", "/tei/embed", {"inputs": "x"}, {}),
                 ("GET", "/info", None, auth), ("GET", "/ready", None, {}), ("GET", "/health", None, {})]
 
     async def go():
