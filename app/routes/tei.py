@@ -21,13 +21,14 @@ from fastapi import APIRouter, Body, Depends, Request
 from starlette.responses import Response
 
 from app.pooling import POOLING_OUTPUT
-from artifact.manifest import TOKEN_EMBEDDINGS
 from app.responses import json_response
 from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
 from app.routes.classify import predict, rerank, rerank_either, rerank_route
-from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankResponse, Prediction, PredictRequest, Rank, RerankRequest, SimilarityParameters,
-                         TeiEmbedAllRequest, TeiEmbedRequest, TeiSimilarityRequest)
+from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankResponse, Prediction, PredictRequest, Rank,
+                         RerankRequest, SimilarityParameters, TeiEmbedAllRequest, TeiEmbedRequest,
+                         TeiSimilarityRequest)
 from app.service import InferenceService
+from artifact.manifest import TOKEN_EMBEDDINGS
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
 
