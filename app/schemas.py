@@ -94,22 +94,19 @@ class _TeiRequest(BaseModel):
         return self.truncation_direction.lower()
 
 
-class TeiEmbedRequest(_TeiRequest):
-    """POST / and /tei/embed as text-embeddings-inference's /embed takes it."""
+class TeiEmbedAllRequest(_TeiRequest):
+    """text-embeddings-inference's /embed_all body; its /embed body adds to it."""
     inputs: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
         description="a text or a list of texts", examples=["What is deep learning?"])
-    normalize: bool = Field(True, description="L2-normalise each embedding (TEI's default: true)")
     prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
+
+
+class TeiEmbedRequest(TeiEmbedAllRequest):
+    """POST / and /tei/embed as text-embeddings-inference's /embed takes it."""
+    normalize: bool = Field(True, description="L2-normalise each embedding (TEI's default: true)")
     dimensions: int | None = Field(None, description="keep the first that many values of each embedding, "
                                    "normalised after if `normalize`: for Matryoshka-trained models")
     encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")
-
-
-class TeiEmbedAllRequest(_TeiRequest):
-    """text-embeddings-inference's /embed_all body."""
-    inputs: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] = Field(
-        description="a text or a list of texts", examples=["What is deep learning?"])
-    prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
 
 
 class SimilarityInput(BaseModel):

@@ -431,6 +431,7 @@ def test_text_embeddings_inference_paths_under_tei(tiny_artifact_dir):
         np.testing.assert_allclose(client, root, atol=1e-6)
         norm = np.linalg.norm(raw[0])  # normalize false: the default pooling's own vector
         assert abs(norm - 1) > 1e-3 and np.allclose(raw[0] / norm, root[0], atol=1e-5)
+        assert len(all_tokens) == 2
         for got, want in zip(all_tokens, ours["data"]):
             assert len(got) == len(want["tokens"])  # [CLS] ... [SEP], every token
             np.testing.assert_allclose(got, want["token_embeddings"], atol=1e-6)

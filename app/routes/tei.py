@@ -26,7 +26,7 @@ from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, requi
 from app.routes.classify import predict, rerank, rerank_either, rerank_route
 from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankResponse, Prediction, PredictRequest, Rank,
                          RerankRequest, SimilarityParameters, TeiEmbedAllRequest, TeiEmbedRequest,
-                         TeiSimilarityRequest)
+                         TeiSimilarityRequest, as_items)
 from app.service import InferenceService
 from artifact.manifest import TOKEN_EMBEDDINGS
 
@@ -38,8 +38,7 @@ ROOT_PATHS = ("/", "/invocations", PREFIX, PREFIX + "/")
 
 async def tei_embed(body: TeiEmbedRequest, request: Request, service: InferenceService) -> Response:
     """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
-    inputs = service.prompted([body.inputs] if isinstance(body.inputs, str) else body.inputs, body.prompt_name,
-                              "inputs", body.direction)
+    inputs = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.direction)
     pooling = service.manifest.default_pooling
     service.check_dimensions(body.dimensions, pooling)
     result = await service.infer(request, inputs, body.truncates, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
@@ -59,8 +58,7 @@ async def tei_embed_all(body: TeiEmbedAllRequest, request: Request,
                         service: InferenceService = Depends(get_service)) -> Response:
     """text-embeddings-inference's /embed_all: every token's vector of each input, [CLS] and [SEP]
     included, [[[float, ...], ...], ...]."""
-    inputs = service.prompted([body.inputs] if isinstance(body.inputs, str) else body.inputs, body.prompt_name,
-                              "inputs", body.direction)
+    inputs = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.direction)
     result = await service.infer(request, inputs, body.truncates, frozenset({TOKEN_EMBEDDINGS}), "inputs",
                                  direction=body.direction)
     tokens = [np.ascontiguousarray(t, dtype=np.float32) for t in result.outputs[TOKEN_EMBEDDINGS]]
@@ -108,17 +106,15 @@ for path in ROOT_PATHS:
                          response_model=list[list[float]] | list[float] | list[Rank] | list[Prediction]
                          | list[list[Prediction]])
 
-for path, endpoint, answer in ((PREFIX + "/embed", tei_embed_route, list[list[float]]),
-                               (PREFIX + "/embed_all", tei_embed_all, list[list[list[float]]]),
-                               (PREFIX + "/similarity", similarity, list[float]),
-                               (PREFIX + "/rerank", rerank_route, list[Rank] | DocumentsRerankResponse),
-                               (PREFIX + "/predict", predict, list[Prediction] | list[list[Prediction]])):
-    router.add_api_route(path, endpoint, methods=["POST"], response_model=answer, responses=SERVICE_ERROR_RESPONSES)
+# TEI's paths under PREFIX: (the route, for the docs and HEAD; the serving front's fast path; the answer)
+_PREFIXED = {"/embed": (tei_embed_route, DirectRoute(tei_embed, TeiEmbedRequest), list[list[float]]),
+             "/embed_all": (tei_embed_all, DirectRoute(tei_embed_all, TeiEmbedAllRequest), list[list[list[float]]]),
+             "/similarity": (similarity, DirectRoute(similarity, TeiSimilarityRequest), list[float]),
+             "/rerank": (rerank_route, DirectRoute(rerank_either, JsonObject), list[Rank] | DocumentsRerankResponse),
+             "/predict": (predict, DirectRoute(predict, PredictRequest), list[Prediction] | list[list[Prediction]])}
+for path, (endpoint, _, answer) in _PREFIXED.items():
+    router.add_api_route(PREFIX + path, endpoint, methods=["POST"], response_model=answer,
+                         responses=SERVICE_ERROR_RESPONSES)
 
 DIRECT_ROUTES = {path: DirectRoute(tei_root, JsonObject) for path in ROOT_PATHS} | {
-    "/similarity": DirectRoute(similarity, TeiSimilarityRequest),
-    PREFIX + "/similarity": DirectRoute(similarity, TeiSimilarityRequest),
-    PREFIX + "/embed": DirectRoute(tei_embed, TeiEmbedRequest),
-    PREFIX + "/embed_all": DirectRoute(tei_embed_all, TeiEmbedAllRequest),
-    PREFIX + "/rerank": DirectRoute(rerank_either, JsonObject),
-    PREFIX + "/predict": DirectRoute(predict, PredictRequest)}
+    "/similarity": _PREFIXED["/similarity"][1]} | {PREFIX + path: direct for path, (_, direct, _) in _PREFIXED.items()}
