@@ -179,6 +179,39 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
+def cudnn_attention_graph(path: Path) -> Path:
+    """`path` with its PackedMultiHeadAttention nodes on bertserve.PackedAttention (custom_kernels.fusion)."""
+    import onnx
+
+    from custom_kernels.fusion import attention_on_cudnn
+
+    model = onnx.load(str(path))
+    print(f"attention on cuDNN: {attention_on_cudnn(model)} nodes", flush=True)
+    out = path.with_name(path.stem + "_cudnn.onnx")
+    onnx.save(model, str(out))
+    return out
+
+
+def compare_outputs(reference, candidate, feeds: list) -> str:
+    """Min cosine and max |difference| of every output of two sessions (DeviceBoundSession) on `feeds`,
+    over the real tokens only for token outputs."""
+    cosines, diffs = [], []
+    for feed in feeds:
+        mask = feed["attention_mask"].astype(bool)
+        got = []
+        for engine in (reference, candidate):
+            io, _keep = engine.prepare(feed)
+            engine.run((io, _keep))
+            got.append(dict(zip(engine.outputs, io.copy_outputs_to_cpu())))
+        for name, a in got[0].items():
+            b = got[1][name]
+            a, b = (a[mask], b[mask]) if a.ndim == 3 else (a, b)
+            a, b = a.astype(np.float64).reshape(len(a), -1), b.astype(np.float64).reshape(len(b), -1)
+            cosines.append(float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)).min()))
+            diffs.append(float(np.abs(a - b).max()))
+    return f"min cosine {min(cosines):.7f}, max |diff| {max(diffs):.3g}"
+
+
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
     with mock.patch.dict(os.environ, BERTSERVE_KERNELS_AUTOTUNE="0"):
@@ -215,6 +248,9 @@ def main(argv=None) -> int:
                    help=f"comma-separated ORT operators of the packed graphs to build and time: {', '.join(PACKED_KINDS)}")
     p.add_argument("--untuned", action="store_true",
                    help="also time each +kernels graph with the operator's autotuning off (BERTSERVE_KERNELS_AUTOTUNE=0)")
+    p.add_argument("--cudnn-attention", action="store_true",
+                   help="also time the packed-mha+kernels graph with its attention on bertserve.PackedAttention "
+                        "(cuDNN), after checking its outputs against the graph it was made from")
     p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -263,6 +299,10 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",
                                                                              kernels_library=library)))
+        if args.cudnn_attention and "packed-mha" in artifacts and kernels_file("packed-mha"):
+            cudnn_file = cudnn_attention_graph(kernels_file("packed-mha"))
+            engines["ort fp16 packed-mha+kernels+cudnn"] = (
+                lambda: DeviceBoundSession(cudnn_file, "cuda", kernels_library=library))
         baseline = "torch fp16 sdpa"
     else:
         engines = {
@@ -284,6 +324,13 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                      "seq_per_s": n_seq / seconds_per_pass, "tokens_per_s": n_tok / seconds_per_pass})
         print(f"{workload:>10} b={batch:<4} {name:<36} {rows[-1]['ms_per_batch']:9.3f} ms  "
               f"{rows[-1]['seq_per_s']:10,.0f} seq/s", flush=True)
+
+    if "ort fp16 packed-mha+kernels+cudnn" in built:
+        feeds = [fixed_batch(b, args.seq, rng) for b in (1, 8, 256)]
+        feeds += text_batches(tokenizer, texts, 64, count=4)
+        print("cuDNN attention against PackedMultiHeadAttention (same graph otherwise): "
+              + compare_outputs(built["ort fp16 packed-mha+kernels"], built["ort fp16 packed-mha+kernels+cudnn"], feeds),
+              flush=True)
 
     for b in batches:
         feeds = [fixed_batch(b, args.seq, rng)]
