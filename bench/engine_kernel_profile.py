@@ -119,10 +119,14 @@ def main() -> None:
     parser.add_argument("batch", type=int, nargs="?", default=256)
     parser.add_argument("length", type=int, nargs="?", default=128)
     parser.add_argument("--artifact", type=Path, help="profile this artifact's graphs instead of building models")
+    parser.add_argument("--graph", type=Path, action="append", default=[],
+                        help="with --artifact: also this graph file (with our kernels' library); repeatable")
     args = parser.parse_args()
     batch, length = args.batch, args.length
     if args.artifact:
         engines = artifact_engines(args.artifact)
+        for path in args.graph:
+            engines[path.name] = DeviceBoundSession(path, "cuda", kernels_library=kernels_library("auto", "cuda"))
     else:
         work = Path(tempfile.mkdtemp())
         _, model, artifacts = build("base", "cuda", work, stdlib_docstrings(6000), list(PACKED_KINDS))

@@ -21,6 +21,8 @@
 #include <dlfcn.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -55,7 +57,8 @@ int64_t s_bucket(int64_t s) {  // 16, 32, 64, 128, 256, 512, ... : few graphs fo
   return b;
 }
 
-using GraphKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, float>;  // device, B, S, H, D, scale
+// device, B, S, H, D, scale, ragged (else every sequence has S tokens: a dense [B, S, H, D] batch)
+using GraphKey = std::tuple<int, int64_t, int64_t, int64_t, int64_t, float, bool>;
 
 // Everything the nodes of one process share: cuDNN's handle per device, the built graphs (the twelve
 // layers of an encoder use the same ones), and one workspace. cuDNN's plans are not documented as
@@ -70,6 +73,10 @@ struct Shared {
   // A launch on another stream than the last waits for the last one's (they share the workspace).
   cudaEvent_t done = nullptr;
   cudaStream_t last = nullptr;
+  bool log = [] {  // BERTSERVE_KERNELS_AUTOTUNE_LOG=1: each new graph and its plan on stderr
+    const char* v = std::getenv("BERTSERVE_KERNELS_AUTOTUNE_LOG");
+    return v && std::strcmp(v, "1") == 0;
+  }();
 };
 Shared& shared() {
   static Shared* s = new Shared;  // never destroyed: kernels may outlive static destruction
@@ -83,7 +90,7 @@ struct Kernel {
 
 std::string fe_error(const char* what, fe::error_t e) { return std::string(what) + ": " + e.get_message(); }
 
-OrtStatusPtr build(cudnnHandle_t handle, int64_t b, int64_t s, int64_t h, int64_t d, float scale,
+OrtStatusPtr build(cudnnHandle_t handle, int64_t b, int64_t s, int64_t h, int64_t d, float scale, bool ragged,
                    std::shared_ptr<fe::graph::Graph>* out) {
   auto g = std::make_shared<fe::graph::Graph>();
   g->set_io_data_type(fe::DataType_t::HALF)
@@ -100,30 +107,26 @@ OrtStatusPtr build(cudnnHandle_t handle, int64_t b, int64_t s, int64_t h, int64_
                          .set_stride({1, 1, 1, 1})
                          .set_data_type(fe::DataType_t::INT32));
   };
-  auto matrix = [&](Uid uid, const char* name, Uid ragged) {
-    return g->tensor(fe::graph::Tensor_attributes()
-                         .set_name(name)
-                         .set_uid(uid)
-                         .set_dim(dim)
-                         .set_stride(stride)
-                         .set_ragged_offset(index(ragged, name, b + 1)));
+  auto matrix = [&](Uid uid, const char* name, Uid offsets) {
+    auto t = g->tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dim).set_stride(stride));
+    if (ragged) t->set_ragged_offset(index(offsets, name, b + 1));
+    return t;
   };
   auto q = matrix(kQ, "Q", kRagQ), k = matrix(kK, "K", kRagK), v = matrix(kV, "V", kRagV);
-  auto options = fe::graph::SDPA_attributes()
-                     .set_name("packed_attention")
-                     .set_generate_stats(false)
-                     .set_attn_scale(scale)
-                     .set_padding_mask(true)
-                     .set_seq_len_q(index(kSeqQ, "seq_len_q", b))
-                     .set_seq_len_kv(index(kSeqKV, "seq_len_kv", b));
+  auto options = fe::graph::SDPA_attributes().set_name("packed_attention").set_generate_stats(false).set_attn_scale(scale);
+  if (ragged)
+    options.set_padding_mask(true)
+        .set_seq_len_q(index(kSeqQ, "seq_len_q", b))
+        .set_seq_len_kv(index(kSeqKV, "seq_len_kv", b));
   auto [o, stats] = g->sdpa(q, k, v, options);
   (void)stats;
-  o->set_output(true).set_uid(kO).set_dim(dim).set_stride(stride).set_ragged_offset(index(kRagO, "O", b + 1));
+  o->set_output(true).set_uid(kO).set_dim(dim).set_stride(stride);
+  if (ragged) o->set_ragged_offset(index(kRagO, "O", b + 1));
   fe::error_t e = g->validate();
   if (e.is_good()) e = g->build_operation_graph(handle);
   if (e.is_good()) e = g->create_execution_plans({fe::HeurMode_t::A});
   if (e.is_good()) e = g->check_support(handle);
-  if (e.is_good()) e = g->build_plans(handle);
+  if (e.is_good()) e = g->build_plans(handle, fe::BuildPlanPolicy_t::ALL);
   if (!e.is_good())
     return fail(ORT_EP_FAIL, fe_error(("cuDNN has no attention for B=" + std::to_string(b) + " S=" + std::to_string(s) +
                                        " H=" + std::to_string(h) + " D=" + std::to_string(d) + " (cuDNN " +
@@ -137,7 +140,8 @@ std::string cuda_error(const char* what, cudaError_t e) {
   return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
-OrtStatusPtr run(const Kernel& kernel, int64_t b, int64_t s, int64_t hd, void* const* ptr, cudaStream_t stream) {
+// t tokens in b sequences of at most s; hd = H·D.
+OrtStatusPtr run(const Kernel& kernel, int64_t t, int64_t b, int64_t s, int64_t hd, void* const* ptr, cudaStream_t stream) {
   const int64_t h = kernel.num_heads, d = hd / h;
   Shared& sh = shared();
   std::lock_guard<std::mutex> lock(sh.mu);
@@ -155,18 +159,23 @@ OrtStatusPtr run(const Kernel& kernel, int64_t b, int64_t s, int64_t hd, void* c
   if (!sh.done && (ce = cudaEventCreateWithFlags(&sh.done, cudaEventDisableTiming)) != cudaSuccess)
     return fail(ORT_EP_FAIL, cuda_error("cudaEventCreate", ce));
   if (fe::detail::set_stream(handle, stream) != CUDNN_STATUS_SUCCESS) return fail(ORT_EP_FAIL, "cudnnSetStream failed");
-  const GraphKey key{device, b, s_bucket(s), h, d, kernel.scale};
+  // Every sequence of full length (t = b·s): the packed rows are a dense batch, and cuDNN's kernel
+  // without ragged offsets or a padding mask is a third faster.
+  const bool ragged = t != b * s;
+  const GraphKey key{device, b, ragged ? s_bucket(s) : s, h, d, kernel.scale, ragged};
   auto it = sh.graphs.find(key);
+  bool fresh = false;
   if (it == sh.graphs.end()) {
     if (sh.graphs.size() >= 512) sh.graphs.clear();  // many distinct batch sizes: start over
     std::shared_ptr<fe::graph::Graph> g;
-    RETURN_IF_ERROR(build(handle, b, std::get<2>(key), h, d, kernel.scale, &g));
+    RETURN_IF_ERROR(build(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, &g));
     it = sh.graphs.emplace(key, std::move(g)).first;
+    fresh = true;
   }
   fe::graph::Graph& g = *it->second;
   if (sh.last && sh.last != stream && (ce = cudaStreamWaitEvent(stream, sh.done, 0)) != cudaSuccess)
     return fail(ORT_EP_FAIL, cuda_error("cudaStreamWaitEvent", ce));
-  const size_t need = size_t(g.get_workspace_size());
+  const size_t need = size_t(fresh ? g.get_autotune_workspace_size() : g.get_workspace_size());
   if (need > sh.workspace_bytes) {
     if (sh.workspace) {
       if ((ce = cudaStreamSynchronize(stream)) != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaStreamSynchronize", ce));
@@ -180,6 +189,20 @@ OrtStatusPtr run(const Kernel& kernel, int64_t b, int64_t s, int64_t hd, void* c
   std::unordered_map<int64_t, void*> pack{{kQ, ptr[0]},    {kK, ptr[1]},    {kV, ptr[2]},    {kO, ptr[5]},
                                           {kSeqQ, ptr[3]}, {kSeqKV, ptr[3]}, {kRagQ, ptr[4]}, {kRagK, ptr[4]},
                                           {kRagV, ptr[4]}, {kRagO, ptr[4]}};
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (fresh && g.get_execution_plan_count() > 1 && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
+      capture == cudaStreamCaptureStatusNone) {
+    // Several engines fit: time each on these very inputs and keep the fastest (the frontend's autotune).
+    fe::error_t tuned = g.autotune(handle, pack, sh.workspace);
+    if (!tuned.is_good()) return fail(ORT_EP_FAIL, fe_error("timing cuDNN's attention plans failed", tuned));
+  }
+  if (fresh && sh.log) {
+    std::string plan;
+    if (!g.get_plan_name(plan).is_good()) plan = "plan name unknown";
+    std::fprintf(stderr, "bertserve PackedAttention B=%lld S=%lld %s: %lld plans, %s\n", (long long)b,
+                 (long long)std::get<2>(key), ragged ? "ragged" : "dense", (long long)g.get_execution_plan_count(),
+                 plan.c_str());
+  }
   fe::error_t e = g.execute(handle, pack, sh.workspace);
   if (!e.is_good()) return fail(ORT_EP_FAIL, fe_error("cuDNN attention failed", e));
   if ((ce = cudaEventRecord(sh.done, stream)) != cudaSuccess) return fail(ORT_EP_FAIL, cuda_error("cudaEventRecord", ce));
@@ -237,7 +260,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF_ERROR(api->KernelContext_GetGPUComputeStream(ctx, &stream));
   if (!stream) return fail(ORT_EP_FAIL, "ORT gave no CUDA compute stream (is the node on CUDAExecutionProvider?)");
   try {  // the frontend throws when it cannot load a library; no exception may cross into ORT
-    return run(k, dims[3][0], dims[3][1], qd[1], ptr, static_cast<cudaStream_t>(stream));
+    return run(k, qd[0], dims[3][0], dims[3][1], qd[1], ptr, static_cast<cudaStream_t>(stream));
   } catch (const std::exception& e) {
     return fail(ORT_EP_FAIL, e.what());
   }
