@@ -166,6 +166,32 @@ def attention_on_cudnn(model: onnx.ModelProto) -> int:
     return len(replaced)
 
 
+def offers_packed_attention(library) -> bool:
+    """Whether our operator library (a path) was built with PackedAttention (build.sh leaves it out where
+    cuDNN's frontend headers are missing): a one-node graph opens on the CUDA provider or it does not."""
+    from artifact.session import SessionError, open_session
+
+    fp16, int32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.INT32
+    graph = helper.make_graph(
+        [helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "lengths", "ragged"], ["out"],
+                          domain=DOMAIN, num_heads=1, scale=1.0)], "probe",
+        [helper.make_tensor_value_info(n, fp16, ["T", 8]) for n in "qkv"]
+        + [helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
+           helper.make_tensor_value_info("lengths", int32, ["B"]), helper.make_tensor_value_info("ragged", int32, ["B1"])],
+        [helper.make_tensor_value_info("out", fp16, ["T", 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.onnx"
+        onnx.save(model, str(path))
+        try:
+            open_session(path, "cuda", library=library)
+        except SessionError:
+            return False
+    return True
+
+
 def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], dropped: set[int]) -> None:
     """graph.node with node i replaced by replaced[i] and the nodes in `dropped` left out, in the same
     order, and our domain imported."""

@@ -28,8 +28,8 @@ from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
 from export.optimize import PACKED_ATTENTION_OPS, optimize_graph, quantize_int8
-from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
-                           text_batches)
+from export.parity import (DEFAULT_SHAPES, check_parity, compare, full_length_batch, random_batches,
+                           reference_outputs, text_batches)
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
@@ -228,14 +228,22 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
                          file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
-    multi-head attention where it has that, on our fused operators; checked like the graph itself."""
+    multi-head attention where it has that, on our fused operators, and its PackedMultiHeadAttention on
+    our cuDNN attention when the library has it; checked like the graph itself (with a batch without
+    padding too, which that attention runs another way)."""
     import onnx
 
-    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
+    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_cudnn,
+                                       fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention)
 
     model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
     operators = {MATMUL_BIAS_GELU: fused, MATMUL_BIAS: fuse_attention_bias(model)}
+    if any(n.op_type == "PackedMultiHeadAttention" for n in model.graph.node) and offers_packed_attention(library):
+        operators[PACKED_ATTENTION] = attention_on_cudnn(model)
+        full = full_length_batch(batches)
+        if full is not None:
+            batches, references = batches + [full], references + [reference_outputs(graph, full)]
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")
