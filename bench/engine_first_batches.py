@@ -1,10 +1,12 @@
 """The server's engine (app.engine.OrtEngine) in a fresh process: one small batch (a CUDA-graph replay of the
 padded twin, with CUDA graphs on), then batches of 64, 128 and 256 texts of 128 tokens, each timed on its
 first run and then as the median of ten. The first run of each size pays custom_kernels' autotuning
-(BERTSERVE_KERNELS_AUTOTUNE=0 to compare); run it several times to see start-up failures.
+(BERTSERVE_KERNELS_AUTOTUNE=0 to compare); run it several times to see start-up failures. With
+--ragged-rows, batches of those many texts of random lengths (8-128 tokens) follow, timed the same way:
+the first batch of each row count pays for PackedAttention's cuDNN graph of that shape.
 
   python bench/engine_first_batches.py ART [--kernels auto|on|off] [--cuda-graphs auto|on|off]
-      [--cuda-graph-rows 16] [--first-rows 2] [--only-first]
+      [--cuda-graph-rows 16] [--first-rows 2] [--only-first] [--ragged-rows 17,23,40]
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--cuda-graph-rows", type=int, default=16)
     p.add_argument("--first-rows", type=int, default=2, help="rows of the first, small batch (16 tokens)")
     p.add_argument("--only-first", action="store_true", help="stop after the first batch")
+    p.add_argument("--ragged-rows", default="", help="comma-separated row counts of random-length batches")
     args = p.parse_args()
     manifest = read_manifest(args.artifact)
     engine = OrtEngine(args.artifact, manifest, "cuda", "fp16", kernels=args.kernels, cuda_graphs=args.cuda_graphs,
@@ -44,8 +47,8 @@ def main() -> None:
     if args.only_first:
         return
     tuning = os.environ.get("BERTSERVE_KERNELS_AUTOTUNE", "on")
-    for rows in (64, 128, 256):  # 8,192, 16,384 and 32,768 tokens: three size classes
-        b = batch(rows, 128)
+
+    def first_and_median(b: Batch) -> str:
         started = time.perf_counter()
         engine.run(b)
         first = time.perf_counter() - started
@@ -54,8 +57,16 @@ def main() -> None:
             started = time.perf_counter()
             engine.run(b)
             times.append(time.perf_counter() - started)
-        print(f"autotune={tuning} rows={rows} x 128: first run {first * 1e3:.1f} ms, then median "
-              f"{np.median(times) * 1e3:.2f} ms", flush=True)
+        return f"first run {first * 1e3:.1f} ms, then median {np.median(times) * 1e3:.2f} ms"
+
+    for rows in (64, 128, 256):  # 8,192, 16,384 and 32,768 tokens: three size classes
+        print(f"autotune={tuning} rows={rows} x 128: {first_and_median(batch(rows, 128))}", flush=True)
+    for rows in (int(r) for r in args.ragged_rows.split(",") if r):
+        b = batch(rows, 128)
+        lengths = rng.integers(8, 129, size=rows)
+        mask = (np.arange(128)[None, :] < lengths[:, None]).astype(np.int64)
+        b = Batch(b.input_ids * mask, mask, b.token_type_ids * mask, b.outputs)
+        print(f"rows={rows}, lengths 8-128 (longest {lengths.max()}): {first_and_median(b)}", flush=True)
 
 
 if __name__ == "__main__":

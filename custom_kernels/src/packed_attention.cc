@@ -20,6 +20,7 @@
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -160,15 +161,19 @@ OrtStatusPtr run(const Kernel& kernel, int64_t t, int64_t b, int64_t s, int64_t 
     return fail(ORT_EP_FAIL, cuda_error("cudaEventCreate", ce));
   if (fe::detail::set_stream(handle, stream) != CUDNN_STATUS_SUCCESS) return fail(ORT_EP_FAIL, "cudnnSetStream failed");
   // Every sequence of full length (t = b·s): the packed rows are a dense batch, and cuDNN's kernel
-  // without ragged offsets or a padding mask is a third faster.
-  const bool ragged = t != b * s;
+  // without ragged offsets or a padding mask is a third faster. Only at a bucket's length (texts cut at
+  // the served maximum, say): a dense graph is built per exact shape.
+  const bool ragged = t != b * s || s != s_bucket(s);
   const GraphKey key{device, b, ragged ? s_bucket(s) : s, h, d, kernel.scale, ragged};
   auto it = sh.graphs.find(key);
   bool fresh = false;
+  double build_ms = 0, tune_ms = 0;
   if (it == sh.graphs.end()) {
     if (sh.graphs.size() >= 512) sh.graphs.clear();  // many distinct batch sizes: start over
     std::shared_ptr<fe::graph::Graph> g;
+    const auto started = std::chrono::steady_clock::now();
     RETURN_IF_ERROR(build(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, &g));
+    build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
     it = sh.graphs.emplace(key, std::move(g)).first;
     fresh = true;
   }
@@ -193,15 +198,17 @@ OrtStatusPtr run(const Kernel& kernel, int64_t t, int64_t b, int64_t s, int64_t 
   if (fresh && g.get_execution_plan_count() > 1 && cudaStreamIsCapturing(stream, &capture) == cudaSuccess &&
       capture == cudaStreamCaptureStatusNone) {
     // Several engines fit: time each on these very inputs and keep the fastest (the frontend's autotune).
+    const auto started = std::chrono::steady_clock::now();
     fe::error_t tuned = g.autotune(handle, pack, sh.workspace);
+    tune_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
     if (!tuned.is_good()) return fail(ORT_EP_FAIL, fe_error("timing cuDNN's attention plans failed", tuned));
   }
   if (fresh && sh.log) {
     std::string plan;
     if (!g.get_plan_name(plan).is_good()) plan = "plan name unknown";
-    std::fprintf(stderr, "bertserve PackedAttention B=%lld S=%lld %s: %lld plans, %s\n", (long long)b,
-                 (long long)std::get<2>(key), ragged ? "ragged" : "dense", (long long)g.get_execution_plan_count(),
-                 plan.c_str());
+    std::fprintf(stderr, "bertserve PackedAttention B=%lld S=%lld %s: %lld plans, %s; built in %.1f ms, timed in %.1f ms\n",
+                 (long long)b, (long long)std::get<2>(key), ragged ? "ragged" : "dense",
+                 (long long)g.get_execution_plan_count(), plan.c_str(), build_ms, tune_ms);
   }
   fe::error_t e = g.execute(handle, pack, sh.workspace);
   if (!e.is_good()) return fail(ORT_EP_FAIL, fe_error("cuDNN attention failed", e));
