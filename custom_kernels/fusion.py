@@ -4,13 +4,18 @@ node, and the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserv
 add the attention's bias themselves."""
 from __future__ import annotations
 
+import logging
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from custom_kernels import DOMAIN
+
+log = logging.getLogger("custom_kernels.fusion")
 
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
@@ -179,15 +184,16 @@ def offers_packed_attention(library) -> bool:
         + [helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
            helper.make_tensor_value_info("lengths", int32, ["B"]), helper.make_tensor_value_info("ragged", int32, ["B1"])],
         [helper.make_tensor_value_info("out", fp16, ["T", 8])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
-    import tempfile
-    from pathlib import Path
+    # IR version 8 (opset 17's): onnx writes its newest, which an older onnxruntime refuses to load
+    model = helper.make_model(graph, ir_version=8,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.onnx"
         onnx.save(model, str(path))
         try:
             open_session(path, "cuda", library=library)
-        except SessionError:
+        except SessionError as e:
+            log.info("no PackedAttention in %s: %s", library, e)
             return False
     return True
 

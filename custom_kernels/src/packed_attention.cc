@@ -69,6 +69,7 @@ struct Shared {
   std::mutex mu;
   std::map<int, cudnnHandle_t> handles;
   std::map<GraphKey, std::shared_ptr<fe::graph::Graph>> graphs;
+  std::map<std::pair<int, bool>, std::shared_ptr<fe::KernelCache>> kernel_caches;  // (device, ragged)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   // A launch on another stream than the last waits for the last one's (they share the workspace).
@@ -92,8 +93,11 @@ struct Kernel {
 std::string fe_error(const char* what, fe::error_t e) { return std::string(what) + ": " + e.get_message(); }
 
 OrtStatusPtr build(cudnnHandle_t handle, int64_t b, int64_t s, int64_t h, int64_t d, float scale, bool ragged,
-                   std::shared_ptr<fe::graph::Graph>* out) {
+                   const std::shared_ptr<fe::KernelCache>& kernels, std::shared_ptr<fe::graph::Graph>* out) {
   auto g = std::make_shared<fe::graph::Graph>();
+  // Dynamic shapes with a shared kernel cache: a graph of another batch shape reuses the kernels compiled
+  // for the first one, instead of compiling its own (about 170 ms a shape on an H100 without).
+  g->set_dynamic_shape_enabled(true).set_kernel_cache(kernels);
   g->set_io_data_type(fe::DataType_t::HALF)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
@@ -172,7 +176,9 @@ OrtStatusPtr run(const Kernel& kernel, int64_t t, int64_t b, int64_t s, int64_t 
     if (sh.graphs.size() >= 512) sh.graphs.clear();  // many distinct batch sizes: start over
     std::shared_ptr<fe::graph::Graph> g;
     const auto started = std::chrono::steady_clock::now();
-    RETURN_IF_ERROR(build(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, &g));
+    auto& kernels = sh.kernel_caches[{device, ragged}];
+    if (!kernels) kernels = std::make_shared<fe::KernelCache>();
+    RETURN_IF_ERROR(build(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, kernels, &g));
     build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
     it = sh.graphs.emplace(key, std::move(g)).first;
     fresh = true;
