@@ -84,6 +84,8 @@ class OrtEngine:
                                             device_id=cuda_device_id, intra_op_threads=intra_op_threads)
         except SessionError as e:
             raise EngineError(str(e)) from e
+        if path.name != graph.file and kernels != "on":
+            path = self._kernels_run_or_plain(folder, graph, path, cuda_device_id, intra_op_threads)
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
@@ -101,6 +103,27 @@ class OrtEngine:
                                                       cuda_graphs, manifest.max_length, cuda_graph_rows)
         self._running = 0  # batches on the GPU now, from any inference thread
         self._running_lock = threading.Lock()
+
+    def _kernels_run_or_plain(self, folder: Path, graph: GraphInfo, path: Path, device_id: int,
+                              intra_op_threads: int | None) -> Path:
+        """`path` (the custom-kernels variant, loaded) when it runs a padded batch and a batch without padding,
+        else the plain graph, with a warning. Our attention asks this process's cuDNN for its kernels when it
+        first meets a shape; a cuDNN older than the one export ran with may have none."""
+        ids = np.zeros((2, 16), np.int64)
+        mask = np.ones_like(ids)
+        mask[1, 4:] = 0
+        try:
+            for rows in (ids, ids[:1]):  # padded, then dense
+                self.session.run(None, {"input_ids": rows, "attention_mask": mask[:len(rows)],
+                                        "token_type_ids": np.zeros_like(rows)})
+        except Exception as e:  # noqa: BLE001 - ORT raises its own types
+            if device_lost(e) is not None:
+                raise device_lost(e) from e
+            log.warning("custom kernels failed a first forward pass (%s); running the plain %s graph",
+                        " ".join(str(e).split())[:300], graph.file)
+            path, self.session = open_graph(folder, graph, self.device, library=None, kernels_required=False,
+                                            device_id=device_id, intra_op_threads=intra_op_threads)
+        return path
 
     @property
     def cuda_graphs(self) -> bool:
