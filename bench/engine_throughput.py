@@ -1,8 +1,9 @@
 """Engine throughput of the exported artifact against PyTorch on the same weights, in one run.
 
 CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
-the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built)
-against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
+the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+cudnn":
+that graph with its attention on our cuDNN operator too, the one the server runs where it can, checked
+against "+kernels" first) against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
 
@@ -179,22 +180,6 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
-def flash_attention_kernels_graph(plain: Path) -> Path:
-    """The packed fp16 graph `plain` on our operators as export made it before bertserve.PackedAttention:
-    the products fused (custom_kernels.fusion), the attention left on ORT's PackedMultiHeadAttention
-    (FlashAttention's kernel)."""
-    import onnx
-
-    from custom_kernels.fusion import fuse_attention_bias, fuse_matmul_bias_gelu
-
-    model = onnx.load(str(plain))
-    fuse_matmul_bias_gelu(model)
-    fuse_attention_bias(model)
-    out = plain.with_name(plain.stem + "_kernels_flash.onnx")
-    onnx.save(model, str(out))
-    return out
-
-
 def compare_outputs(reference, candidate, feeds: list) -> str:
     """Min cosine and max |difference| of every output of two sessions (DeviceBoundSession) on `feeds`,
     over the real tokens only for token outputs."""
@@ -251,9 +236,6 @@ def main(argv=None) -> int:
                    help=f"comma-separated ORT operators of the packed graphs to build and time: {', '.join(PACKED_KINDS)}")
     p.add_argument("--untuned", action="store_true",
                    help="also time each +kernels graph with the operator's autotuning off (BERTSERVE_KERNELS_AUTOTUNE=0)")
-    p.add_argument("--flash-attention", action="store_true",
-                   help="also time the packed-mha+kernels graph with its attention on ORT's PackedMultiHeadAttention "
-                        "(FlashAttention) instead of bertserve.PackedAttention (cuDNN), after checking the two agree")
     p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -302,10 +284,11 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",
                                                                              kernels_library=library)))
-        if args.flash_attention and "packed-mha" in artifacts and kernels_file("packed-mha"):
-            flash_file = flash_attention_kernels_graph(graph_file("packed-mha", "fp16"))
-            engines["ort fp16 packed-mha+kernels, flash"] = (
-                lambda: DeviceBoundSession(flash_file, "cuda", kernels_library=library))
+        if "packed-mha" in artifacts and (cudnn := artifacts["packed-mha"].graph("fp16").custom_kernels.cudnn_attention
+                                          if kernels_file("packed-mha") else None):
+            # the served graph where this process's cuDNN runs it (app/engine.py)
+            engines["ort fp16 packed-mha+kernels+cudnn"] = (
+                lambda: DeviceBoundSession(work / "packed-mha" / cudnn.file, "cuda", kernels_library=library))
         baseline = "torch fp16 sdpa"
     else:
         engines = {
@@ -328,11 +311,11 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         print(f"{workload:>10} b={batch:<4} {name:<36} {rows[-1]['ms_per_batch']:9.3f} ms  "
               f"{rows[-1]['seq_per_s']:10,.0f} seq/s", flush=True)
 
-    if "ort fp16 packed-mha+kernels, flash" in built:
+    if "ort fp16 packed-mha+kernels+cudnn" in built:
         feeds = [fixed_batch(b, args.seq, rng) for b in (1, 8, 256)]
         feeds += text_batches(tokenizer, texts, 64, count=4)
-        print("the kernels graph against its FlashAttention variant: "
-              + compare_outputs(built["ort fp16 packed-mha+kernels, flash"], built["ort fp16 packed-mha+kernels"], feeds),
+        print("the kernels graph's attention on cuDNN against PackedMultiHeadAttention: "
+              + compare_outputs(built["ort fp16 packed-mha+kernels"], built["ort fp16 packed-mha+kernels+cudnn"], feeds),
               flush=True)
 
     for b in batches:

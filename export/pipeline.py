@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import (DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
-                               PADDED_KERNELS_GRAPH_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
-                               GraphInfo, Manifest, PaddedGraph, sha256_file)
+from artifact.manifest import (CUDNN_ATTENTION_GRAPH_FILE, DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE,
+                               PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE, POOLED_EMBEDDING, TOKENIZER_FILE,
+                               CustomKernelsGraph, GraphInfo, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
@@ -228,9 +228,10 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
                          file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
-    multi-head attention where it has that, on our fused operators, and its PackedMultiHeadAttention on
-    our cuDNN attention when the library has it; checked like the graph itself (with a batch without
-    padding too, which that attention runs another way)."""
+    multi-head attention where it has that, on our fused operators; checked like the graph itself. When
+    it has PackedMultiHeadAttention and the library our cuDNN attention, a second variant with that
+    attention on it too (CUDNN_ATTENTION_GRAPH_FILE), checked also on a batch without padding, which that
+    operator runs another way."""
     import onnx
 
     from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_cudnn,
@@ -239,15 +240,26 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
     operators = {MATMUL_BIAS_GELU: fused, MATMUL_BIAS: fuse_attention_bias(model)}
-    if any(n.op_type == "PackedMultiHeadAttention" for n in model.graph.node) and offers_packed_attention(library):
-        operators[PACKED_ATTENTION] = attention_on_cudnn(model)
-        full = full_length_batch(batches)
-        if full is not None:
-            batches, references = batches + [full], references + [reference_outputs(graph, full)]
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")
-    path = tmp / file
+    kernels = _checked_kernels_graph(model, tmp / file, library, graph, batches, references, operators)
+    if any(n.op_type == "PackedMultiHeadAttention" for n in model.graph.node) and offers_packed_attention(library):
+        operators = {**operators, PACKED_ATTENTION: attention_on_cudnn(model)}
+        full = full_length_batch(batches)
+        if full is not None:
+            batches, references = batches + [full], references + [reference_outputs(graph, full)]
+        kernels.cudnn_attention = _checked_kernels_graph(model, tmp / CUDNN_ATTENTION_GRAPH_FILE, library, graph,
+                                                         batches, references, operators)
+    return kernels
+
+
+def _checked_kernels_graph(model, path: Path, library: Path, graph: EmbeddingGraph,
+                           batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
+                           operators: dict[str, int]) -> CustomKernelsGraph:
+    """`model` written to `path` and gated on parity with our operators' library."""
+    import onnx
+
     onnx.save(model, str(path))
     try:
         session = open_session(path, "cuda", library=library)

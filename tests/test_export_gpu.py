@@ -3,6 +3,8 @@
 Skipped without CUDA and onnxruntime-gpu (see conftest); run on the GPU machine with `pytest -m gpu`."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -110,18 +112,26 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert main(argv + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     kernels = m.graph("fp16").custom_kernels
-    # packed (the default with the library): PackedMultiHeadAttention, its bias in the Q, K and V products,
-    # and the attention itself on cuDNN's when the library was built with it
+    # packed (the default with the library): PackedMultiHeadAttention, its bias in the Q, K and V products;
+    # and, when the library was built with it, a variant with the attention itself on cuDNN's
     want_operators = {MATMUL_BIAS_GELU: m.num_layers} | ({} if keep_padding else {MATMUL_BIAS: 3 * m.num_layers})
-    if not keep_padding and offers_packed_attention(kernels_library("on", "cuda")):
-        want_operators[PACKED_ATTENTION] = m.num_layers
     assert kernels.operators == want_operators
+    cudnn = not keep_padding and offers_packed_attention(kernels_library("on", "cuda"))
+    assert bool(kernels.cudnn_attention) == cudnn
+    if cudnn:
+        assert kernels.cudnn_attention.operators == want_operators | {PACKED_ATTENTION: m.num_layers}
+        assert kernels.cudnn_attention.parity["batches"] == kernels.parity["batches"] + 1  # one without padding
+        assert kernels.cudnn_attention.parity["token_embeddings_min_cosine"] >= 0.999
     assert kernels.parity["token_embeddings_min_cosine"] >= 0.999
     assert kernels.parity["nsp_prob_max_diff"] <= 0.01
 
     fused = OrtEngine(out, m, "cuda", "fp16", kernels="on")
     plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
-    assert fused.custom_kernels and fused.graph_file == kernels.file and not plain.custom_kernels
+    # the cuDNN variant where this process's cuDNN has dynamic-shape attention (9.19 has, 9.14 has not)
+    cudnn_version = ctypes.CDLL("libcudnn.so.9").cudnnGetVersion() if kernels.cudnn_attention else 0
+    served = {kernels.file} if cudnn_version < 91500 else {kernels.cudnn_attention.file} if cudnn_version >= 91900 \
+        else {kernels.file, kernels.cudnn_attention.file}
+    assert fused.custom_kernels and fused.graph_file in served and not plain.custom_kernels
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     feed = padded_feed([tok.encode("a short one"),
                         tok.encode("a much longer sentence with more words in it", "and a pair")] * 9)

@@ -11,8 +11,9 @@
 // It stands in for com.microsoft.PackedMultiHeadAttention, whose kernel on Hopper is an Ampere
 // FlashAttention (1.26 ms a BERT-base batch of 256 x 128 on an H200 against 0.82 ms for cuDNN's).
 // A cuDNN graph is built per (B, S bucket, H, D, scale) the first time it is met and kept for the
-// process; building takes milliseconds, so S is rounded up to a bucket (the padding mask cuts each
-// sequence at its own length, so a longer S only adds blocks that exit at once).
+// process; with dynamic shapes and a shared kernel cache that takes milliseconds. S is rounded up to a
+// bucket (the padding mask cuts each sequence at its own length, so a longer S only adds blocks that
+// exit at once).
 #include "packed_attention.h"
 
 #include <cuda_runtime_api.h>
@@ -92,13 +93,13 @@ struct Kernel {
 
 std::string fe_error(const char* what, fe::error_t e) { return std::string(what) + ": " + e.get_message(); }
 
-// `kernels`: with a kernel cache the graph is built for dynamic shapes, and a graph of another batch shape
-// reuses the kernels compiled for the first (7-11 ms a shape on an H100 with cuDNN 9.19, against 130-230
-// without); null: a graph of its own (cuDNN releases whose attention engines lack dynamic shapes).
+// Built for dynamic shapes with a kernel cache shared by every graph of its kind: a graph of another batch
+// shape reuses the kernels compiled for the first (7-11 ms a shape on an H100 with cuDNN 9.19, against
+// 130-230 ms for a graph compiled on its own).
 fe::error_t build_graph(cudnnHandle_t handle, int64_t b, int64_t s, int64_t h, int64_t d, float scale, bool ragged,
                         const std::shared_ptr<fe::KernelCache>& kernels, std::shared_ptr<fe::graph::Graph>* out) {
   auto g = std::make_shared<fe::graph::Graph>();
-  if (kernels) g->set_dynamic_shape_enabled(true).set_kernel_cache(kernels);
+  g->set_dynamic_shape_enabled(true).set_kernel_cache(kernels);
   g->set_io_data_type(fe::DataType_t::HALF)
       .set_intermediate_data_type(fe::DataType_t::FLOAT)
       .set_compute_data_type(fe::DataType_t::FLOAT);
@@ -172,22 +173,18 @@ OrtStatusPtr run(const Kernel& kernel, int64_t t, int64_t b, int64_t s, int64_t 
     if (sh.graphs.size() >= 512) sh.graphs.clear();  // many distinct batch sizes: start over
     std::shared_ptr<fe::graph::Graph> g;
     const auto started = std::chrono::steady_clock::now();
-    auto found = sh.kernel_caches.find({device, ragged});
-    if (found == sh.kernel_caches.end())
-      found = sh.kernel_caches.emplace(std::make_pair(device, ragged), std::make_shared<fe::KernelCache>()).first;
-    fe::error_t e = build_graph(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, found->second, &g);
-    if (!e.is_good() && found->second) {  // no dynamic shapes in this cuDNN: a graph per shape from now on
-      std::fprintf(stderr, "bertserve PackedAttention: cuDNN %lld builds no %s attention for dynamic shapes (%s); "
-                   "each batch shape gets a graph of its own\n", (long long)fe::detail::get_backend_version(),
-                   ragged ? "ragged" : "dense", e.get_message().c_str());
-      found->second = nullptr;
-      e = build_graph(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, nullptr, &g);
-    }
+    auto& kernels = sh.kernel_caches[{device, ragged}];
+    if (!kernels) kernels = std::make_shared<fe::KernelCache>();
+    // Only with dynamic shapes: a graph compiled per batch shape (130-230 ms each) would stall a server
+    // at every new batch size. Without them the operator fails, and the server runs the same graph on
+    // ORT's PackedMultiHeadAttention instead (app/engine.py).
+    fe::error_t e = build_graph(handle, b, std::get<2>(key), h, d, kernel.scale, ragged, kernels, &g);
     if (!e.is_good())
       return fail(ORT_EP_FAIL, fe_error(("cuDNN " + std::to_string(fe::detail::get_backend_version()) +
-                                         " has no attention for B=" + std::to_string(b) + " S=" +
+                                         " builds no " + (ragged ? "ragged" : "dense") +
+                                         " attention with dynamic shapes for B=" + std::to_string(b) + " S=" +
                                          std::to_string(std::get<2>(key)) + " H=" + std::to_string(h) + " D=" +
-                                         std::to_string(d) + (ragged ? " ragged" : " dense")).c_str(),
+                                         std::to_string(d) + " (cuDNN 9.19 does, 9.14 does not)").c_str(),
                                         e));
     build_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count();
     it = sh.graphs.emplace(key, std::move(g)).first;
