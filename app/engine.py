@@ -18,7 +18,7 @@ import onnxruntime as ort
 from app.cuda_graphs import MAX_ROWS, CudaGraphBuckets
 from app.errors import EngineLost
 from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo, Manifest
-from artifact.session import CUDA, SessionError, kernels_library, open_graph, open_session
+from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
 log = logging.getLogger("app.engine")
 
@@ -84,9 +84,6 @@ class OrtEngine:
                                             device_id=cuda_device_id, intra_op_threads=intra_op_threads)
         except SessionError as e:
             raise EngineError(str(e)) from e
-        cudnn = graph.custom_kernels.cudnn_attention if graph.custom_kernels else None
-        if cudnn is not None and path.name == graph.custom_kernels.file:
-            path = self._cudnn_attention_or(path, folder / cudnn.file, library, cuda_device_id, intra_op_threads)
         self.graph_file = path.name
         self.custom_kernels = path.name != graph.file
         self.provider = self.session.get_providers()[0]
@@ -104,29 +101,6 @@ class OrtEngine:
                                                       cuda_graphs, manifest.max_length, cuda_graph_rows)
         self._running = 0  # batches on the GPU now, from any inference thread
         self._running_lock = threading.Lock()
-
-    def _cudnn_attention_or(self, path: Path, cudnn: Path, library: Path, device_id: int,
-                            intra_op_threads: int | None) -> Path:
-        """The kernels graph with its attention on our cuDNN operator (`cudnn`) when it opens and runs a padded
-        batch and one without padding here, else `path` (its session kept) with a warning. The operator asks
-        this process's cuDNN for dynamic-shape attention, which older cuDNN 9 releases lack."""
-        ids = np.zeros((2, 16), np.int64)
-        mask = np.ones_like(ids)
-        mask[1, 4:] = 0
-        try:
-            session = open_session(cudnn, self.device, library=library, device_id=device_id,
-                                   intra_op_threads=intra_op_threads)
-            for rows in (2, 1):  # padded, then without padding
-                session.run(None, {"input_ids": ids[:rows], "attention_mask": mask[:rows],
-                                   "token_type_ids": np.zeros_like(ids[:rows])})
-        except Exception as e:  # noqa: BLE001 - SessionError, or ORT's own types
-            if (lost := device_lost(e)) is not None:
-                raise lost from e
-            log.warning("attention on cuDNN unavailable here (%s); running %s", " ".join(str(e).split())[:300],
-                        path.name)
-            return path
-        self.session = session
-        return cudnn
 
     @property
     def cuda_graphs(self) -> bool:

@@ -36,9 +36,6 @@ POOLINGS = ("cls", "pooled", "mean", "max", "mean_sqrt_len", "weightedmean", "la
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 # The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
 KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
-# That graph once more with its attention on our cuDNN operator, when the library has it; the server
-# prefers it where this process's cuDNN runs it (app/engine.py).
-CUDNN_ATTENTION_GRAPH_FILE = "model_fp16_kernels_cudnn.onnx"
 # A packed fp16 graph's shapes follow its data, so CUDA cannot replay it; small batches run on the same
 # graph with its padding kept, replayed as CUDA graphs (app/cuda_graphs.py). With our operators too:
 PADDED_GRAPH_FILE = "model_fp16_padded.onnx"
@@ -60,15 +57,6 @@ class CustomKernelsGraph:
     file: str
     operators: dict[str, int]  # our operator -> how many of the graph's nodes it replaced
     parity: dict[str, float]
-    # the same graph with its PackedMultiHeadAttention on bertserve.PackedAttention (cuDNN), when export
-    # could build it; it needs a cuDNN with dynamic-shape attention where it runs
-    cudnn_attention: CustomKernelsGraph | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> CustomKernelsGraph | None:
-        if not d:
-            return None
-        return cls(**{**d, "cudnn_attention": cls.from_dict(d.get("cudnn_attention"))})
 
 
 @dataclass
@@ -100,13 +88,14 @@ class GraphInfo:
 
     def files(self) -> list[str]:
         """Every graph file this entry names."""
-        variants = [self, self.custom_kernels, self.custom_kernels and self.custom_kernels.cudnn_attention,
-                    self.padded, self.padded and self.padded.custom_kernels]
+        variants = [self, self.custom_kernels, self.padded, self.padded and self.padded.custom_kernels]
         return [v.file for v in variants if v]
 
     @classmethod
     def from_dict(cls, d: dict) -> "GraphInfo":
-        kernels = CustomKernelsGraph.from_dict
+        def kernels(k: dict | None) -> CustomKernelsGraph | None:
+            return CustomKernelsGraph(**k) if k else None
+
         padded = d.get("padded")
         if padded:
             padded = PaddedGraph(**{**padded, "custom_kernels": kernels(padded.get("custom_kernels"))})

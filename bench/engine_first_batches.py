@@ -3,7 +3,8 @@ padded twin, with CUDA graphs on), then batches of 64, 128 and 256 texts of 128 
 first run and then as the median of ten. The first run of each size pays custom_kernels' autotuning
 (BERTSERVE_KERNELS_AUTOTUNE=0 to compare); run it several times to see start-up failures. With
 --ragged-rows, batches of those many texts of random lengths (8-128 tokens) follow, timed the same way:
-the first batch of each row count pays for PackedAttention's cuDNN graph of that shape.
+what a new batch shape costs the packed graph the first time (plans made per shape, by ORT and by our
+operator).
 
   python bench/engine_first_batches.py ART [--kernels auto|on|off] [--cuda-graphs auto|on|off]
       [--cuda-graph-rows 16] [--first-rows 2] [--only-first] [--ragged-rows 17,23,40]

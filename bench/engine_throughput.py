@@ -1,9 +1,8 @@
 """Engine throughput of the exported artifact against PyTorch on the same weights, in one run.
 
 CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
-the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+cudnn":
-that graph with its attention on our cuDNN operator too, the one the server runs where it can, checked
-against "+kernels" first) against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
+the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built)
+against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
 
@@ -180,26 +179,6 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
-def compare_outputs(reference, candidate, feeds: list) -> str:
-    """Min cosine and max |difference| of every output of two sessions (DeviceBoundSession) on `feeds`,
-    over the real tokens only for token outputs."""
-    cosines, diffs = [], []
-    for feed in feeds:
-        mask = feed["attention_mask"].astype(bool)
-        got = []
-        for engine in (reference, candidate):
-            io, _keep = engine.prepare(feed)
-            engine.run((io, _keep))
-            got.append(dict(zip(engine.outputs, io.copy_outputs_to_cpu())))
-        for name, a in got[0].items():
-            b = got[1][name]
-            a, b = (a[mask], b[mask]) if a.ndim == 3 else (a, b)
-            a, b = a.astype(np.float64).reshape(len(a), -1), b.astype(np.float64).reshape(len(b), -1)
-            cosines.append(float(((a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-30)).min()))
-            diffs.append(float(np.abs(a - b).max()))
-    return f"min cosine {min(cosines):.7f}, max |diff| {max(diffs):.3g}"
-
-
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
     with mock.patch.dict(os.environ, BERTSERVE_KERNELS_AUTOTUNE="0"):
@@ -284,11 +263,6 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",
                                                                              kernels_library=library)))
-        if "packed-mha" in artifacts and (cudnn := artifacts["packed-mha"].graph("fp16").custom_kernels.cudnn_attention
-                                          if kernels_file("packed-mha") else None):
-            # the served graph where this process's cuDNN runs it (app/engine.py)
-            engines["ort fp16 packed-mha+kernels+cudnn"] = (
-                lambda: DeviceBoundSession(work / "packed-mha" / cudnn.file, "cuda", kernels_library=library))
         baseline = "torch fp16 sdpa"
     else:
         engines = {
@@ -310,13 +284,6 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                      "seq_per_s": n_seq / seconds_per_pass, "tokens_per_s": n_tok / seconds_per_pass})
         print(f"{workload:>10} b={batch:<4} {name:<36} {rows[-1]['ms_per_batch']:9.3f} ms  "
               f"{rows[-1]['seq_per_s']:10,.0f} seq/s", flush=True)
-
-    if "ort fp16 packed-mha+kernels+cudnn" in built:
-        feeds = [fixed_batch(b, args.seq, rng) for b in (1, 8, 256)]
-        feeds += text_batches(tokenizer, texts, 64, count=4)
-        print("the kernels graph's attention on cuDNN against PackedMultiHeadAttention: "
-              + compare_outputs(built["ort fp16 packed-mha+kernels"], built["ort fp16 packed-mha+kernels+cudnn"], feeds),
-              flush=True)
 
     for b in batches:
         feeds = [fixed_batch(b, args.seq, rng)]

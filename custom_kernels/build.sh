@@ -42,27 +42,12 @@ PY
   CUDA_INC=${CUDA_INC:-"$toolkit/include $(echo "$pip_dirs" | sed -n 1p)"}
   CUDA_LIB=${CUDA_LIB:-"$(echo "$pip_dirs" | sed -n 2p) $toolkit/lib64"}
 fi
-# cuDNN's frontend (header-only; pip's nvidia-cudnn-frontend puts it in site-packages/include) for
-# bertserve.PackedAttention: CUDNN_FRONTEND_INC, else that folder. Without it, or without cudnn.h and
-# nvrtc.h (the nvidia-cudnn-cu13 and nvidia-cuda-nvrtc wheels), the library is built without that operator.
-if [ -z "${CUDNN_FRONTEND_INC:-}" ]; then
-  CUDNN_FRONTEND_INC=$(python3 -c 'import os, sysconfig; print(os.path.join(sysconfig.get_paths()["purelib"], "include"))' 2>/dev/null || true)
-fi
-inc=() lib=() have_crt="" have_lt="" have_dnn="" have_nvrtc="" have_fe=""
-for d in $CUDA_INC; do [ -d "$d" ] || continue; inc+=(-isystem "$d")
-  [ -f "$d/crt/host_defines.h" ] && have_crt=1; [ -f "$d/cublasLt.h" ] && have_lt=1
-  [ -f "$d/cudnn.h" ] && have_dnn=1; [ -f "$d/nvrtc.h" ] && have_nvrtc=1; done
+inc=() lib=() have_crt="" have_lt=""
+for d in $CUDA_INC; do [ -d "$d" ] || continue; inc+=(-I"$d")
+  [ -f "$d/crt/host_defines.h" ] && have_crt=1; [ -f "$d/cublasLt.h" ] && have_lt=1; done
 for d in $CUDA_LIB; do [ -d "$d" ] && lib+=(-L"$d"); done
 [ -n "$have_lt" ] || { echo "build.sh: no cublasLt.h in: $CUDA_INC (set CUDA_INC; pip: the nvidia-cublas wheel's nvidia/cu13/include)" >&2; exit 1; }
 [ -n "$have_crt" ] || { echo "build.sh: no crt/host_defines.h in: $CUDA_INC (it comes with a CUDA toolkit, e.g. a CUDA devel image; set CUDA_INC)" >&2; exit 1; }
-sources=("$here/src/matmul_epilogues.cc")
-[ -f "${CUDNN_FRONTEND_INC:-/nonexistent}/cudnn_frontend.h" ] && have_fe=1
-if [ -n "$have_fe" ] && [ -n "$have_dnn" ] && [ -n "$have_nvrtc" ]; then
-  sources+=("$here/src/packed_attention.cc")
-  flags+=(-DBERTSERVE_PACKED_ATTENTION -DNV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING -isystem "$CUDNN_FRONTEND_INC")
-else
-  echo "build.sh: building without PackedAttention (cudnn_frontend.h: ${have_fe:-missing}, cudnn.h: ${have_dnn:-missing}, nvrtc.h: ${have_nvrtc:-missing})" >&2
-fi
-"$CXX" "${flags[@]}" "${inc[@]}" "${sources[@]}" -o "$out/libbertserve_ops.so" "${lib[@]}" \
-  -l:libcublasLt.so.13 -l:libcudart.so.13 -ldl
-echo "built $out/libbertserve_ops.so (${sources[*]##*/})"
+"$CXX" "${flags[@]}" "${inc[@]}" "$here/src/matmul_epilogues.cc" -o "$out/libbertserve_ops.so" "${lib[@]}" \
+  -l:libcublasLt.so.13 -l:libcudart.so.13
+echo "built $out/libbertserve_ops.so"

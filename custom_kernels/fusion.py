@@ -4,22 +4,15 @@ node, and the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserv
 add the attention's bias themselves."""
 from __future__ import annotations
 
-import logging
-import tempfile
 from collections import Counter
-from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
 from custom_kernels import DOMAIN
 
-log = logging.getLogger("custom_kernels.fusion")
-
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
-PACKED_ATTENTION = "PackedAttention"
 # ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
@@ -116,86 +109,6 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     return len(replaced)
-
-
-def attention_on_cudnn(model: onnx.ModelProto) -> int:
-    """Rewrites `model` in place and returns how many PackedMultiHeadAttention nodes became
-    bertserve.PackedAttention (cuDNN's fused attention, src/packed_attention.cc). A node is taken when
-    it has no bias (fuse_attention_bias moved it into the products) and no attention bias, and its
-    query comes from a product whose weight gives the width. The sequence lengths and the ragged
-    offsets the operator reads are computed once per cumulative_sequence_length, before the first
-    attention that reads it."""
-    g = _Graph(model.graph)
-    replaced: dict[int, onnx.NodeProto] = {}
-    before: dict[int, list[onnx.NodeProto]] = {}  # nodes to insert before node i
-    derived: dict[str, tuple[str, str]] = {}  # cumulative_sequence_length -> (lengths, ragged offsets)
-    new_initializers: list[onnx.TensorProto] = []
-    for i, node in enumerate(g.nodes):
-        if node.op_type != "PackedMultiHeadAttention" or node.domain != "com.microsoft":
-            continue
-        inputs = list(node.input) + [""] * (7 - len(node.input))
-        query, key, value, bias, token_offset, cumulative, attention_bias = inputs[:7]
-        producer = g.producer.get(query)
-        weight = g.initializers.get(g.nodes[producer].input[1]) if producer is not None else None
-        if bias or attention_bias or not (token_offset and cumulative) or weight is None or len(weight.dims) != 2:
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        heads, width = int(attrs["num_heads"]), int(weight.dims[1])
-        scale = float(attrs.get("scale", 0.0)) or 1.0 / float(np.sqrt(width // heads))
-        if cumulative not in derived:
-            names = [f"{cumulative}_{part}" for part in ("hi", "lo", "lengths", "ragged", "width", "start", "one",
-                                                         "end", "last", "axis")]
-            hi, lo, lengths, ragged, width_name, start, one, end, last, axis = names
-            new_initializers += [numpy_helper.from_array(np.array(v, dtype), n) for v, dtype, n in (
-                ([0], np.int64, start), ([1], np.int64, one), ([np.iinfo(np.int64).max], np.int64, end),
-                ([-1], np.int64, last), ([0], np.int64, axis), (width, np.int32, width_name))]
-            before.setdefault(i, []).extend([
-                helper.make_node("Slice", [cumulative, one, end, axis], [hi], name=hi),
-                helper.make_node("Slice", [cumulative, start, last, axis], [lo], name=lo),
-                helper.make_node("Sub", [hi, lo], [lengths], name=lengths),
-                helper.make_node("Mul", [cumulative, width_name], [ragged], name=ragged),
-            ])
-            derived[cumulative] = (lengths, ragged)
-        lengths, ragged = derived[cumulative]
-        replaced[i] = helper.make_node(PACKED_ATTENTION, [query, key, value, token_offset, lengths, ragged],
-                                       list(node.output), name=f"{node.name or node.output[0]}_cudnn",
-                                       domain=DOMAIN, num_heads=heads, scale=scale)
-    if not replaced:
-        return 0
-    model.graph.initializer.extend(new_initializers)
-    nodes = [_copy(n) for i, node in enumerate(g.nodes) for n in before.get(i, []) + [replaced.get(i, node)]]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    if DOMAIN not in {o.domain for o in model.opset_import}:
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-    return len(replaced)
-
-
-def offers_packed_attention(library) -> bool:
-    """Whether our operator library (a path) was built with PackedAttention (build.sh leaves it out where
-    cuDNN's frontend headers are missing): a one-node graph opens on the CUDA provider or it does not."""
-    from artifact.session import SessionError, open_session
-
-    fp16, int32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.INT32
-    graph = helper.make_graph(
-        [helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "lengths", "ragged"], ["out"],
-                          domain=DOMAIN, num_heads=1, scale=1.0)], "probe",
-        [helper.make_tensor_value_info(n, fp16, ["T", 8]) for n in "qkv"]
-        + [helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
-           helper.make_tensor_value_info("lengths", int32, ["B"]), helper.make_tensor_value_info("ragged", int32, ["B1"])],
-        [helper.make_tensor_value_info("out", fp16, ["T", 8])])
-    # IR version 8 (opset 17's): onnx writes its newest, which an older onnxruntime refuses to load
-    model = helper.make_model(graph, ir_version=8,
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "probe.onnx"
-        onnx.save(model, str(path))
-        try:
-            open_session(path, "cuda", library=library)
-        except SessionError as e:
-            log.info("no PackedAttention in %s: %s", library, e)
-            return False
-    return True
 
 
 def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], dropped: set[int]) -> None:

@@ -100,20 +100,6 @@ def random_batches(
     return batches
 
 
-def full_length_batch(batches: Sequence[dict[str, np.ndarray]], length: int = 16) -> dict[str, np.ndarray] | None:
-    """One batch without padding: the first `length` tokens of the first row of every batch at least that
-    long (random_batches' row 0 fills its batch; cut short, it has no closing [SEP], which no graph
-    needs). A packed graph takes such a batch as
-    one dense block (bertserve.PackedAttention runs another cuDNN graph for it), which the padded gate
-    batches never are once they have two rows. None when fewer than two batches are that long."""
-    rows = [b for b in batches if b["input_ids"].shape[1] >= length and b["attention_mask"][0, :length].all()]
-    if len(rows) < 2:
-        return None
-    input_ids = np.stack([b["input_ids"][0, :length] for b in rows])
-    return {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids),
-            "token_type_ids": np.stack([b["token_type_ids"][0, :length] for b in rows])}
-
-
 def text_batches(tokenizer, sentences: Sequence[str], max_length: int, pad_id: int,
                  batch_size: int = 8) -> list[dict[str, np.ndarray]]:
     """Feeds of real text through the model's own tokenizer, right-padded: the sentences alone in

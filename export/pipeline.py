@@ -19,17 +19,17 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import (CUDNN_ATTENTION_GRAPH_FILE, DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE,
-                               PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE, POOLED_EMBEDDING, TOKENIZER_FILE,
-                               CustomKernelsGraph, GraphInfo, Manifest, PaddedGraph, sha256_file)
+from artifact.manifest import (DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
+                               PADDED_KERNELS_GRAPH_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
+                               GraphInfo, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, trace_to_onnx
 from export.optimize import PACKED_ATTENTION_OPS, optimize_graph, quantize_int8
-from export.parity import (DEFAULT_SHAPES, check_parity, compare, full_length_batch, random_batches,
-                           reference_outputs, text_batches)
+from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
+                           text_batches)
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
@@ -228,14 +228,10 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
                          file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
-    multi-head attention where it has that, on our fused operators; checked like the graph itself. When
-    it has PackedMultiHeadAttention and the library our cuDNN attention, a second variant with that
-    attention on it too (CUDNN_ATTENTION_GRAPH_FILE), checked also on a batch without padding, which that
-    operator runs another way."""
+    multi-head attention where it has that, on our fused operators; checked like the graph itself."""
     import onnx
 
-    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_cudnn,
-                                       fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention)
+    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
 
     model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
@@ -243,23 +239,7 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")
-    kernels = _checked_kernels_graph(model, tmp / file, library, graph, batches, references, operators)
-    if any(n.op_type == "PackedMultiHeadAttention" for n in model.graph.node) and offers_packed_attention(library):
-        operators = {**operators, PACKED_ATTENTION: attention_on_cudnn(model)}
-        full = full_length_batch(batches)
-        if full is not None:
-            batches, references = batches + [full], references + [reference_outputs(graph, full)]
-        kernels.cudnn_attention = _checked_kernels_graph(model, tmp / CUDNN_ATTENTION_GRAPH_FILE, library, graph,
-                                                         batches, references, operators)
-    return kernels
-
-
-def _checked_kernels_graph(model, path: Path, library: Path, graph: EmbeddingGraph,
-                           batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]],
-                           operators: dict[str, int]) -> CustomKernelsGraph:
-    """`model` written to `path` and gated on parity with our operators' library."""
-    import onnx
-
+    path = tmp / file
     onnx.save(model, str(path))
     try:
         session = open_session(path, "cuda", library=library)

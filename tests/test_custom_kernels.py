@@ -21,9 +21,7 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
-from custom_kernels import DOMAIN
-from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_cudnn, fuse_attention_bias,
-                                   fuse_matmul_bias_gelu, offers_packed_attention)
+from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
 from export import ExportError
 from export.pipeline import export_artifact
 from tests.feeds import padded_feed
@@ -265,59 +263,3 @@ def test_a_graph_opens_on_its_kernels_variant_or_falls_back_to_the_plain_one(tin
 
     with pytest.raises(EngineError, match="CUDA only"):
         OrtEngine(art, manifest, "cpu", "fp32", kernels="on")
-
-
-def _packed_attention_graph(heads: int = 2, size: int = 4, bias: bool = False) -> onnx.ModelProto:
-    """Two PackedMultiHeadAttention nodes over Q, K and V products and one cumulative_sequence_length,
-    as the packed graph has them (bias already moved into the products unless `bias`)."""
-    width = heads * size
-    weights = [numpy_helper.from_array(np.ones((width, width), np.float32), f"w{i}") for i in range(3)]
-    initializers = weights + ([numpy_helper.from_array(np.zeros(3 * width, np.float32), "qkv_bias")] if bias else [])
-    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [name]) for i, name in enumerate("qkv")]
-    nodes += [helper.make_node("PackedMultiHeadAttention", ["q", "k", "v", "qkv_bias" if bias else "", "token_offset",
-                                                            "cu_seqlens"], [out], domain="com.microsoft", num_heads=heads)
-              for out in ("a", "b")]
-    int32 = TensorProto.INT32
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", width]),
-                                           helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
-                                           helper.make_tensor_value_info("cu_seqlens", int32, ["B1"])],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", width]) for n in "ab"],
-                              initializers)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-
-
-def test_packed_multi_head_attention_moves_onto_cudnn_attention():
-    """Each node becomes bertserve.PackedAttention with the head count and 1/sqrt(head size); the sequence
-    lengths and ragged offsets (in elements: cumulative lengths x width) are computed once, before the
-    first, by standard operators that give those numbers on ONNX Runtime."""
-    model = _packed_attention_graph(heads=2, size=4)
-    assert attention_on_cudnn(model) == 2
-    ops = [n.op_type for n in model.graph.node]
-    assert ops == ["MatMul"] * 3 + ["Slice", "Slice", "Sub", "Mul"] + [PACKED_ATTENTION] * 2
-    first, second = model.graph.node[-2:]
-    assert first.domain == DOMAIN and list(first.input) == list(second.input)
-    attrs = {a.name: helper.get_attribute_value(a) for a in first.attribute}
-    assert attrs["num_heads"] == 2 and attrs["scale"] == pytest.approx(0.5)
-    assert list(first.input[:4]) == ["q", "k", "v", "token_offset"] and list(first.output) == ["a"]
-
-    helpers = [n for n in model.graph.node if n.op_type in ("Slice", "Sub", "Mul")]
-    wanted = list(first.input[4:])
-    graph = helper.make_graph(helpers, "h", [helper.make_tensor_value_info("cu_seqlens", TensorProto.INT32, ["B1"])],
-                              [helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in wanted],
-                              list(model.graph.initializer[3:]))
-    session = _session(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
-    lengths, ragged = session.run(wanted, {"cu_seqlens": np.array([0, 3, 5, 9], np.int32)})
-    assert lengths.tolist() == [3, 2, 4] and ragged.tolist() == [0, 24, 40, 72]
-
-
-def test_attention_with_its_bias_stays_on_packed_multi_head_attention():
-    model = _packed_attention_graph(bias=True)
-    assert attention_on_cudnn(model) == 0
-    assert [n.op_type for n in model.graph.node].count("PackedMultiHeadAttention") == 2
-
-
-def test_the_packed_attention_probe_answers_no_where_it_cannot_run(hostref_library):
-    """Export asks before it rewrites. Without CUDA (or with a library built without the operator: the
-    host-reference one has none) the probe answers False rather than raising, and the kernels graph keeps
-    PackedMultiHeadAttention (the GPU test checks the yes)."""
-    assert offers_packed_attention(hostref_library) is False

@@ -3,8 +3,6 @@
 Skipped without CUDA and onnxruntime-gpu (see conftest); run on the GPU machine with `pytest -m gpu`."""
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 import pytest
 import torch
@@ -104,34 +102,22 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     """Needs custom_kernels' CUDA library (bash custom_kernels/build.sh, or $BERTSERVE_KERNELS_LIBRARY):
     `--custom-kernels on` fails the export without it."""
     from app.engine import Batch, OrtEngine
-    from artifact.session import kernels_library
-    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, offers_packed_attention
+    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU
 
     out = tmp_path / "art"
     argv = ["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]
     assert main(argv + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     kernels = m.graph("fp16").custom_kernels
-    # packed (the default with the library): PackedMultiHeadAttention, its bias in the Q, K and V products;
-    # and, when the library was built with it, a variant with the attention itself on cuDNN's
+    # packed (the default with the library): PackedMultiHeadAttention, its bias in the Q, K and V products
     want_operators = {MATMUL_BIAS_GELU: m.num_layers} | ({} if keep_padding else {MATMUL_BIAS: 3 * m.num_layers})
     assert kernels.operators == want_operators
-    cudnn = not keep_padding and offers_packed_attention(kernels_library("on", "cuda"))
-    assert bool(kernels.cudnn_attention) == cudnn
-    if cudnn:
-        assert kernels.cudnn_attention.operators == want_operators | {PACKED_ATTENTION: m.num_layers}
-        assert kernels.cudnn_attention.parity["batches"] == kernels.parity["batches"] + 1  # one without padding
-        assert kernels.cudnn_attention.parity["token_embeddings_min_cosine"] >= 0.999
     assert kernels.parity["token_embeddings_min_cosine"] >= 0.999
     assert kernels.parity["nsp_prob_max_diff"] <= 0.01
 
     fused = OrtEngine(out, m, "cuda", "fp16", kernels="on")
     plain = OrtEngine(out, m, "cuda", "fp16", kernels="off")
-    # the cuDNN variant where this process's cuDNN has dynamic-shape attention (9.19 has, 9.14 has not)
-    cudnn_version = ctypes.CDLL("libcudnn.so.9").cudnnGetVersion() if kernels.cudnn_attention else 0
-    served = {kernels.file} if cudnn_version < 91500 else {kernels.cudnn_attention.file} if cudnn_version >= 91900 \
-        else {kernels.file, kernels.cudnn_attention.file}
-    assert fused.custom_kernels and fused.graph_file in served and not plain.custom_kernels
+    assert fused.custom_kernels and fused.graph_file == kernels.file and not plain.custom_kernels
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     feed = padded_feed([tok.encode("a short one"),
                         tok.encode("a much longer sentence with more words in it", "and a pair")] * 9)
@@ -142,15 +128,6 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999
     assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
     assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999
-    # a batch without padding (18 different texts cut to one length, more rows than a CUDA graph takes):
-    # PackedAttention runs it as one dense block, another cuDNN graph
-    encodings = [tok.encode(f"text {i} says {' and '.join(['more'] * i)} about topic {i * 7}") for i in range(18)]
-    width = min(len(e.ids) for e in encodings)
-    dense = Batch(np.array([e.ids[:width] for e in encodings], np.int64), np.ones((18, width), np.int64),
-                  np.zeros((18, width), np.int64), batch.outputs)
-    got, want = fused.run(dense), plain.run(dense)
-    for name in batch.outputs:
-        assert cosine(got[name].reshape(-1, got[name].shape[-1]), want[name].reshape(-1, want[name].shape[-1])).min() >= 0.9999, name
 
 
 def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_gives(tiny_model_dir, tmp_path,

@@ -37,9 +37,6 @@
 #include <vector>
 
 #include "ort_abi.h"
-#ifndef BERTSERVE_HOST_REFERENCE
-#include "packed_attention.h"
-#endif
 
 #ifndef BERTSERVE_HOST_REFERENCE
 #include <cublasLt.h>
@@ -472,9 +469,6 @@ extern "C" __attribute__((visibility("default"))) OrtStatusPtr RegisterCustomOps
   OrtStatusPtr s = nullptr;
   for (auto& op : ops)
     if (!s) s = api->CustomOpDomain_Add(domain, &op);
-#if !defined(BERTSERVE_HOST_REFERENCE) && defined(BERTSERVE_PACKED_ATTENTION)
-  if (!s) s = api->CustomOpDomain_Add(domain, packed_attention_op(api));
-#endif
   if (!s) s = api->AddCustomOpDomain(options, domain);
   if (s) api->ReleaseCustomOpDomain(domain);
   return s;
