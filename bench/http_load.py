@@ -382,12 +382,35 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
     errors = sum(p["errors"] for p in parts)
     answered = len(latencies) - errors  # a refused request (429 past the queue limits) is not throughput
     cpu = sum(p["cpu_s"] for p in parts)
-    return {"clients": processes * connections, "processes": processes, "texts_per_request": per_request,
+    return {"client": "python", "clients": processes * connections, "processes": processes, "texts_per_request": per_request,
             "requests_per_s": round(answered / duration_s, 1), "texts_per_s": round(answered * per_request / duration_s, 1),
             "p50_ms": round(_pct(latencies, 50) * 1e3, 2), "p99_ms": round(_pct(latencies, 99) * 1e3, 2),
             "errors": errors,
             "client_cpu_us_per_request": round(cpu / max(len(latencies), 1) * 1e6, 1),
             "client_cpu_share": round(cpu / (processes * duration_s), 2),
+            **({"server_cpu": server_cpu} if server_cpu else {})}
+
+
+def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connections: int, duration_s: float,
+             encoding_format: str = "float", server: tuple[int, set[int]] | None = None, seed: int = 0) -> dict:
+    """The same closed loop as multiprocess_load (the same bodies, threads x connections clients) from
+    wrk (bench/wrk_load.py), with the server's CPU sampled over the same window."""
+    from bench.wrk_load import start_wrk, wrk_result
+
+    _loopback(url)
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(texts) - per_request + 1) for _ in range(4096)]
+    bodies = [orjson.dumps({"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls",
+                            "encoding_format": encoding_format}) for i in starts]
+    process, folder = start_wrk(url, bodies, threads, threads * connections, duration_s)
+    server_cpu = None
+    if server is not None:
+        time.sleep(duration_s * 0.05)
+        cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
+        time.sleep(duration_s * 0.9)
+        server_cpu = _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
+    run = wrk_result(process, folder, per_request, threads * connections)
+    return {**run, "processes": threads, "client_cpu_us_per_request": float("nan"), "client_cpu_share": float("nan"),
             **({"server_cpu": server_cpu} if server_cpu else {})}
 
 
@@ -451,7 +474,20 @@ def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str
             **{f"server_{stage}_ms": round(mean(metric) * 1e3, 3) for stage, metric in _STAGES.items()}}
 
 
+def require_fast_protocols(allow_slow: bool) -> None:
+    """The server runs on this interpreter: without uvloop and httptools (uvicorn[standard]) it serves on
+    asyncio's loop and the pure-Python h11 parser, about 15% fewer one-text requests/s on an H100 host
+    (BENCHMARKS.md): a figure measured so says nothing about the deployed server."""
+    import importlib.util
+
+    missing = [name for name in ("uvloop", "httptools") if importlib.util.find_spec(name) is None]
+    if missing and not allow_slow:
+        raise SystemExit(f"{' and '.join(missing)} not installed: the server would run without its fast event "
+                         f"loop / HTTP parser (pip install 'uvicorn[standard]'), or pass --allow-slow-protocols")
+
+
 def serving(args) -> dict:
+    require_fast_protocols(args.allow_slow_protocols)
     texts = make_texts(args.texts, args.seed)
     batch_sizes = [int(x) for x in args.engine_batches.split(",")]
     print("raw engine ...", file=sys.stderr)
@@ -471,22 +507,28 @@ def serving(args) -> dict:
             for per_request in [int(x) for x in args.texts_per_request.split(",")]:
                 # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
                 connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
-                before = _server_totals(url)
-                print(f"HTTP, {workers} server process(es): {args.processes} client processes x {connections} "
-                      f"connections, {per_request} text(s) per request ...", file=sys.stderr)
-                run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
-                                        args.encoding_format, (engine_pid, server_pids))
-                run.update(_server_means(before, _server_totals(url)))
-                run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
-                print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
-                      f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
-                      f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
-                      f"{run['mean_batch_size']}" + (
-                          f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
-                          f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
-                          if workers > 1 else ""), file=sys.stderr)
-                run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
-                runs[f"x{per_request}"] = run
+                for client in args.clients.split(","):
+                    before = _server_totals(url)
+                    print(f"HTTP, {workers} server process(es): {client}, {args.processes} {'threads' if client == 'wrk' else 'processes'} x {connections} "
+                          f"connections, {per_request} text(s) per request ...", file=sys.stderr)
+                    if client == "wrk":
+                        run = wrk_load(url, texts, per_request, args.processes, connections, args.duration,
+                                       args.encoding_format, (engine_pid, server_pids), args.seed)
+                    else:
+                        run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
+                                                args.encoding_format, (engine_pid, server_pids))
+                    run.update(_server_means(before, _server_totals(url)))
+                    run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
+                    print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
+                          f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
+                          f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
+                          f"{run['mean_batch_size']}" + (
+                              f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
+                              f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
+                              if workers > 1 else ""), file=sys.stderr)
+                    run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
+                    key = f"x{per_request}" + ("" if client == "python" else f"-{client}")
+                    runs[key if key not in runs else f"{key}-{sum(k.startswith(key) for k in runs) + 1}"] = run
             print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
             one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
             one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
@@ -549,7 +591,7 @@ def print_serving_table(r: dict) -> None:
           f"{'x engine':>10}{'client us/req':>15}{'client cpu':>12}{'engine (thread) / workers / busiest, cores':>44}")
     for workers, runs in r["http"].items():
         for h in (run for key, run in runs.items() if key.startswith("x")):  # one per request size, in turn
-            label = f"{workers}, {h['texts_per_request']} text(s), {h['clients']} cl"
+            label = f"{workers}, {h['texts_per_request']} text(s), {h['clients']} {h.get('client', 'python')}"
             print(f"{label:<34}{h['texts_per_s']:>10,.0f}{h['requests_per_s']:>10,.0f}{h['p50_ms']:>9}{h['p99_ms']:>9}"
                   f"{h['mean_batch_size']:>7}{h['x_engine']:>10}{h['client_cpu_us_per_request']:>15}"
                   f"{h['client_cpu_share']:>12}{_cores(h.get('server_cpu')):>44}")
@@ -608,8 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--encoding-format", choices=["float", "base64"], default="float",
                      help="how /embed answers the vectors (the openai client asks for base64)")
     srv.add_argument("--texts-per-request", default="1,16,64", help="request sizes to load, in turn")
+    srv.add_argument("--clients", default="python", help="load generators, in turn for every request size: "
+                     "python (--processes client processes), wrk (--processes threads of one wrk; bench/wrk_load.py)")
     srv.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                      help="a server setting, e.g. --set max_batch_size=128 (repeatable)")
+    srv.add_argument("--allow-slow-protocols", action="store_true",
+                     help="measure even without uvloop / httptools installed (the figures are then not the server's)")
     for p in (load, fmt, cmp_, srv):
         p.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,26 @@ def test_serving_reports_each_stage_of_a_requests_time(tiny_artifact_dir, tmp_pa
         assert 0 < run["server_inference_ms"], run
         assert run["server_request_ms"] < run["mean_ms"] * 1.5, run
     assert f"in the server: handler {runs['x1']['server_request_ms']} ms" in done.stderr
+
+
+@pytest.mark.slow  # a server start and a few seconds of load
+@pytest.mark.skipif(not (os.environ.get("WRK") or shutil.which("wrk")), reason="wrk is not installed")
+def test_serving_under_wrk_counts_answers_and_latency_from_wrk(tiny_artifact_dir, tmp_path):
+    """--clients python,wrk: the same closed loop from wrk (issue 15's load generator) beside the Python
+    clients, each run keyed by its client; wrk's own count and histogram give requests/s and latency."""
+    cmd = [sys.executable, "bench/http_load.py", "serving", "--artifact", str(tiny_artifact_dir), "--device", "cpu",
+           "--precision", "fp32", "--workers", "2", "--processes", "1", "--connections", "4", "--duration", "1.5",
+           "--engine-batches", "1", "--engine-seconds", "0.5", "--latency-requests", "20", "--texts-per-request", "1,8",
+           "--clients", "python,wrk"]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads((tmp_path / "http_serving.json").read_text())["http"]["workers2"]
+    for size in (1, 8):
+        python, wrk = runs[f"x{size}"], runs[f"x{size}-wrk"]
+        assert python["client"] == "python" and wrk["client"] == "wrk"
+        assert wrk["errors"] == 0 and wrk["wrk"]["requests"] > 0 and wrk["requests_per_s"] > 0, wrk
+        assert wrk["texts_per_s"] == pytest.approx(wrk["requests_per_s"] * size, rel=1e-3)
+        assert 0 < wrk["p50_ms"] <= wrk["p99_ms"] <= wrk["max_ms"], wrk
+        assert wrk["mean_batch_size"] >= 1 and wrk["server_request_ms"] > 0, wrk
+    assert "wrk, 1 threads x 4 connections" in done.stderr

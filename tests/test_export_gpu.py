@@ -158,6 +158,36 @@ def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_giv
         assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
 
 
+def test_kernels_reuse_a_buckets_algorithm_for_new_token_counts(tiny_model_dir, tmp_path):
+    """The packed graph's products have as many rows as the batch has real tokens, so most batches bring
+    a row count the process has not met: the operator takes the algorithm chosen for its power of two of
+    rows instead of querying cuBLASLt again. Batches of 1 to about 3,000 tokens, each of a new count,
+    several in every power of two, agree with the graph without our kernels."""
+    from app.engine import Batch, OrtEngine
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]) == 0
+    m = read_manifest(out)
+    fused = OrtEngine(out, m, "cuda", "fp16", kernels="on", cuda_graphs="off")
+    plain = OrtEngine(out, m, "cuda", "fp16", kernels="off", cuda_graphs="off")
+    rng = np.random.default_rng(1)
+    seen = set()
+    for rows in (1, 1, 2, 3, 5, 8, 8, 13, 21, 21, 34, 34, 55, 55, 55):
+        lengths = rng.integers(1, 61, rows)
+        if lengths.sum() in seen:
+            continue
+        seen.add(lengths.sum())
+        mask = (np.arange(lengths.max())[None, :] < lengths[:, None]).astype(np.int64)
+        ids = np.where(mask == 1, rng.integers(5, m.vocab_size, mask.shape),
+                       m.special_tokens.get("[PAD]", 0)).astype(np.int64)
+        batch = Batch(ids, mask, np.zeros_like(ids), (TOKEN_EMBEDDINGS, CLS_EMBEDDING))
+        got, want = fused.run(batch), plain.run(batch)
+        real = mask.astype(bool)
+        assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999, lengths.sum()
+        assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, lengths.sum()
+    assert len(seen) >= 12
+
+
 @pytest.mark.parametrize("kernels,keep_padding", [("off", False), ("on", False), ("on", True)])
 def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp_path, kernels, keep_padding):
     """The export writes a padded twin of the packed fp16 graph (and its kernels variant with the

@@ -14,13 +14,15 @@
 // H100. MatMulBias gives PackedMultiHeadAttention its Q, K and V with their biases added, so that the
 // attention reads them where they are instead of adding the bias into a copy first.
 //
-// cuBLASLt's heuristic ranks algorithms by a model of the card, and for the large products of a big
-// batch its first choice is not always the fastest. So the first time a product of at least
-// kTuneMinRows rows is seen (per operator, K, N, alignment and power-of-two bucket of M), its top
-// candidates are timed on the node's own stream and the fastest is kept for the process; later row
-// counts in the bucket reuse it (cublasLtMatmulAlgoCheck first). BERTSERVE_KERNELS_AUTOTUNE=0 keeps the
-// heuristic's first choice; BERTSERVE_KERNELS_AUTOTUNE_LOG=1 prints each choice and its timings to stderr.
-// Nothing is timed while a stream is being captured into a CUDA graph.
+// The packed graph's M is the batch's real token count, so a server meets a new M in most batches. An
+// algorithm is chosen once per operator, K, N, alignment and power-of-two bucket of M, for the process,
+// and a new M in a known bucket reuses it (a query of cuBLASLt's heuristic costs far more than the
+// product of a small batch); should cuBLASLt refuse it for that M, that M gets its own query. The
+// heuristic ranks algorithms by a model of the card, and for the large products of a big batch its
+// first choice is not always the fastest: the first product of at least kTuneMinRows rows in a bucket
+// times the top candidates on the node's own stream and keeps the fastest. BERTSERVE_KERNELS_AUTOTUNE=0
+// keeps the heuristic's first choice; BERTSERVE_KERNELS_AUTOTUNE_LOG=1 prints each choice and its timings
+// to stderr. Nothing is timed while a stream is being captured into a CUDA graph.
 //
 // Built with -DBERTSERVE_HOST_REFERENCE (build.sh --host-reference) the library has no CUDA at all:
 // the same ops run on the CPU provider (fp16 and fp32, plain loops, exact-erf GELU), so the hand-made
@@ -146,14 +148,15 @@ constexpr int kTuneCandidates = 8;
 constexpr int kTuneRuns = 5;  // timed calls of a candidate per pass
 constexpr int kTunePasses = 4;  // over all candidates, alternately in order and in reverse
 
-// The fastest algorithm found for each (operator, K, N, alignment, log2 M), shared by every node of
-// every session in the process: the twelve layers of an encoder tune each shape once.
-struct TunedAlgos {
+// The algorithm chosen for each (operator, K, N, alignment, log2 M), shared by every node of every
+// session in the process: the twelve layers of an encoder choose (and tune) each shape once.
+using BucketKey = std::tuple<const char*, int64_t, int64_t, int, int>;
+struct ChosenAlgos {
   std::mutex mu;
-  std::map<std::tuple<const char*, int64_t, int64_t, int, int>, cublasLtMatmulAlgo_t> best;
+  std::map<BucketKey, cublasLtMatmulAlgo_t> best;
 };
-TunedAlgos& tuned_algos() {
-  static TunedAlgos* t = new TunedAlgos;  // never destroyed: kernels may outlive static destruction
+ChosenAlgos& chosen_algos() {
+  static ChosenAlgos* t = new ChosenAlgos;  // never destroyed: kernels may outlive static destruction
   return *t;
 }
 
@@ -228,9 +231,8 @@ OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernel
   return nullptr;
 }
 
-// `candidates`: cuBLASLt's heuristic choices, best first (p->algo is the first).
-OrtStatusPtr make_plan(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Plan* p,
-                       std::vector<cublasLtMatmulHeuristicResult_t>* candidates) {
+// The descriptors of a plan for this M (no algorithm yet).
+OrtStatusPtr make_descriptors(Kernel& k, int64_t M, int64_t K, int64_t N, Plan* p) {
   const char* name = k.def->name;
   LT_CHECK(name, cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t no = CUBLAS_OP_N;
@@ -245,7 +247,13 @@ OrtStatusPtr make_plan(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Pl
   LT_CHECK(name, cublasLtMatrixLayoutCreate(&p->w, CUDA_R_16F, N, K, N));
   LT_CHECK(name, cublasLtMatrixLayoutCreate(&p->x, CUDA_R_16F, K, M, K));
   LT_CHECK(name, cublasLtMatrixLayoutCreate(&p->y, CUDA_R_16F, N, M, N));
+  return nullptr;
+}
 
+// `candidates`: cuBLASLt's heuristic choices for the plan's problem, best first (p->algo is the first).
+OrtStatusPtr query_heuristic(Kernel& k, int64_t M, int64_t K, int64_t N, int align, Plan* p,
+                             std::vector<cublasLtMatmulHeuristicResult_t>* candidates) {
+  const char* name = k.def->name;
   cublasLtMatmulPreference_t pref = nullptr;
   LT_CHECK(name, cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t max_ws = k.workspace_bytes;
@@ -295,26 +303,16 @@ float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void
   return ms / kTuneRuns;
 }
 
-// Sets p.algo for a new plan: the process's tuned choice for its bucket when there is one and it
-// fits this problem, else (outside a CUDA-graph capture) the fastest of `candidates`, remembered.
-void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates, int64_t M,
-                 int64_t K, int64_t N, int align, const void* x, const void* w, void* y, cudaStream_t s) {
-  if (!k.autotune || M < kTuneMinRows || candidates.size() < 2) return;
-  TunedAlgos& tuned = tuned_algos();
-  const auto key = std::make_tuple(k.def->name, K, N, align, log2_floor(M));
-  {
-    std::lock_guard<std::mutex> lock(tuned.mu);
-    auto known = tuned.best.find(key);
-    if (known != tuned.best.end()) {
-      cublasLtMatmulHeuristicResult_t fits{};
-      if (cublasLtMatmulAlgoCheck(k.lt, p.op, p.w, p.x, p.y, p.y, &known->second, &fits) == CUBLAS_STATUS_SUCCESS &&
-          fits.workspaceSize <= k.workspace_bytes)
-        p.algo = known->second;
-      return;
-    }
-  }
+// Whether the first product of a bucket times its candidates: large products only, outside a capture.
+bool tunes(const Kernel& k, int64_t M, size_t candidates, cudaStream_t s) {
+  if (!k.autotune || M < kTuneMinRows || candidates < 2) return false;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return;
+  return cudaStreamIsCapturing(s, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+}
+
+// Sets p.algo to the fastest of `candidates` on this product (each timed on stream s).
+void tune_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates, int64_t M,
+               int64_t K, int64_t N, int align, const void* x, const void* w, void* y, cudaStream_t s) {
   // Each candidate's best pass: the GPU's clock climbs while an idle card starts work, which would favour
   // whichever candidate comes last; alternating the order gives every one a turn at the end.
   const size_t n = candidates.size();
@@ -336,8 +334,34 @@ void choose_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicRe
     for (size_t i = 0; i < n; ++i) line += " " + std::to_string(fastest[i]).substr(0, 6);
     std::fprintf(stderr, "%s -> #%zu\n", line.c_str(), chosen);
   }
-  std::lock_guard<std::mutex> lock(tuned.mu);
-  tuned.best.emplace(key, p.algo);
+}
+
+// A new plan's algorithm: its bucket's when the process has chosen one (*from_bucket), else cuBLASLt's
+// heuristic's first, or the fastest of its candidates for a large product, which then becomes the
+// bucket's. A first choice made during a CUDA-graph capture, where nothing is timed, is not kept for a
+// bucket that would have been tuned.
+OrtStatusPtr choose_algo(Kernel& k, Plan& p, int64_t M, int64_t K, int64_t N, int align, const void* x,
+                         const void* w, void* y, cudaStream_t s, bool* from_bucket) {
+  ChosenAlgos& chosen = chosen_algos();
+  const BucketKey key = std::make_tuple(k.def->name, K, N, align, log2_floor(M));
+  {
+    std::lock_guard<std::mutex> lock(chosen.mu);
+    auto known = chosen.best.find(key);
+    *from_bucket = known != chosen.best.end();
+    if (*from_bucket) {
+      p.algo = known->second;
+      return nullptr;
+    }
+  }
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates;
+  if (OrtStatusPtr st = query_heuristic(k, M, K, N, align, &p, &candidates)) return st;
+  const bool tuned = tunes(k, M, candidates.size(), s);
+  if (tuned) tune_algo(k, p, candidates, M, K, N, align, x, w, y, s);
+  if (tuned || !k.autotune || M < kTuneMinRows || candidates.size() < 2) {
+    std::lock_guard<std::mutex> lock(chosen.mu);
+    chosen.best.emplace(key, p.algo);
+  }
+  return nullptr;
 }
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
@@ -354,23 +378,35 @@ OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, cons
   if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaStreamWaitEvent", e));
   auto key = std::make_tuple(M, K, N, align);
   auto it = k.plans.find(key);
-  std::vector<cublasLtMatmulHeuristicResult_t> candidates;  // filled for a new plan only
-  if (it == k.plans.end()) {
+  bool new_plan = it == k.plans.end(), from_bucket = false;
+  if (new_plan) {
     if (k.plans.size() >= 256) {  // many distinct token counts (dynamic batches): start over
       for (auto& kv : k.plans) kv.second.release();
       k.plans.clear();
     }
     Plan p;
-    if (OrtStatusPtr s = make_plan(k, M, K, N, align, &p, &candidates)) {
+    if (OrtStatusPtr st = make_descriptors(k, M, K, N, &p)) {
       p.release();
-      return s;
+      return st;
     }
     it = k.plans.emplace(key, p).first;
   }
   Plan& p = it->second;
   LT_CHECK(name, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)));
-  if (!candidates.empty()) choose_algo(k, p, candidates, M, K, N, align, x, w, y, s);
-  LT_CHECK(name, matmul(k, p, p.algo, x, w, y, s));
+  if (new_plan) {
+    if (OrtStatusPtr st = choose_algo(k, p, M, K, N, align, x, w, y, s, &from_bucket)) {
+      p.release();
+      k.plans.erase(it);
+      return st;
+    }
+  }
+  cublasStatus_t st = matmul(k, p, p.algo, x, w, y, s);
+  if (st != CUBLAS_STATUS_SUCCESS && from_bucket) {  // the bucket's algorithm does not fit this M: its own
+    std::vector<cublasLtMatmulHeuristicResult_t> candidates;
+    if (OrtStatusPtr q = query_heuristic(k, M, K, N, align, &p, &candidates)) return q;
+    st = matmul(k, p, p.algo, x, w, y, s);
+  }
+  if (st != CUBLAS_STATUS_SUCCESS) return fail(name, ORT_EP_FAIL, lt_error("cublasLtMatmul", st));
   e = cudaEventRecord(k.done, s);
   if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaEventRecord", e));
   k.last = s;
