@@ -62,11 +62,24 @@ def main() -> None:
     p.add_argument("--kernels", default="on,off")
     p.add_argument("--cuda-graphs", default="off", help="off: every batch on the packed graph")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: fp32 (a check of this script)")
+    p.add_argument("--session-options", default="default",
+                   help="comma-separated ONNX Runtime session variants, each timed in turn: default, "
+                        "no-mem-pattern (SessionOptions.enable_mem_pattern off)")
     args = p.parse_args()
     manifest = read_manifest(args.artifact)
     pad_id = manifest.special_tokens.get("[PAD]", 0)
     results = {}
-    for kernels in args.kernels.split(","):
+    import artifact.session as session_module
+
+    server_options = session_module._options
+    for kernels, variant in ((k, v) for k in args.kernels.split(",") for v in args.session_options.split(",")):
+        def options(threads, variant=variant):
+            o = server_options(threads)
+            if variant == "no-mem-pattern":
+                o.enable_mem_pattern = False
+            return o
+
+        session_module._options = options
         engine = OrtEngine(args.artifact, manifest, args.device, "fp16" if args.device == "cuda" else "fp32",
                            kernels=kernels, cuda_graphs=args.cuda_graphs)
         rng, taken = np.random.default_rng(0), set()
@@ -79,8 +92,8 @@ def main() -> None:
             row = {"new_median_ms": round(statistics.median(new), 3), "new_mean_ms": round(statistics.mean(new), 3),
                    "seen_median_ms": round(statistics.median(seen), 3),
                    "seen_mean_ms": round(statistics.mean(seen), 3)}
-            results[f"{engine.graph_file} rows={rows}"] = row
-            print(f"{engine.graph_file:<28} {rows:>3} rows of {args.min_len}-{args.max_len} tokens: new token count "
+            results[f"{engine.graph_file} {variant} rows={rows}"] = row
+            print(f"{engine.graph_file:<28} {variant:<15} {rows:>3} rows of {args.min_len}-{args.max_len} tokens: new token count "
                   f"{row['new_median_ms']} ms median ({row['new_mean_ms']} mean), seen {row['seen_median_ms']} ms "
                   f"({row['seen_mean_ms']} mean)", flush=True)
         del engine
