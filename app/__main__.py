@@ -41,9 +41,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
+    import onnxruntime as ort
+
+    from app.engine import EngineError, resolve_device_precision
     from app.main import create_app
     from app.uvicorn_server import ServingServer, uvicorn_options
     from artifact.manifest import ManifestError, read_manifest
+    from artifact.session import SessionError, kernels_library
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the top of this file
 
@@ -53,7 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         manifest.verify(settings.model_dir, manifest.files_sha256)
         if settings.precision != "auto":
             manifest.graph(settings.precision)  # one the artifact lacks is named now, not in a traceback later
-    except ManifestError as e:
+        # a device this onnxruntime cannot run, or operators asked for but not found, likewise
+        device, _ = resolve_device_precision(settings.device, settings.precision, manifest,
+                                             ort.get_available_providers())
+        kernels_library(settings.custom_kernels, device)
+    except (ManifestError, EngineError, SessionError) as e:
         print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
         return 2
     # uvicorn raises a stop signal again after its shutdown, for the signal's default action (SIGTERM: exit

@@ -102,14 +102,17 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
         def _reject(self, status: int, type_: str, message: str) -> None:
             """Answers in our error shape and closes the connection, unless the app already answers."""
             self._deadline = None
-            if self.cycle is not None and self.cycle.response_started:
+            # On a kept-alive connection self.cycle is the last request's until the next one's headers end:
+            # only a cycle whose answer is under way stands in the way.
+            running = self.cycle is not None and not self.cycle.response_complete
+            if running and self.cycle.response_started:
                 self.transport.close()
                 return
             log.warning("closed a connection from %s: %s", _address(self.client), message)
             body = error_response(status, type_, message).body  # the app's error shape, rendered as it renders it
             head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("latin-1")
-            if self.cycle is not None:  # the app's reads now see a disconnect; its writes go nowhere
+            if running:  # the app's reads now see a disconnect; its writes go nowhere
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
             self.transport.write(head + body)

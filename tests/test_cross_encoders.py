@@ -112,8 +112,10 @@ def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokeni
                     (await c.post("/predict", json={"inputs": [[TEXTS[0]], [QUERY, TEXTS[1]], [TEXTS[2]]]})).json(),
                     (await c.post("/predict", json={"inputs": [QUERY, TEXTS[1]], "raw_scores": True})).json(),
                     await c.post("/rerank", json={"query": QUERY, "texts": TEXTS}),
-                    await c.post("/predict", json={"inputs": [["a", "b", "c"]]}))
-    one, batch, raw, rerank, three = run(go())
+                    await c.post("/predict", json={"inputs": [["a", "b", "c"]]}),
+                    await c.post("/predict", json={"inputs": []}),
+                    await c.post("/predict", json={"inputs": "still serving"}))
+    one, batch, raw, rerank, three, empty, after = run(go())
 
     def as_rows(answer):  # [{"score", "label"}] highest first -> scores in label order
         assert [p["score"] for p in answer] == sorted((p["score"] for p in answer), reverse=True)
@@ -123,6 +125,8 @@ def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokeni
     np.testing.assert_allclose(as_rows(raw), logits[1], atol=1e-4)
     assert_error(rerank, 400, "unsupported", "3 labels")
     assert_error(three, 422, "invalid_request", "inputs")
+    assert_error(empty, 422, "invalid_request", "inputs is empty")
+    assert after.status_code == 200 and len(after.json()) == 3
 
 
 @pytest.mark.gpu

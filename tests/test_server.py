@@ -452,6 +452,19 @@ def test_bad_settings_stop_the_server_at_once(tiny_artifact_dir, args, env, word
     assert r.returncode == 2 and words in r.stderr, r.stderr
 
 
+def test_a_device_or_operators_this_machine_cannot_run_stop_the_server_in_one_line(tiny_artifact_dir):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider")
+    for args, words in ((["--device", "cuda"], "has no CUDAExecutionProvider"),
+                        (["--custom-kernels", "on"], "run on CUDA only")):
+        cmd = [sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), "--port", "1", *args]
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "cannot serve" in r.stderr, r.stderr
+
+
 def test_help_lists_every_public_setting_and_no_internal_one():
     from app.settings import Settings
 

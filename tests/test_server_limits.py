@@ -121,3 +121,21 @@ def test_a_kept_alive_connection_is_served_while_used_and_closed_when_idle(serve
         started = time.monotonic()
         assert read_all(s) == b""  # then closed by the server
         assert 0.3 < time.monotonic() - started < 5
+
+
+def test_limits_answer_the_second_request_of_a_kept_alive_connection_too(server):
+    """After an answered request the connection's last request cycle is finished, not running: a 431 or
+    408 for the next request on it is answered in full, as on a fresh connection."""
+    oversized = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n"
+    unfinished = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: "
+    for second, status_wanted, words in ((oversized, 431, "4096"), (unfinished, 408, "headers")):
+        with connect(server) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert read_response(s).startswith(b"HTTP/1.1 200")
+            s.sendall(second)
+            answer = read_all(s)
+        assert answer, "the connection was closed without an answer"
+        status, error = status_and_error(answer)
+        assert status == status_wanted and words in error["message"], error
+        assert b"connection: close" in answer.lower()
+    assert still_serving(server)

@@ -110,7 +110,7 @@ async def predict(body: PredictRequest, request: Request,
     """Every label with its score, highest first, for a text or a pair [text_a, text_b]; a list of them
     for a batch."""
     labels = _labels(service)
-    single = isinstance(body.inputs, str) or isinstance(body.inputs[0], str)
+    single = isinstance(body.inputs, str) or (len(body.inputs) > 0 and isinstance(body.inputs[0], str))
     batch = [body.inputs] if single else body.inputs
     items = [x if isinstance(x, str) else x[0] if len(x) == 1 else (x[0], x[1]) for x in batch]
     result = await service.infer(request, items, body.truncates, frozenset({CLASSIFIER_LOGITS}), "inputs",
