@@ -86,10 +86,12 @@ class InferenceService:
 
     def prompted(self, items: Sequence[Item], prompt_name: str | None, field: str,
                  direction: str = "right") -> Sequence[Item]:
-        """The texts with the named prompt before each (unnamed: the model's default prompt, if it has one),
-        as sentence-transformers encodes them; pairs stay as they are. The inputs are checked first, so that
+        """The texts with the named prompt before each (unnamed: the model's default prompt, if it has one;
+        named "": none), as sentence-transformers encodes them; pairs stay as they are. The inputs are checked first, so that
         an empty text is refused as without a prompt."""
         prompts = self.manifest.prompts
+        if prompt_name == "":  # no prompt, the default's too (sentence-transformers' prompt="")
+            return items
         if prompt_name is not None:
             if prompt_name not in prompts:
                 raise Unsupported(f"prompt_name {prompt_name!r} is not one of this model's prompts "

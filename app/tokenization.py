@@ -90,7 +90,8 @@ class TextTokenizer:
         self._words = AsciiWords.of(self._ascii_full, self._ascii, max_length) if self._ascii else None
 
     # -- checks -----------------------------------------------------------------------------------------
-    def _check_text(self, text: str, where: str) -> None:
+    def check_text(self, text: str, where: str) -> None:
+        """Raises InvalidInput / InputTooLong naming `where` (the request's own field) for a text none can embed."""
         if not text:
             raise InvalidInput(f"{where} is an empty string")
         if text.isspace():
@@ -102,10 +103,10 @@ class TextTokenizer:
     def check(self, items: Sequence[Item], field: str) -> None:
         for i, item in enumerate(items):
             if isinstance(item, str):
-                self._check_text(item, f"{field}[{i}]")
+                self.check_text(item, f"{field}[{i}]")
             else:
-                self._check_text(item[0], f"{field}[{i}][0] (text_a)")
-                self._check_text(item[1], f"{field}[{i}][1] (text_b)")
+                self.check_text(item[0], f"{field}[{i}][0] (text_a)")
+                self.check_text(item[1], f"{field}[{i}][1] (text_b)")
 
     # -- encoding ---------------------------------------------------------------------------------------
     def _prefix(self, text: str) -> str:

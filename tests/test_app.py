@@ -472,8 +472,10 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
                                                       "parameters": {"truncate": False}}),
                     await c.post("/similarity", json={**body, "parameters": {"prompt_name": "query"}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": []}}),
-                    await c.post("/", json={"inputs": {"sentences": ["x"]}}))
-    direct, root, null_parameters, not_cut, prompt, empty, no_source = run(go())
+                    await c.post("/", json={"inputs": {"sentences": ["x"]}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "", "sentences": ["x"]}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", " "]}}))
+    direct, root, null_parameters, not_cut, prompt, empty, no_source, empty_source, blank = run(go())
     vectors = np.array([reference(text)[0]["cls_embedding"] for text in sentences])
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     np.testing.assert_allclose(direct.json(), unit @ unit[0], atol=1e-5)
@@ -483,6 +485,8 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
     assert_error(prompt, 400, "unsupported", "prompt_name 'query'")
     assert_error(empty, 422, "invalid_request", "sentences")
     assert_error(no_source, 422, "invalid_request", "source_sentence")
+    assert_error(empty_source, 422, "invalid_request", "inputs.source_sentence is an empty string")
+    assert_error(blank, 422, "invalid_request", "inputs.sentences[1] contains only whitespace")
 
 
 @pytest.mark.parametrize("offsets", [True, False])

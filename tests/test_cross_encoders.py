@@ -82,8 +82,10 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
                     (await c.get("/info")).json(),
                     await c.post("/rerank", json={"query": QUERY, "texts": ["word " * 200], "truncate": False}),
                     await c.post("/rerank", json={"query": QUERY, "texts": []}),
-                    await c.post("/nsp", json={"pairs": [[QUERY, TEXTS[0]]]}))
-    ranks, raw, predicted, info, too_long, empty, nsp = run(go())
+                    await c.post("/nsp", json={"pairs": [[QUERY, TEXTS[0]]]}),
+                    await c.post("/rerank", json={"query": "", "texts": TEXTS}),
+                    await c.post("/v1/rerank", json={"query": QUERY, "documents": ["a", ""]}))
+    ranks, raw, predicted, info, too_long, empty, nsp, no_query, empty_document = run(go())
     # each text's own score, most relevant first: the ranking, whatever the random model's scores are
     assert sorted(r["index"] for r in ranks) == list(range(len(TEXTS)))
     np.testing.assert_allclose([r["score"] for r in ranks], want[[r["index"] for r in ranks]], atol=1e-5)
@@ -96,6 +98,8 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
     assert_error(too_long, 413, "input_too_long", "texts[0]")
     assert_error(empty, 422, "invalid_request", "empty")
     assert_error(nsp, 400, "unsupported", "next-sentence")
+    assert_error(no_query, 422, "invalid_request", "query is an empty string")
+    assert_error(empty_document, 422, "invalid_request", "documents[1] is an empty string")
 
 
 def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokenizer_dir, tmp_path):

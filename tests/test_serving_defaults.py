@@ -296,6 +296,7 @@ def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert,
     model = st.SentenceTransformer(str(folder), device="cpu")
     want = {name: model.encode(TEXTS, prompt_name=name, convert_to_numpy=True) for name in PROMPTS}
     want[None] = model.encode(TEXTS, convert_to_numpy=True)  # the default prompt, if any
+    want[""] = model.encode(TEXTS, prompt="", convert_to_numpy=True)  # none at all
 
     async def go():
         import openai
@@ -303,7 +304,7 @@ def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert,
         async with serving(tmp_path / "art") as (c, _):
             client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=c)
             embed = {name: (await c.post("/embed", json={"inputs": TEXTS, "prompt_name": name})).json()
-                     for name in [*PROMPTS, None]}
+                     for name in [*PROMPTS, None, ""]}
             return (embed, (await c.post("/", json={"inputs": TEXTS, "prompt_name": "passage"})).json(),
                     await client.embeddings.create(model="model", input=TEXTS), (await c.get("/info")).json(),
                     (await c.post("/tokenize", json={"inputs": "hi", "prompt_name": "passage"})).json(),

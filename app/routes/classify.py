@@ -51,6 +51,10 @@ async def relevance(service: InferenceService, request: Request, query: str, tex
     if len(labels) != 1:
         raise Unsupported(f"this model classifies into {len(labels)} labels ({', '.join(labels)}), it is not a "
                           f"cross-encoder with one score: use /predict")
+    # named as the request names them, before they become [query, text] pairs
+    service.tokenizer.check_text(query, "query")
+    for i, text in enumerate(texts):
+        service.tokenizer.check_text(text, f"{field}[{i}]")
     result = await service.infer(request, [(query, text) for text in texts], truncate, frozenset({CLASSIFIER_LOGITS}),
                                  field, direction=direction)
     return scores(result.outputs[CLASSIFIER_LOGITS], raw)[:, 0], result

@@ -70,6 +70,9 @@ async def similarity(body: TeiSimilarityRequest, request: Request,
                      service: InferenceService = Depends(get_service)) -> Response:
     """The cosine of each of `sentences`' embeddings with `source_sentence`'s, in their order."""
     parameters = body.parameters or SimilarityParameters()
+    service.tokenizer.check_text(body.inputs.source_sentence, "inputs.source_sentence")
+    for i, text in enumerate(body.inputs.sentences):
+        service.tokenizer.check_text(text, f"inputs.sentences[{i}]")
     texts = service.prompted([body.inputs.source_sentence, *body.inputs.sentences], parameters.prompt_name,
                              "inputs", parameters.direction)
     pooling = service.manifest.default_pooling
