@@ -106,17 +106,42 @@ def error_response(status: int, type_: str, message: str, headers: dict[str, str
     return json_response({"error": {"type": type_, "message": message}}, status, headers)
 
 
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _field_path(loc) -> str:
+    """A location as the request spells it (inputs[0].text), without pydantic's names of the members of a
+    union it tried (str, list[...], a model's class name)."""
+    path = ""
+    for part in loc:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" in part or part in _TYPE_NAMES or part[:1].isupper():
+            continue
+        else:
+            path += f".{part}" if path else part
+    return path or "body"
+
+
 def _describe_validation_error(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    """One clause per field: the alternatives of a union a value matched none of are said together."""
+    by_field: dict[str, list[str]] = {}
+    for err in exc.errors():
         if err.get("type") == "json_invalid":
             detail = err.get("ctx", {}).get("error", "")
-            parts.append(f"the body is not valid UTF-8 JSON ({detail})" if detail else "the body is not valid JSON")
-            continue
-        where = ".".join(loc) if loc else "body"
-        parts.append(f"{where}: {err.get('msg', 'invalid')}")
-    more = len(exc.errors()) - 5
+            if "UTF-8" in detail:  # orjson's words for invalid bytes and for an escaped lone surrogate alike
+                return ("the body is not valid UTF-8 JSON: it holds invalid bytes, or an escaped lone surrogate such "
+                        "as \\ud800")
+            return f"the body is not valid JSON ({detail})" if detail else "the body is not valid JSON"
+        messages = by_field.setdefault(_field_path(err.get("loc", ())), [])
+        message = err.get("msg", "invalid").removeprefix("Input should be ").removeprefix("Value error, ")
+        if message not in messages:
+            messages.append(message)
+    parts = [f"{field}: " + (messages[0] if len(messages) == 1 else "should be " + " or ".join(messages))
+             for field, messages in list(by_field.items())[:5]]
+    more = len(by_field) - 5
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")
 
 

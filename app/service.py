@@ -151,7 +151,7 @@ class InferenceService:
         """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens.
         direction: which end truncation cuts (app.tokenization.DIRECTIONS)."""
         if not items:
-            raise InvalidInput(f"{field} is empty: send at least one text")
+            raise InvalidInput(f"{field} is empty: send at least one {'pair' if field == 'pairs' else 'text'}")
         limit = self.settings.max_inputs_per_request
         if len(items) > limit:
             raise TooManyInputs(f"{field} has {len(items)} items; the server accepts at most {limit} per request")
