@@ -50,6 +50,10 @@ class Unsupported(ServiceError):
     status, type = 400, "unsupported"
 
 
+class NotFound(ServiceError):
+    status, type = 404, "not_found"
+
+
 class Unauthorized(ServiceError):
     status, type = 401, "unauthorized"
 

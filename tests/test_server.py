@@ -373,6 +373,12 @@ def test_openai_client(server):
     for c in (client, bare):  # where OpenAI-compatible tools look for the model's name
         listed = c.models.list().data
         assert [m.id for m in listed] == [info["model"]] and listed[0].created > 1.7e9
+        assert c.models.retrieve(info["model"]) == listed[0]
+        with pytest.raises(openai.NotFoundError, match="any model name"):
+            c.models.retrieve("text-embedding-3-small")
+    for path in ("/health", "/ping", "/ready"):  # load balancers' checks send HEAD too
+        head = httpx.head(f"{server}{path}")
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code)
     with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length"):
         client.embeddings.create(model="tiny", input=[[101, 2023, 102]])  # ids from another tokenizer
 

@@ -1,5 +1,6 @@
 """POST /v1/embeddings (and /embeddings), compatible with OpenAI's API and client (texts only; truncates to
-max length); GET /v1/models (and /models), the one model, where OpenAI-compatible tools look for it."""
+max length); GET /v1/models (and /models) and /v1/models/NAME, the one model, where OpenAI-compatible tools
+look for it."""
 from __future__ import annotations
 
 from datetime import datetime
@@ -7,11 +8,12 @@ from datetime import datetime
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from app.errors import Unsupported
+from app.errors import NotFound, Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows
 from app.responses import json_response
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
-from app.schemas import ERROR_RESPONSES, SERVICE_ERROR_RESPONSES, OpenAIEmbeddingRequest, OpenAIEmbeddingResponse
+from app.schemas import (ERROR_RESPONSES, SERVICE_ERROR_RESPONSES, ErrorResponse, OpenAIEmbeddingRequest,
+                         OpenAIEmbeddingResponse)
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["openai"])
@@ -48,14 +50,28 @@ router.add_api_route("/embeddings", embeddings, methods=["POST"], include_in_sch
 @router.get("/v1/models", responses=ERROR_RESPONSES)
 async def models(service: InferenceService = Depends(get_service)) -> Response:
     """The server's one model, as OpenAI lists models: what `model` may name (any name is accepted)."""
+    return json_response({"object": "list", "data": [_model_object(service)]})
+
+
+def _model_object(service: InferenceService) -> dict:
     try:
         created = int(datetime.fromisoformat(service.manifest.created_at).timestamp())
     except ValueError:
         created = 0
-    return json_response({"object": "list", "data": [{"id": service.model_name, "object": "model",
-                                                      "created": created, "owned_by": "bertserve"}]})
+    return {"id": service.model_name, "object": "model", "created": created, "owned_by": "bertserve"}
+
+
+@router.get("/v1/models/{model_id}", responses={404: {"model": ErrorResponse}, **ERROR_RESPONSES})
+async def model(model_id: str, service: InferenceService = Depends(get_service)) -> Response:
+    """The model by its name, as OpenAI's models.retrieve reads it; 404 for any other name."""
+    listed = _model_object(service)
+    if model_id != listed["id"]:
+        raise NotFound(f"no model {model_id!r} here: this server serves {listed['id']!r} (/v1/embeddings takes "
+                       f"any model name)")
+    return json_response(listed)
 
 
 router.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
+router.add_api_route("/models/{model_id}", model, methods=["GET"], include_in_schema=False)
 
 DIRECT_ROUTES = {path: DirectRoute(embeddings, OpenAIEmbeddingRequest) for path in ("/v1/embeddings", "/embeddings")}

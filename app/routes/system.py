@@ -17,14 +17,15 @@ from app.service import InferenceService
 router = APIRouter(route_class=ServiceRoute, tags=["system"])
 
 
-@router.get("/health")
-@router.get("/ping")  # SageMaker's health path, as text-embeddings-inference serves it
+# HEAD as well as GET: load balancers' health checks often send HEAD (uvicorn sends HEAD answers bodiless)
+@router.api_route("/health", methods=["GET", "HEAD"])
+@router.api_route("/ping", methods=["GET", "HEAD"])  # SageMaker's health path, as text-embeddings-inference serves it
 async def health() -> Response:
     """The process is alive (says nothing about the model: see /ready)."""
     return json_response({"status": "ok"})
 
 
-@router.get("/ready", responses={503: ERROR_RESPONSES[503]})
+@router.api_route("/ready", methods=["GET", "HEAD"], responses={503: ERROR_RESPONSES[503]})
 async def ready(service: InferenceService = Depends(get_service)) -> Response:
     """200 once the model is loaded and a real forward pass succeeded; 503 before and while shutting down."""
     if service.draining:
