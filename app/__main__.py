@@ -13,8 +13,11 @@ if __name__ == "__main__":
 
 import argparse
 import sys
+import types
+import typing
 
 from pydantic import ValidationError
+from pydantic_core import PydanticUndefined
 
 from app.settings import ENV_PREFIX, Settings, configure_logging
 
@@ -24,9 +27,25 @@ def parse_args(argv: list[str] | None = None) -> dict[str, str]:
                                      epilog=f"Each flag can also be given as an environment variable, e.g. "
                                             f"{ENV_PREFIX}MODEL_DIR, {ENV_PREFIX}MAX_BATCH_TOKENS.")
     for name, field in Settings.model_fields.items():
-        text = (field.description or "").replace("%", "%%")  # argparse %-formats help strings
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=name.split("_")[-1].upper(), help=text)
+        text = field.description or ""
+        if field.default not in (None, PydanticUndefined):
+            text += f" (default: {str(field.default).lower() if isinstance(field.default, bool) else field.default})"
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=_metavar(name, field.annotation),
+                            help=text.replace("%", "%%"))  # argparse %-formats help strings
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+
+
+def _metavar(name: str, annotation) -> str:
+    """What the flag takes: its choices, N for a count, else the setting's last word (DIR, MS, KEY)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = [a for a in (typing.get_args(annotation) if union else (annotation,)) if a is not type(None)]
+    if len(kinds) == 1 and typing.get_origin(kinds[0]) is typing.Literal:
+        return "{" + ",".join(map(str, typing.get_args(kinds[0]))) + "}"
+    if kinds == [bool]:
+        return "{true,false}"
+    if kinds == [int] and not name.endswith(("_port", "_id", "_ms", "_s")) and name != "port":
+        return "N"
+    return name.split("_")[-1].upper()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,10 +55,12 @@ class _RankZeroFailed(Exception):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults in the help, except None: those flags say in words what happens when left out."""
+    """Defaults in the help, except None and on/off switches: those flags say in words what happens when
+    left out (a store_true flag is off unless given, a --no-X flag on)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        return action.help if action.default is None else super()._get_help_string(action)
+        switch = action.nargs == 0 and isinstance(action.const, bool)  # store_true / store_false
+        return action.help if action.default is None or switch else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
