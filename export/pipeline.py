@@ -39,6 +39,15 @@ REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
 MIN_MAX_LENGTH = 8  # room for [CLS] A [SEP] B [SEP] with a few tokens of each text
 
 
+def default_model_name(model_dir: Path) -> str:
+    """The name the server answers as `model` unless told another: the repository id of a Hugging Face
+    cache snapshot (.../models--ORG--NAME/snapshots/HASH -> ORG/NAME), else the folder's name."""
+    folder = model_dir.resolve()
+    if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
+        return folder.parent.parent.name.removeprefix("models--").replace("--", "/")
+    return folder.name
+
+
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
@@ -121,7 +130,7 @@ def export_artifact(
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         dense_files = _write_dense(layout, tmp)
         manifest = Manifest(
-            model_name=model_dir.resolve().name,
+            model_name=default_model_name(model_dir),
             hidden_size=loaded.config.hidden_size,
             num_layers=loaded.config.num_hidden_layers,
             num_heads=loaded.config.num_attention_heads,

@@ -341,3 +341,17 @@ def test_cuda_graphs_need_the_gpu_export(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "art"
     assert main(["--model", str(tiny_model_dir), "--out", str(out), "--cuda-graphs"]) == 1
     assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_hugging_face_cache_snapshot_is_named_by_its_repository(tmp_path):
+    """Checkpoints users already have often sit in the Hugging Face cache, whose folders are named by
+    commit hash: the served name is then the repository's, not the hash."""
+    from export.pipeline import default_model_name
+
+    snapshot = tmp_path / "hub" / "models--sentence-transformers--all-MiniLM-L6-v2" / "snapshots" / "c9745ed1d9f2"
+    snapshot.mkdir(parents=True)
+    assert default_model_name(snapshot) == "sentence-transformers/all-MiniLM-L6-v2"
+    assert default_model_name(tmp_path / "hub") == "hub"
+    plain = tmp_path / "my-domain-bert"
+    plain.mkdir()
+    assert default_model_name(plain) == "my-domain-bert"
