@@ -4,7 +4,12 @@ One process (`--workers 1`, the default) has one ONNX Runtime session and one ba
 app/multiprocess/. Every public Settings field is a flag here and a BERTSERVE_* environment variable; flags win."""
 from __future__ import annotations
 
+import os
 import signal
+
+# ONNX Runtime (1.29 and later) sends usage events to Microsoft from Linux too unless this is set; the
+# images set it, and so does the server wherever it runs (ORT_DISABLE_TELEMETRY=0 to allow them).
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 if __name__ == "__main__":
     # Ctrl-C while the modules import would end in a traceback from deep inside one of them (or an error

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from artifact.manifest import ManifestError
-from export import ExportError
-from export.pipeline import export_artifact
-from training.model_folder import ModelFolderError
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # before ONNX Runtime loads: see app/__main__.py
+
+from artifact.manifest import ManifestError  # noqa: E402
+from export import ExportError  # noqa: E402
+from export.pipeline import export_artifact  # noqa: E402
+from training.model_folder import ModelFolderError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

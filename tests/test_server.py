@@ -560,3 +560,16 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
     err = r.stderr.strip()
     named = artifact if case == "no_int8" else artifact / "manifest.json"
     assert r.returncode == 2 and "\n" not in err and words in err and str(named) in err, err
+
+
+@pytest.mark.parametrize("entry", ["app.__main__", "export.__main__"])
+def test_onnx_runtime_telemetry_is_off_unless_asked_for(entry):
+    """ONNX Runtime 1.29+ sends usage events from Linux unless ORT_DISABLE_TELEMETRY is set: the server and
+    the export set it before ONNX Runtime loads, and leave a value the user gave alone."""
+    code = f"import os, {entry}; print(os.environ['ORT_DISABLE_TELEMETRY'])"
+    env = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}
+    unset = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert unset.stdout.split() == ["1"], unset.stderr
+    chosen = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "ORT_DISABLE_TELEMETRY": "0"},
+                            capture_output=True, text=True, timeout=60)
+    assert chosen.stdout.split()[0] == "0", chosen.stderr
