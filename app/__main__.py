@@ -17,6 +17,7 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 import argparse
+import socket
 import sys
 import types
 import typing
@@ -75,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the top of this file
 
+    try:  # a port already taken is said now, not after the model has loaded
+        socket.create_server((settings.host, settings.port),
+                             family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET).close()
+    except OSError as e:
+        print(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
     try:  # fail fast with one line, before uvicorn starts, when the folder is not an artifact or a file
         # differs from what export wrote (hashed once here, for every process the server starts)
         manifest = read_manifest(settings.model_dir)

@@ -471,6 +471,19 @@ def test_a_device_or_operators_this_machine_cannot_run_stop_the_server_in_one_li
         assert len(r.stderr.strip().splitlines()) == 1 and "cannot serve" in r.stderr, r.stderr
 
 
+def test_a_port_already_taken_stops_the_server_in_one_line_before_the_model_loads(tiny_artifact_dir):
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for workers in ("1", "2"):
+            cmd = [sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), "--port", str(port),
+                   "--workers", workers]
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_help_lists_every_public_setting_and_no_internal_one():
     from app.settings import Settings
 
