@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # before ONNX Runtime loads: see app/__main__.py
 
@@ -12,6 +13,8 @@ from artifact.manifest import ManifestError  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
+from training.stop_signals import sigterm_as_interrupt  # noqa: E402
+from training.writes import write_failed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,13 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
-                                   remove_padding=not args.keep_padding, kernels=args.custom_kernels,
-                                   padded_twin=args.cuda_graphs, max_length=args.max_length)
-    except (ExportError, ModelFolderError, ManifestError) as e:
+        with sigterm_as_interrupt():
+            manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
+                                       remove_padding=not args.keep_padding, kernels=args.custom_kernels,
+                                       padded_twin=args.cuda_graphs, max_length=args.max_length)
+    except (ExportError, ModelFolderError, ManifestError, OSError) as e:
+        if isinstance(e, OSError):  # a full disk, a folder that cannot be written: the file and the reason
+            e = write_failed(Path(e.filename or args.out), e)
         message = " ".join(str(e).split())  # one line, however the cause formats itself
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print(f"export interrupted; nothing was written to {args.out}", file=sys.stderr)
+        return 130
     print(f"serves up to {manifest.max_length} tokens (of {manifest.max_position_embeddings} positions); default "
           f"pooling {manifest.default_pooling}"
           + "".join(f", Dense {d['in_features']} -> {d['out_features']} ({d['activation']})"

@@ -33,6 +33,7 @@ from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
+from training.writes import WriteError, check_writable
 
 DEVICES = ("cpu", "cuda")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
@@ -271,6 +272,10 @@ def _session(path: Path, device: str):
 def _check_out_dir(out_dir: Path, model_dir: Path) -> None:
     if out_dir.resolve() == model_dir.resolve():
         raise ExportError(f"--out {out_dir} is the model folder itself; pick another folder")
+    try:  # the artifact is written next to --out, then renamed: its parent must take files
+        check_writable(out_dir, "--out", replaced_whole=True)
+    except WriteError as e:
+        raise ExportError(str(e)) from e
     if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())):
         raise ExportError(f"{out_dir} exists and is not an artifact folder; refusing to replace it")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -355,3 +356,33 @@ def test_a_hugging_face_cache_snapshot_is_named_by_its_repository(tmp_path):
     plain = tmp_path / "my-domain-bert"
     plain.mkdir()
     assert default_model_name(plain) == "my-domain-bert"
+
+
+def test_an_out_whose_parent_takes_no_files_is_one_line(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "a_file").write_text("x")
+    for out, words in ((tmp_path / "a_file" / "art", "not a directory"), (Path("/proc/bertserve-art"), "/proc")):
+        assert main(["--model", str(tiny_model_dir), "--out", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("export failed: --out") and err.count("\n") == 1 and words in err, err
+
+
+def test_sigterm_mid_export_leaves_nothing_and_says_so_in_one_line(tiny_model_dir, tmp_path):
+    """What a scheduler or Kubernetes sends to stop a job ends the export as Ctrl-C does: the half-written
+    artifact is removed and one line says so."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "art"
+    proc = subprocess.Popen([sys.executable, "-m", "export", "--model", str(tiny_model_dir), "--out", str(out),
+                             "--int8"], cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".art.*.partial")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the export is under way once its temporary folder exists
+    assert proc.poll() is None, "the export ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == f"export interrupted; nothing was written to {out}", err
+    assert no_leftovers(out)

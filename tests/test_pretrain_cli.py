@@ -37,6 +37,8 @@ def test_end_to_end_writes_a_loadable_folder_metrics_and_summary(finished_run, c
     folder = root / "model"
     assert {"config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "training_summary.json"} <= \
         {p.name for p in folder.iterdir()}
+    # readable by others (a server user, a teammate), as export leaves its artifact
+    assert folder.stat().st_mode & 0o777 == 0o755 and (folder / "model.safetensors").stat().st_mode & 0o777 == 0o644
     loaded = load_model_folder(folder)
     assert loaded.has_mlm_head and loaded.has_nsp_head and loaded.config.num_hidden_layers == 2
 
@@ -111,6 +113,39 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
 
 
+@pytest.mark.parametrize("case", ["other_files", "a_file", "working_folder", "init_from_itself"])
+def test_an_out_that_is_not_a_model_folder_is_refused_and_left_as_it_is(case, tmp_path, capsys, monkeypatch,
+                                                                      tiny_model_dir):
+    """The model folder is written whole over --out: where that would destroy something else, the run is
+    refused before it starts, and what was there stays."""
+    import shutil
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=10)
+    out = tmp_path / "out"
+    if case == "other_files":
+        (out / "sub").mkdir(parents=True)
+        (out / "thesis.tex").write_text("months of work")
+        expected = "is not a model folder"
+    elif case == "a_file":
+        out.write_text("months of work")
+        expected = "is not a folder"
+    elif case == "working_folder":
+        monkeypatch.chdir(tmp_path)
+        out = Path(".")
+        expected = "name the model folder"
+    else:
+        out = Path(shutil.copytree(tiny_model_dir, tmp_path / "mine"))
+        expected = "is the --init-from folder itself"
+    before = {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} if out.is_dir() else out.read_bytes()
+    args = small_args(corpus, tmp_path / "cache", out, tmp_path / "run")
+    if case == "init_from_itself":
+        args = [a for a in args if a not in ("--vocab-size", "300")] + ["--init-from", str(out)]
+    fails_in_one_line(capsys, args, expected)
+    after = {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} if out.is_dir() else out.read_bytes()
+    assert after == before
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # refused before the data
+
+
 def test_undecodable_bytes_and_a_huge_line_still_train(tmp_path):
     """Bad UTF-8 is replaced (with a warning), a 2 MB line is cut into pieces: no traceback."""
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=30, seed=5)
@@ -152,3 +187,24 @@ def test_flags_left_out_give_the_demonstration_only_on_the_embedded_corpus():
     small = fill_defaults(build_parser().parse_args(["--batch-size", "8"]))
     assert small.phase2_batch_size == 8  # phase 2 never takes larger batches than asked for
     assert fill_defaults(build_parser().parse_args(["--preset", "mini"])).phase2_steps == 0
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """Schedulers, Kubernetes and torchrun stop a job with SIGTERM: the run ends with the same line as
+    Ctrl-C and the same state to resume from, no half-written model folder."""
+    import signal
+    import time
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=4)
+    cmd = [sys.executable, "-m", "training.pretrain",
+           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "100000",
+                       "--log-every", "1")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.is_file() and metrics.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # training steps are being logged
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted; continue with --resume" in err and "Traceback" not in err, err
+    assert not (tmp_path / "model").exists() and not list(tmp_path.glob(".model*"))

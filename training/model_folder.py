@@ -109,6 +109,10 @@ def save_model_folder(
                 shutil.copytree(source, tmp / name)
             else:
                 shutil.copy2(source, tmp / name)
+        # mkdtemp makes the folder private: a model folder is meant to be read by others (a server user,
+        # a teammate), as export leaves its artifact folders
+        for path in (tmp, *tmp.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
         _replace_dir(tmp, out_dir)
     except BaseException as e:
         failure = write_failed(out_dir, e) if isinstance(e, (OSError, RuntimeError, SafetensorError)) else None

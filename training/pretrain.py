@@ -27,7 +27,8 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, setup_distributed,
                               teardown_distributed, train)
-from training.writes import WriteError, check_writable
+from training.stop_signals import sigterm_as_interrupt
+from training.writes import WriteError, check_model_out, check_writable
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
@@ -352,6 +353,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
 
     # Decide how the run starts before spending time on data: a wrong checkpoint or a folder that
     # cannot be written fails fast.
+    check_model_out(out, args.init_from)
     check_writable(out, "--out", replaced_whole=True)  # on every rank: one refused alone would leave the others waiting
     check_writable(run_dir, "--run-dir")
     if dist.is_main:
@@ -492,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         dist = setup_distributed(args.device)
-        summary = run(args, dist)
+        with sigterm_as_interrupt():
+            summary = run(args, dist)
     except _RankZeroFailed:
         return 2  # rank 0 printed it
     except (CorpusError, ModelFolderError, CheckpointError, WriteError, ValueError) as e:

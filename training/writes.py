@@ -29,6 +29,21 @@ def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> 
                          f"choose a writable folder") from e
 
 
+def check_model_out(out: Path, init_from: Path | None) -> None:
+    """Fail now when writing the model folder at `out` (replaced whole) would destroy what is not an
+    earlier model folder: a file, a folder of other things, the working folder, or the --init-from folder."""
+    out = Path(out)
+    if out.name in ("", ".", ".."):
+        raise WriteError(f"--out {out}: name the model folder to write (e.g. models/mine), not {out}")
+    if init_from is not None and out.resolve() == Path(init_from).resolve():
+        raise WriteError(f"--out {out} is the --init-from folder itself; write the new model to another folder")
+    if out.exists() and not out.is_dir():
+        raise WriteError(f"--out {out} exists and is not a folder; refusing to replace it")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise WriteError(f"--out {out} exists and is not a model folder (no config.json); refusing to replace "
+                         f"it: choose another folder, or empty this one")
+
+
 def write_failed(path: Path, error: BaseException) -> WriteError:
     """`error`, raised while writing `path`, as one line. torch.save reports a full disk as a RuntimeError
     (the OSError is its context, or lost), safetensors in its message: all are looked at."""
