@@ -7,6 +7,7 @@ Under `torchrun` it trains with DDP, one process per device; only rank 0 writes 
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import sys
 import time
@@ -272,7 +273,7 @@ def check_lengths(args: argparse.Namespace, source: ModelSource) -> None:
 
 def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> list[DataConfig]:
     phase1 = DataConfig(
-        corpus=tuple(args.corpus), vocab_size=args.vocab_size or DEFAULT_VOCAB_SIZE, vocab_file=args.vocab_file,
+        corpus=tuple(args.corpus), vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size, vocab_file=args.vocab_file,
         tokenizer_dir=tokenizer_dir, lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len,
         masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
         whole_word_masking=args.whole_word_masking,
@@ -286,7 +287,7 @@ def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> 
 
 def train_config(args: argparse.Namespace, default_lr: float) -> TrainConfig:
     return TrainConfig(
-        batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr or default_lr,
+        batch_size=args.batch_size, grad_accum=args.grad_accum, lr=default_lr if args.lr is None else args.lr,
         warmup_steps=args.warmup_steps, warmup_fraction=args.warmup_fraction, weight_decay=args.weight_decay,
         clip_norm=args.clip_norm, seed=args.seed, log_every=args.log_every, eval_every=args.eval_every,
         eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
@@ -309,6 +310,15 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} must be at least 8 ([CLS] A [SEP] B [SEP]), got {value}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must lie in [0, 1), got {args.dropout}")
+    # given values are used as they are (a 0 is not "the default"): refuse the ones no run can use
+    for flag, value, least in (("--lr", args.lr, "above 0"), ("--vocab-size", args.vocab_size, "at least 1"),
+                               ("--phase2-batch-size", args.phase2_batch_size, "at least 1"),
+                               ("--threads", args.threads, "at least 1")):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be {least}, got {value}")
+    for flag, value in (("--weight-decay", args.weight_decay), ("--clip-norm", args.clip_norm)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be 0 or more, got {value}")
     if args.resume and args.fresh:
         raise ValueError("--resume and --fresh contradict each other; pass one")
 
@@ -394,8 +404,9 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     if resume_state is not None:
         check_compatible(resume_from, resume_state, {"model_config": meta["model_config"]})
 
+    batch_sizes = [args.batch_size] + [args.batch_size if args.phase2_batch_size is None else args.phase2_batch_size]
     for i, (p, c) in enumerate(zip(prepared, dcfgs)):
-        batch = args.batch_size if i == 0 else (args.phase2_batch_size or args.batch_size)
+        batch = batch_sizes[min(i, 1)]
         for split, data in (("training", p.train), ("held-out", p.heldout)):
             if data.num_examples(0) < batch * dist.world_size:
                 raise ValueError(f"the {split} split has {data.num_examples(0)} sequence pairs at length "
@@ -404,7 +415,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
                     steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
                     max_predictions=c.max_predictions_per_seq,
-                    batch_size=args.batch_size if i == 0 else (args.phase2_batch_size or args.batch_size))
+                    batch_size=batch_sizes[min(i, 1)])
               for i, (p, c) in enumerate(zip(prepared, dcfgs))]
     model = source.build(model_config, cfg.seed)
     if dist.is_main:
