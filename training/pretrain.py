@@ -7,7 +7,9 @@ Under `torchrun` it trains with DDP, one process per device; only rank 0 writes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import platform
 import sys
 import time
@@ -28,7 +30,7 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, setup_distributed,
                               teardown_distributed, train)
-from training.stop_signals import sigterm_as_interrupt
+from training.stop_signals import sigterm_stops_between_steps
 from training.writes import WriteError, check_model_out, check_writable
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
@@ -273,7 +275,9 @@ def check_lengths(args: argparse.Namespace, source: ModelSource) -> None:
 
 def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> list[DataConfig]:
     phase1 = DataConfig(
-        corpus=tuple(args.corpus), vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size, vocab_file=args.vocab_file,
+        # absolute and normalised, so that --resume from another folder, or with a trailing slash, matches
+        corpus=tuple(os.path.abspath(os.path.expanduser(c)) for c in args.corpus),
+        vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size, vocab_file=args.vocab_file,
         tokenizer_dir=tokenizer_dir, lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len,
         masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
         whole_word_masking=args.whole_word_masking,
@@ -505,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         dist = setup_distributed(args.device)
-        with sigterm_as_interrupt():
+        # one process: stop at a step's end; several (DDP) must agree on the step, so SIGTERM keeps its default
+        with sigterm_stops_between_steps() if not dist.distributed else contextlib.nullcontext():
             summary = run(args, dist)
     except _RankZeroFailed:
         return 2  # rank 0 printed it

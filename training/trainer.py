@@ -32,6 +32,7 @@ from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
 from training.optim import WarmupLinearDecay, make_optimizer
 from training.report import write_plots_quietly
+from training.stop_signals import stop_requested
 from training.writes import write_failed
 
 
@@ -469,8 +470,11 @@ def train(
                     if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step != total_steps:
                         evals.append(log.eval(state.step, phase, evaluate(model, phase.heldout, phase, cfg, dist,
                                                                           most_frequent)))
-                    if (cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end:
+                    if ((cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end
+                            or stop_requested()):
                         _checkpoint(learner, state, run_dir, dist, checkpoint_meta, cfg.keep_checkpoints)
+                    if stop_requested():  # SIGTERM: ends as Ctrl-C does, but with this step's checkpoint
+                        raise KeyboardInterrupt
                     if state.step % GC_EVERY_STEPS == 0:
                         gc.collect(1)
     log.progress.close()
