@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
                              "sooner, for about 2 x the fp16 graph's size on disk (BENCHMARKS.md)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help="longest input served, in tokens (at most the model's position embeddings). Default: "
-                             "the length the model was trained at: sentence_bert_config.json max_seq_length, "
-                             "training_summary.json, tokenizer_config.json model_max_length, else its positions")
+                             "the length the model was trained at: training_summary.json max_length, "
+                             "sentence_bert_config.json max_seq_length, tokenizer_config.json model_max_length, "
+                             "else its positions")
     args = parser.parse_args(argv)
 
     try:
