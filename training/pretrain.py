@@ -64,7 +64,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         switch = action.nargs == 0 and isinstance(action.const, bool)  # store_true / store_false
-        return action.help if action.default is None or switch else super()._get_help_string(action)
+        return action.help if action.default in (None, []) or switch else super()._get_help_string(action)
 
 
 def build_parser() -> argparse.ArgumentParser:
