@@ -92,7 +92,8 @@ def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
 
 @pytest.mark.parametrize("case", ["missing", "empty", "one_document", "unknown_preset", "bad_steps",
                                   "graphs_uncompiled", "graphs_on_cpu", "zero_lr", "nan_weight_decay",
-                                  "negative_clip_norm", "zero_phase2_batch"])
+                                  "negative_clip_norm", "zero_phase2_batch", "small_heldout_split",
+                                  "small_training_split"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     extra: list[str] = []
@@ -106,14 +107,22 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
                  "graphs_uncompiled": ["--cuda-graphs"],
                  "graphs_on_cpu": ["--cuda-graphs", "--compile", "--device", "cpu"],
                  "zero_lr": ["--lr", "0"], "nan_weight_decay": ["--weight-decay", "nan"],
-                 "negative_clip_norm": ["--clip-norm", "-1"], "zero_phase2_batch": ["--phase2-batch-size", "0"]}[case]
+                 "negative_clip_norm": ["--clip-norm", "-1"], "zero_phase2_batch": ["--phase2-batch-size", "0"],
+                 "small_heldout_split": [],
+                 "small_training_split": ["--heldout-fraction", "0.5", "--batch-size", "64"]}[case]
     out = tmp_path / "model"
     expected = {"missing": "does not exist", "empty": "", "one_document": "document",
                 "unknown_preset": "unknown preset 'huge'", "bad_steps": "--max-steps",
                 "graphs_uncompiled": "--cuda-graphs needs --compile", "graphs_on_cpu": "needs a CUDA device",
                 "zero_lr": "--lr must be above 0, got 0.0", "nan_weight_decay": "--weight-decay must be 0 or more",
                 "negative_clip_norm": "--clip-norm must be 0 or more",
-                "zero_phase2_batch": "--phase2-batch-size must be at least 1"}[case]
+                "zero_phase2_batch": "--phase2-batch-size must be at least 1",
+                # the advice that helps the split that is short
+                "small_heldout_split": "held-out split has 4 sequence pairs at length 32, fewer than one batch of 8 "
+                                       "x 1 processes; add text, lower --batch-size or raise --heldout-fraction",
+                "small_training_split": "training split has 10 sequence pairs at length 32, fewer than one batch "
+                                        "of 64 x 1 processes; add text, lower --batch-size or lower "
+                                        "--heldout-fraction"}[case]
     fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either

@@ -248,7 +248,7 @@ def split_documents(n_documents: int, heldout_fraction: float) -> tuple[np.ndarr
                           f"documents with a blank line (.txt) or write one JSON line per document (.jsonl)")
     if n_documents - k < 2:
         raise CorpusError(f"the corpus has {n_documents} documents, too few to hold out {k} and train on "
-                          f"at least 2; add documents or set heldout_fraction=0")
+                          f"at least 2 (a held-out split takes 2 or more); add documents")
     heldout = np.unique(((np.arange(k) + 0.5) * n_documents / max(k, 1)).astype(np.int64))
     train = np.setdiff1d(np.arange(n_documents, dtype=np.int64), heldout, assume_unique=True)
     return train, heldout

@@ -415,7 +415,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             if data.num_examples(0) < batch * dist.world_size:
                 raise ValueError(f"the {split} split has {data.num_examples(0)} sequence pairs at length "
                                  f"{c.max_seq_len}, fewer than one batch of {batch} x {dist.world_size} processes; "
-                                 f"add text, lower --batch-size or raise --heldout-fraction")
+                                 f"add text, lower --batch-size or "
+                                 f"{'lower' if split == 'training' else 'raise'} --heldout-fraction")
     phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
                     steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
                     max_predictions=c.max_predictions_per_seq,
