@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
-from training.writes import WriteError, check_writable
+from training.writes import WriteError, check_writable, remove_stale_siblings, temporary_sibling
 
 DEVICES = ("cpu", "cuda")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
@@ -106,7 +105,8 @@ def export_artifact(
     references = [reference_outputs(graph, feed) for feed in batches]  # shared by every precision
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    remove_stale_siblings(out_dir)  # what a killed export left
+    tmp = temporary_sibling(out_dir, ".partial")
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be read by a server user
         traced = tmp / "traced.onnx"
@@ -285,7 +285,7 @@ def _move_into_place(src: Path, dst: Path) -> None:
     if not dst.exists():
         os.replace(src, dst)
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+    old = temporary_sibling(dst, ".old")
     os.replace(dst, old / dst.name)
     os.replace(src, dst)
     shutil.rmtree(old, ignore_errors=True)

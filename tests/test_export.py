@@ -386,3 +386,19 @@ def test_sigterm_mid_export_leaves_nothing_and_says_so_in_one_line(tiny_model_di
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip() == f"export interrupted; nothing was written to {out}", err
     assert no_leftovers(out)
+
+
+def test_a_killed_exports_temporary_folder_is_removed_by_the_next_a_live_ones_kept(tiny_model_dir, tmp_path):
+    """SIGKILL leaves the half-written artifact beside --out (.NAME.PID.*.partial): the next export removes
+    it, but not the folder of an export that is still running (here, the live parent process's number)."""
+    import os
+
+    out = tmp_path / "art"
+    killed = tmp_path / ".art.4194999.abcd.partial"  # above any pid_max: no such process
+    live = tmp_path / f".art.{os.getppid()}.efgh.partial"
+    for folder in (killed, live):
+        folder.mkdir()
+        (folder / "model.onnx").write_bytes(b"half")
+    assert main(["--model", str(tiny_model_dir), "--out", str(out)]) == 0
+    assert not killed.exists() and live.exists()
+    assert {p.name for p in tmp_path.iterdir()} == {"art", live.name}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from training.writes import write_failed
+from training.writes import process_alive, write_failed
 
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
@@ -67,22 +67,10 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     another run may be writing into the same folder."""
     run_dir = Path(run_dir)
     stale = [p for p in (run_dir.iterdir() if run_dir.is_dir() else [])
-             if (m := _TEMPORARY.match(p.name)) and not _alive(int(m.group(1)))]
+             if (m := _TEMPORARY.match(p.name)) and not process_alive(int(m.group(1)))]
     for path in stale:
         path.unlink(missing_ok=True)
     return stale
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():  # an earlier process that had our number: we have written nothing yet
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's
-        return True
-    return True
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -29,6 +29,7 @@ from training.masking import Masker
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, MASK, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
     train_wordpiece
+from training.writes import remove_stale_siblings
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,7 @@ def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
 def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progress: bool) -> None:
     """Everything into a temporary sibling, renamed into place at the end (so it is whole or absent)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(folder)  # what a killed run left (a live one's build is left alone)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     timings: dict[str, float] = {}

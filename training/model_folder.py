@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SENTENCE_BERT_CON
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
 from training import bert_family
 from training.model import BertConfig, BertForPreTraining
-from training.writes import write_failed
+from training.writes import remove_stale_siblings, temporary_sibling, write_failed
 
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
@@ -87,7 +86,8 @@ def save_model_folder(
     Nothing appears at `out_dir` until everything is written."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    remove_stale_siblings(out_dir)  # what a killed run left
+    tmp = temporary_sibling(out_dir)
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in _TIED_KEYS}

@@ -3,6 +3,8 @@ names the file (a full disk as such) instead of torch's `[enforce fail at inline
 from __future__ import annotations
 
 import errno
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -65,3 +67,33 @@ def _almost_full(folder: Path) -> bool:
         return shutil.disk_usage(folder).free < 1 << 20
     except OSError:
         return False
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (another user's counts); our own number is an earlier process's."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's
+        return True
+    return True
+
+
+def temporary_sibling(dest: Path, suffix: str = "") -> Path:
+    """A new folder beside `dest` (.NAME.PID.XXXX + suffix) in which `dest` is built before it is renamed
+    into place; named for this process, so that a later run can tell it from a live one's."""
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=suffix, dir=dest.parent))
+
+
+def remove_stale_siblings(dest: Path) -> list[Path]:
+    """Delete the temporary siblings of `dest` (.NAME.PID.*) that killed processes left, not a live one's."""
+    pattern = re.compile(rf"^\.{re.escape(dest.name)}\.(\d+)\.")
+    parent = dest.parent
+    stale = [p for p in (parent.iterdir() if parent.is_dir() else [])
+             if (m := pattern.match(p.name)) and p.is_dir() and not process_alive(int(m.group(1)))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
