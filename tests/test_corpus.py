@@ -76,10 +76,12 @@ def test_a_10mb_line_is_read_in_bounded_sentences(tmp_path, line):
 
 def test_resolve_files_folders_and_globs(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
-    for name in ("a/1.txt", "a/b/2.jsonl", "a/b/3.csv", "c.txt"):
+    for name in ("a/1.txt", "a/b/2.jsonl", "a/b/3.csv", "a/b/4.TXT", "c.txt", "D.Txt"):
         (tmp_path / name).write_text("x")
-    files = resolve_corpus_files([str(tmp_path / "a"), str(tmp_path / "*.txt"), str(tmp_path / "c.txt")])
-    assert [f.relative_to(tmp_path.resolve()).as_posix() for f in files] == ["a/1.txt", "a/b/2.jsonl", "c.txt"]
+    files = resolve_corpus_files([str(tmp_path / "a"), str(tmp_path / "*.txt"), str(tmp_path / "c.txt"),
+                                  str(tmp_path / "D.Txt")])  # suffixes in any case, as Windows tools write them
+    assert [f.relative_to(tmp_path.resolve()).as_posix() for f in files] == ["a/1.txt", "a/b/2.jsonl", "a/b/4.TXT",
+                                                                          "c.txt", "D.Txt"]
 
 
 @pytest.mark.parametrize("case, message", [

@@ -112,13 +112,13 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
         if p.is_file():
             found = [p]
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.suffix in CORPUS_SUFFIXES and f.is_file())
+            found = sorted(f for f in p.rglob("*") if f.suffix.lower() in CORPUS_SUFFIXES and f.is_file())
         elif glob.has_magic(entry):
             found = sorted(Path(f) for f in glob.glob(str(p), recursive=True)
-                           if Path(f).suffix in CORPUS_SUFFIXES and Path(f).is_file())
+                           if Path(f).suffix.lower() in CORPUS_SUFFIXES and Path(f).is_file())
         else:
             raise CorpusError(f"corpus path {entry} does not exist; check the path or the glob")
-        if p.is_file() and p.suffix not in CORPUS_SUFFIXES:
+        if p.is_file() and p.suffix.lower() not in CORPUS_SUFFIXES:
             raise CorpusError(f"corpus file {entry} is neither .txt nor .jsonl; convert it or leave it out")
         files.extend(found)
     unique = list(dict.fromkeys(f.resolve() for f in files))
@@ -222,7 +222,7 @@ def read_documents(files: Iterable[Path], stats: CorpusStats | None = None) -> I
     stats = stats if stats is not None else CorpusStats()
     for path in files:
         stats.files += 1
-        reader = _jsonl_documents if path.suffix == ".jsonl" else _txt_documents
+        reader = _jsonl_documents if path.suffix.lower() == ".jsonl" else _txt_documents
         for doc in reader(path, stats):
             stats.documents += 1
             stats.sentences += len(doc)
