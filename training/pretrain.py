@@ -312,6 +312,11 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--max-seq-len", args.max_seq_len), ("--phase2-seq-len", args.phase2_seq_len)):
         if value < 8:
             raise ValueError(f"{flag} must be at least 8 ([CLS] A [SEP] B [SEP]), got {value}")
+    for flag, value, length, length_flag in (
+            ("--max-predictions", args.max_predictions, args.max_seq_len, "--max-seq-len"),
+            ("--phase2-max-predictions", args.phase2_max_predictions, args.phase2_seq_len, "--phase2-seq-len")):
+        if not 1 <= value <= length - 3:  # masked positions are real tokens, never [CLS] or the two [SEP]s
+            raise ValueError(f"{flag} must lie in [1, {length - 3}] at {length_flag} {length}, got {value}")
     if args.dropout is not None and not 0 <= args.dropout < 1:
         raise ValueError(f"--dropout must lie in [0, 1), got {args.dropout}")
     # given values are used as they are (a 0 is not "the default"): refuse the ones no run can use
