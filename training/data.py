@@ -60,20 +60,21 @@ class DataConfig:
             object.__setattr__(self, "corpus", (str(self.corpus),))
         else:
             object.__setattr__(self, "corpus", tuple(str(p) for p in self.corpus))
+        # named as training.pretrain's flags, which set these fields one to one
         if self.max_seq_len < 8:
-            raise ValueError(f"max_seq_len {self.max_seq_len} is too short for [CLS] A [SEP] B [SEP]; use >= 8")
+            raise ValueError(f"--max-seq-len {self.max_seq_len} is too short for [CLS] A [SEP] B [SEP]; use >= 8")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise ValueError(f"short_seq_prob {self.short_seq_prob} is not a probability")
         if not 0.0 < self.masked_lm_prob < 1.0:
-            raise ValueError(f"masked_lm_prob {self.masked_lm_prob} must lie strictly between 0 and 1")
+            raise ValueError(f"--masked-lm-prob {self.masked_lm_prob} must lie strictly between 0 and 1")
         if self.max_predictions_per_seq < 1:
-            raise ValueError("max_predictions_per_seq must be at least 1")
+            raise ValueError(f"--max-predictions must be at least 1, got {self.max_predictions_per_seq}")
         if not 0.0 <= self.heldout_fraction <= 0.5:
-            raise ValueError(f"heldout_fraction {self.heldout_fraction} must lie in [0, 0.5]")
+            raise ValueError(f"--heldout-fraction {self.heldout_fraction} must lie in [0, 0.5]")
         if self.vocab_file is not None and self.tokenizer_dir is not None:
             raise ValueError("vocab_file and tokenizer_dir both name a vocabulary; pass one")
         if self.vocab_file is None and self.tokenizer_dir is None and self.vocab_size < 105:
-            raise ValueError(f"vocab_size {self.vocab_size} is too small; use at least 105")
+            raise ValueError(f"--vocab-size {self.vocab_size} is too small; use at least 105")
 
 
 def _seed(*parts: object) -> int:
