@@ -303,11 +303,10 @@ float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void
   return ms / kTuneRuns;
 }
 
-// Whether the first product of a bucket times its candidates: large products only, outside a capture.
-bool tunes(const Kernel& k, int64_t M, size_t candidates, cudaStream_t s) {
-  if (!k.autotune || M < kTuneMinRows || candidates < 2) return false;
+// Whether stream s is being captured into a CUDA graph (or cannot say): nothing may be timed on it then.
+bool capturing(cudaStream_t s) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(s, &capture) == cudaSuccess && capture == cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(s, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone;
 }
 
 // Sets p.algo to the fastest of `candidates` on this product (each timed on stream s).
@@ -355,12 +354,13 @@ OrtStatusPtr choose_algo(Kernel& k, Plan& p, int64_t M, int64_t K, int64_t N, in
   }
   std::vector<cublasLtMatmulHeuristicResult_t> candidates;
   if (OrtStatusPtr st = query_heuristic(k, M, K, N, align, &p, &candidates)) return st;
-  const bool tuned = tunes(k, M, candidates.size(), s);
-  if (tuned) tune_algo(k, p, candidates, M, K, N, align, x, w, y, s);
-  if (tuned || !k.autotune || M < kTuneMinRows || candidates.size() < 2) {
-    std::lock_guard<std::mutex> lock(chosen.mu);
-    chosen.best.emplace(key, p.algo);
+  // A large product's first time: its candidates are timed (large products only, outside a capture).
+  if (k.autotune && M >= kTuneMinRows && candidates.size() >= 2) {
+    if (capturing(s)) return nullptr;  // the heuristic's first for now; the bucket is tuned outside a capture
+    tune_algo(k, p, candidates, M, K, N, align, x, w, y, s);
   }
+  std::lock_guard<std::mutex> lock(chosen.mu);
+  chosen.best.emplace(key, p.algo);
   return nullptr;
 }
 
