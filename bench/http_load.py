@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import http.client
 import json
@@ -374,15 +375,14 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
         server_cpu = None
         if server is not None:
             time.sleep(max(0.0, start_at - time.time()))
-            cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
-            time.sleep(duration_s * 0.95)  # inside the clients' window
-            server_cpu = _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
+            server_cpu = _server_cpu_over(server, duration_s * 0.95)  # inside the clients' window
         parts = pending.get()
     latencies = [x for p in parts for x in p["latencies"]]
     errors = sum(p["errors"] for p in parts)
     answered = len(latencies) - errors  # a refused request (429 past the queue limits) is not throughput
     cpu = sum(p["cpu_s"] for p in parts)
-    return {"client": "python", "clients": processes * connections, "processes": processes, "texts_per_request": per_request,
+    return {"client": "python", "clients": processes * connections, "processes": processes,
+            "texts_per_request": per_request,
             "requests_per_s": round(answered / duration_s, 1), "texts_per_s": round(answered * per_request / duration_s, 1),
             "p50_ms": round(_pct(latencies, 50) * 1e3, 2), "p99_ms": round(_pct(latencies, 99) * 1e3, 2),
             "errors": errors,
@@ -405,10 +405,8 @@ def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connect
     process, folder = start_wrk(url, bodies, threads, threads * connections, duration_s)
     server_cpu = None
     if server is not None:
-        time.sleep(duration_s * 0.05)
-        cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
-        time.sleep(duration_s * 0.9)
-        server_cpu = _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
+        time.sleep(duration_s * 0.05)  # wrk connected
+        server_cpu = _server_cpu_over(server, duration_s * 0.9)
     run = wrk_result(process, folder, per_request, threads * connections)
     return {**run, "processes": threads, "client_cpu_us_per_request": float("nan"), "client_cpu_share": float("nan"),
             **({"server_cpu": server_cpu} if server_cpu else {})}
@@ -507,9 +505,11 @@ def serving(args) -> dict:
             for per_request in [int(x) for x in args.texts_per_request.split(",")]:
                 # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
                 connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
+                runs_of = collections.Counter()  # client -> its runs so far at this request size
                 for client in args.clients.split(","):
                     before = _server_totals(url)
-                    print(f"HTTP, {workers} server process(es): {client}, {args.processes} {'threads' if client == 'wrk' else 'processes'} x {connections} "
+                    units = "threads" if client == "wrk" else "processes"
+                    print(f"HTTP, {workers} server process(es): {client}, {args.processes} {units} x {connections} "
                           f"connections, {per_request} text(s) per request ...", file=sys.stderr)
                     if client == "wrk":
                         run = wrk_load(url, texts, per_request, args.processes, connections, args.duration,
@@ -527,8 +527,9 @@ def serving(args) -> dict:
                               f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
                               if workers > 1 else ""), file=sys.stderr)
                     run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
-                    key = f"x{per_request}" + ("" if client == "python" else f"-{client}")
-                    runs[key if key not in runs else f"{key}-{sum(k.startswith(key) for k in runs) + 1}"] = run
+                    runs_of[client] += 1  # x1, x1-wrk, then x1-2, x1-wrk-2 for a client's second run
+                    runs[f"x{per_request}" + ("" if client == "python" else f"-{client}")
+                         + (f"-{runs_of[client]}" if runs_of[client] > 1 else "")] = run
             print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
             one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
             one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
@@ -563,6 +564,13 @@ def _cpu_seconds(engine_pid: int, pids: set[int]) -> dict[str, float]:
             fields = path.read_text().rsplit(")", 1)[1].split()
             out[key] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return out
+
+
+def _server_cpu_over(server: tuple[int, set[int]], seconds: float) -> dict:
+    """_server_cpu over the next `seconds` (this thread sleeps meanwhile); `server`: (engine pid, all pids)."""
+    cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
+    time.sleep(seconds)
+    return _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
 
 
 def _server_cpu(before: dict[str, float], after: dict[str, float], engine_pid: int, seconds: float) -> dict:
