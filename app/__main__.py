@@ -17,7 +17,6 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 import argparse
-import socket
 import sys
 import types
 import typing
@@ -70,15 +69,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from app.engine import EngineError, resolve_device_precision
     from app.main import create_app
-    from app.uvicorn_server import ServingServer, uvicorn_options
+    from app.uvicorn_server import ServingServer, listening_socket, uvicorn_options
     from artifact.manifest import ManifestError, read_manifest
     from artifact.session import SessionError, kernels_library
 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the top of this file
 
     try:  # a port already taken is said now, not after the model has loaded
-        socket.create_server((settings.host, settings.port),
-                             family=socket.AF_INET6 if ":" in settings.host else socket.AF_INET).close()
+        listening_socket(settings.host, settings.port).close()
     except OSError as e:
         print(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import socket
 from collections.abc import Callable
 
 import uvicorn
@@ -18,6 +19,12 @@ log = logging.getLogger("app")
 # answered 503 by the drain, so this only covers a batch that was running and the answers being written.
 # Past it uvicorn cancels the requests, which answers a plain-text 500.
 SHUTDOWN_MARGIN_S = 5.0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on host:port (IPv6 for an IPv6 address), SO_REUSEADDR as uvicorn binds."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
 
 
 def uvicorn_options(settings: Settings) -> dict:

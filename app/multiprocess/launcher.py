@@ -14,7 +14,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import time
@@ -25,6 +24,7 @@ from app.multiprocess.engine_process import run as run_engine
 from app.multiprocess.held_signals import start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
 from app.settings import ENV_PREFIX, Settings
+from app.uvicorn_server import listening_socket
 
 log = logging.getLogger("app")
 _MAX_FOLDER_CHARS = 80  # leaves room for "/engine99.sock" within AF_UNIX's 108-byte limit
@@ -46,7 +46,7 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
                 return 0 if stopping.is_set() else 1
             for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
-            with _listen(settings.host, settings.port) as listener:
+            with listening_socket(settings.host, settings.port) as listener:
                 HttpWorkers(settings.workers, worker_stop_s(settings)).serve(listener, stopping)
         finally:
             stopping.set()
@@ -90,11 +90,6 @@ def run_folder():
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=2048)  # SO_REUSEADDR, as uvicorn binds
 
 
 def _wait_for_socket(engine: multiprocessing.Process, socket_path: str, stopping: threading.Event) -> bool:
