@@ -413,9 +413,9 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     if resume_state is not None:
         check_compatible(resume_from, resume_state, {"model_config": meta["model_config"]})
 
-    batch_sizes = [args.batch_size] + [args.batch_size if args.phase2_batch_size is None else args.phase2_batch_size]
+    phase2_batch = args.batch_size if args.phase2_batch_size is None else args.phase2_batch_size
     for i, (p, c) in enumerate(zip(prepared, dcfgs)):
-        batch = batch_sizes[min(i, 1)]
+        batch = args.batch_size if i == 0 else phase2_batch
         for split, data in (("training", p.train), ("held-out", p.heldout)):
             if data.num_examples(0) < batch * dist.world_size:
                 raise ValueError(f"the {split} split has {data.num_examples(0)} sequence pairs at length "
@@ -425,7 +425,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
                     steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
                     max_predictions=c.max_predictions_per_seq,
-                    batch_size=batch_sizes[min(i, 1)])
+                    batch_size=args.batch_size if i == 0 else phase2_batch)
               for i, (p, c) in enumerate(zip(prepared, dcfgs))]
     model = source.build(model_config, cfg.seed)
     if dist.is_main:

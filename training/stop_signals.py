@@ -10,23 +10,34 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread (elsewhere: no change)."""
+def _on_sigterm(handler) -> Iterator[None]:
+    """`handler` for SIGTERM within the block; only the main thread may set one (elsewhere: no change)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread."""
+    return _on_sigterm(_interrupt)
+
+
 _stop = threading.Event()
+
+
+def _request_stop(signum, frame):
+    if _stop.is_set():
+        raise KeyboardInterrupt
+    _stop.set()
 
 
 @contextmanager
@@ -34,21 +45,11 @@ def sigterm_stops_between_steps() -> Iterator[None]:
     """Within the block, SIGTERM asks a training run to stop after its current step (`stop_requested`),
     where nothing is half done (raising in the middle of a step can land inside a data loader's start);
     a second SIGTERM interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def request(signum, frame):
-        if _stop.is_set():
-            raise KeyboardInterrupt
-        _stop.set()
-
     _stop.clear()
-    previous = signal.signal(signal.SIGTERM, request)
     try:
-        yield
+        with _on_sigterm(_request_stop):
+            yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
         _stop.clear()
 
 
