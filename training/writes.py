@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from artifact.source_folder import CONFIG_FILE
+
 
 class WriteError(Exception):
     """A file of the run could not be written; the message names it and says why."""
@@ -41,8 +43,8 @@ def check_model_out(out: Path, init_from: Path | None) -> None:
         raise WriteError(f"--out {out} is the --init-from folder itself; write the new model to another folder")
     if out.exists() and not out.is_dir():
         raise WriteError(f"--out {out} exists and is not a folder; refusing to replace it")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
-        raise WriteError(f"--out {out} exists and is not a model folder (no config.json); refusing to replace "
+    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
+        raise WriteError(f"--out {out} exists and is not a model folder (no {CONFIG_FILE}); refusing to replace "
                          f"it: choose another folder, or empty this one")
 
 
