@@ -69,8 +69,8 @@ def start_wrk(url: str, bodies: list[bytes], threads: int, connections: int, dur
     (folder / "bodies.jsonl").write_bytes(b"\n".join(bodies) + b"\n")
     script = folder / "load.lua"
     script.write_text(_SCRIPT % {"bodies": folder / "bodies.jsonl", "path": path})
-    command = [wrk_binary(), "-t", str(threads), "-c", str(max(connections, threads)), "-d", f"{max(1, round(duration_s))}s",
-               "--timeout", "30s", "-s", str(script), url]
+    command = [wrk_binary(), "-t", str(threads), "-c", str(max(connections, threads)),
+               "-d", f"{max(1, round(duration_s))}s", "--timeout", "30s", "-s", str(script), url]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), folder
 
 
