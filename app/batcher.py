@@ -23,7 +23,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,8 +160,12 @@ class DynamicBatcher:
                  max_batch_size: int, max_wait_ms: float, max_queued: int, inference_workers: int = 1,
                  packed: bool = False, max_padding: float = 1.0, max_queue_ms: float | None = None,
                  overlap_min_tokens: int | None = None, metrics: Metrics | None = None,
-                 on_engine_lost: Callable[[], None] | None = None):
+                 on_engine_lost: Callable[[], None] | None = None,
+                 idle_thread: Callable[[int, int], Executor | None] | None = None):
         self._run = run
+        # (rows, longest) -> the thread a batch that finds nothing else running should run on instead of an
+        # inference thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
+        self._idle_thread = idle_thread
         self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -429,8 +433,12 @@ class DynamicBatcher:
         outputs = frozenset().union(*{e.group.outputs for e in entries})
         done = self._loop_ref.create_future()
         self._running.add(done)
+        executor = self._executor
+        if self._idle_thread is not None and self._running_batches == 0:
+            rows = sum(e.count for e in entries)
+            executor = self._idle_thread(rows, max(int(e.lengths.max()) for e in entries)) or executor
         self._running_batches += 1
-        self._executor.submit(self._work, entries, outputs, time.perf_counter(), done)
+        executor.submit(self._work, entries, outputs, time.perf_counter(), done)
 
     def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
         """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call."""

@@ -9,6 +9,7 @@ import logging
 import re
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +134,14 @@ class OrtEngine:
         log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
                  buckets.lengths[-1], path.name)
         return buckets
+
+    def replay_thread(self, rows: int, length: int) -> Executor | None:
+        """Where to run a batch of `rows` sequences of up to `length` tokens that finds the GPU idle: the CUDA
+        graphs' own thread when it will replay one (`run` there replays without a hop to that thread and
+        back), else None (any thread)."""
+        if self.graph_buckets is None or not self.graph_buckets.fits(rows, length):
+            return None
+        return self.graph_buckets.thread
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A small batch replays a CUDA graph when it is the only batch on the GPU; the rest run on the

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -975,6 +976,42 @@ def test_work_waits_for_the_running_batch_below_overlap_min_tokens(overlap_min_t
         assert small_started == 1 and sizes[:2] == [1, 3]  # they waited, then went as one batch
     assert beside == 2  # 32 queued tokens >= 30: beside the running batch either way
     assert most_at_once[0] == 2
+
+
+def test_a_batch_that_finds_the_engine_idle_runs_on_the_thread_the_engine_names():
+    """idle_thread (OrtEngine.replay_thread: where a CUDA graph replays) is asked only for a batch that
+    finds no other running; a batch beside a running one, or one it declines, runs on an inference thread."""
+    asked, ran_on = [], []
+    idle = ThreadPoolExecutor(1, thread_name_prefix="idle-lane")
+
+    def idle_thread(rows, longest):
+        asked.append((rows, longest))
+        return idle if rows <= 2 else None
+
+    def engine(batch):
+        ran_on.append((len(batch.input_ids), threading.current_thread().name))
+        time.sleep(0.2 if len(batch.input_ids) == 3 else 0)
+        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
+
+    async def go():
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                           max_queued=1000, inference_workers=2, packed=True, idle_thread=idle_thread)
+        b.start()
+        outputs = frozenset({"cls_embedding"})
+        alone = await b.submit_group(_zeros([5, 7]), outputs)
+        slow = b.submit_group(_zeros([4, 4, 4]), outputs)  # declined: too many rows
+        await asyncio.sleep(0.05)
+        beside = await b.submit_group(_zeros([6]), outputs)  # the slow batch is still running
+        await slow
+        await b.stop()
+        return alone, beside
+    alone, beside = run(go())
+    idle.shutdown()
+    assert alone.outputs["cls_embedding"].shape == (2, 4) and beside.outputs["cls_embedding"].shape == (1, 4)
+    assert asked == [(2, 7), (3, 4)]
+    assert ran_on[0] == (2, "idle-lane_0")
+    assert ran_on[1][0] == 3 and ran_on[1][1].startswith("inference")
+    assert ran_on[2][0] == 1 and ran_on[2][1].startswith("inference")
 
 
 def test_batcher_stops_a_padded_batch_at_the_padding_limit():

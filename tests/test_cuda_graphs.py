@@ -83,6 +83,20 @@ def test_a_replay_plan_covers_every_row_once_within_its_buckets_and_pads_no_more
         assert len(plan) == 1
 
 
+def test_a_batch_run_on_the_buckets_own_thread_replays_there(graph):
+    """The batcher hands an idle small batch straight to the buckets' thread: `run` from there must replay
+    in place (a hop to its own one-thread pool would wait on itself forever)."""
+    manifest, session = graph
+    pad = manifest.special_tokens["[PAD]"]
+    buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, pad, max_rows=4, lengths=(16,))
+    ids, mask, types = batch(np.random.default_rng(3), 3, 12, manifest.vocab_size, pad)
+    names = tuple(o.name for o in session.get_outputs())
+    on_thread = buckets.thread.submit(buckets.run, ids, mask, types, names).result(timeout=30)
+    elsewhere = buckets.run(ids, mask, types, names)
+    for name in names:
+        np.testing.assert_array_equal(on_thread[name], elsewhere[name])
+
+
 def test_only_batches_within_the_largest_bucket_fit(graph):
     manifest, session = graph
     buckets = CudaGraphBuckets(session, "cpu", 0, manifest.max_length, manifest.special_tokens["[PAD]"],
@@ -101,7 +115,8 @@ def test_the_captured_batch_sizes_are_powers_of_two_up_to_the_largest():
 
 def test_cuda_graphs_need_cuda_and_a_padded_twin(tiny_artifact_dir):
     manifest = read_manifest(tiny_artifact_dir)
-    assert not OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="auto").cuda_graphs
+    engine = OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="auto")
+    assert not engine.cuda_graphs and engine.replay_thread(1, 8) is None  # every batch on the batcher's threads
     with pytest.raises(EngineError, match="padded twin"):
         OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="on")
     with pytest.raises(EngineError, match="auto, on or off"):

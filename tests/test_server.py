@@ -264,6 +264,12 @@ def test_a_dead_http_worker_is_replaced(tiny_artifact_dir):
         assert victim not in pids
 
 
+def _serving_a_request(base: str) -> bool:
+    metrics = httpx.get(f"{base}/metrics", timeout=10).text
+    return any(line.startswith("bertserve_inflight_requests ") and float(line.split()[1]) >= 1
+               for line in metrics.splitlines())
+
+
 def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_dir):
     """Ctrl-C reaches the launcher, the workers and the engine process at once: the engine keeps going
     until the workers have answered what they hold, and all exit cleanly."""
@@ -274,8 +280,10 @@ def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_d
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(httpx.post, f"{base}/embed", json={"inputs": texts}, timeout=60)
-            time.sleep(0.3)  # the request has reached a worker (tokenising and running it takes longer)
-            assert not answer.done()
+            deadline = time.monotonic() + 30
+            while not _serving_a_request(base):  # the request has reached a worker: Ctrl-C comes mid-request
+                assert time.monotonic() < deadline and not answer.done(), "the request was never seen in flight"
+                time.sleep(0.01)
             os.killpg(proc.pid, signal.SIGINT)
             r = answer.result()
         rc = proc.wait(timeout=90)

@@ -104,8 +104,13 @@ class _Framed(asyncio.BufferedProtocol):
 
     def _flush(self) -> None:
         outgoing, self._outgoing = self._outgoing, []
-        if not self.transport.is_closing():
+        if outgoing and not self.transport.is_closing():
             self.transport.writelines(outgoing)
+
+    def flush(self) -> None:
+        """Write what was sent so far now, not at the next turn (for a caller that itself runs at the end of
+        a turn's gathering)."""
+        self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._frame is not None:
@@ -373,6 +378,8 @@ class EngineClient:
         gathered, self._gathering = self._gathering, {}
         for mask, submission in gathered.items():
             self._send(mask, submission)
+        if not self._closed:  # this already runs a turn after the requests came: no second turn's wait
+            self._link.flush()
 
     def _send(self, mask: int, submission: _Submission) -> None:
         if self._closed:
