@@ -23,7 +23,8 @@ class ServingFront:
     - metrics: requests by endpoint and status, failures also by error type (set by the error handlers);
     - bodies: read up to `max_bytes` (413 past it, without reading further); a `curl -d` without
       `-H 'Content-Type: application/json'` works;
-    - `direct` (POST path -> DirectRoute) is answered here, errors by the app's exception handlers.
+    - `direct` (POST path -> DirectRoute) is answered here, with a trailing slash too, errors by the app's
+      exception handlers.
       FastAPI's middleware stack, routing and dependency solving under this layer cost 29% of a one-text
       /embed's HTTP-worker CPU (bench/http_worker_load.py, bench/results/cpu2-http-worker-direct-routes-ab.txt).
 
@@ -51,6 +52,10 @@ class ServingFront:
             return
         scope["app"] = self.api  # as Starlette sets it: request.app
         path = scope["path"]
+        if path.endswith("/") and scope["method"] == "POST" and path.rstrip("/") in self.direct:
+            # /embed/ is /embed: Starlette would answer 307, which httpx and the openai client do not follow for a POST
+            path = path.rstrip("/")
+            scope = {**scope, "path": path}
         endpoint = path if path in self.endpoints else "other"
         notes = scope.setdefault("bertserve", {})
         status = 500

@@ -137,6 +137,29 @@ def test_bad_inputs_get_clear_4xx_and_the_server_goes_on(server):
         assert c.get("/ready").status_code == 200
 
 
+def test_a_trailing_slash_on_a_service_route_is_served_as_the_route(server):
+    """POST /embed/ (a base URL given with a slash) is /embed, not Starlette's 307 to it: httpx and the openai
+    client do not follow a redirect of a POST. Pages keep the redirect (a browser follows it)."""
+    bodies = {"/embed": {"inputs": "hello world"}, "/tokenize": {"inputs": "hello world"},
+              "/nsp": {"pairs": [["a", "b"]]}, "/v1/embeddings": {"input": "hello world"},
+              "/embeddings": {"input": "hello world"}, "/tei/embed": {"inputs": "hello world"},
+              "/invocations": {"inputs": "hello world"},
+              "/similarity": {"inputs": {"source_sentence": "a", "sentences": ["a", "b"]}}}
+    counted = 'bertserve_requests_total{endpoint="/embed",status="200"}'
+    before = metric(server, counted)
+    with httpx.Client(base_url=server, timeout=30) as c:
+        for path, body in bodies.items():
+            plain, slashed = c.post(path, json=body), c.post(path + "/", json=body)
+            assert slashed.status_code == 200, (path, slashed.status_code, slashed.headers.get("location"))
+            assert slashed.json() == plain.json(), path
+        rerank = c.post("/rerank/", json={"query": "q", "texts": ["a"]})  # the route itself: no classifier head
+        assert rerank.status_code == 400 and rerank.json()["error"]["type"] == "unsupported"
+        assert c.get("/health/").status_code == 307
+        assert c.get("/health/", follow_redirects=True).json() == {"status": "ok"}
+        assert c.get("/docs/", follow_redirects=True).status_code == 200
+    assert metric(server, counted) == before + 2  # /embed/ counted as /embed
+
+
 def test_disconnects_and_overload(tiny_artifact_dir):
     """A batcher that waits 1 s for company: queued work sits still long enough to observe."""
     with running_server(tiny_artifact_dir, max_wait_ms=1000, max_queued_sequences=4) as base:
