@@ -140,10 +140,10 @@ def _describe_validation_error(exc: RequestValidationError) -> str:
                         "as \\ud800")
             return f"the body is not valid JSON ({detail})" if detail else "the body is not valid JSON"
         messages = by_field.setdefault(_field_path(err.get("loc", ())), [])
-        message = err.get("msg", "invalid").removeprefix("Input should be ").removeprefix("Value error, ")
+        message = err.get("msg", "invalid").removeprefix("Input ").removeprefix("Value error, ")
         if message not in messages:
             messages.append(message)
-    parts = [f"{field}: " + (messages[0] if len(messages) == 1 else "should be " + " or ".join(messages))
+    parts = [f"{field}: " + " or ".join([messages[0], *(m.removeprefix("should be ") for m in messages[1:])])
              for field, messages in list(by_field.items())[:5]]
     more = len(by_field) - 5
     return "; ".join(parts) + (f"; and {more} more" if more > 0 else "")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from artifact.manifest import POOLINGS
 
@@ -19,6 +19,16 @@ _DIRECTION_TEXT = "which end of an over-long input truncation cuts: right keeps 
 _PROMPT_TEXT = ("one of the model's prompts (GET /info `prompts`, e.g. query), put before each text as "
                 "sentence-transformers does; null: the model's default prompt (`default_prompt_name`), if any; \"\": "
                 "no prompt, not even the default (sentence-transformers' prompt=\"\")")
+
+
+def _whole_float_as_int(value):
+    """orjson reads an integer past 64 bits (10**30) as a float: taken as the integer it is, it gets the range's
+    message (InferenceService.check_dimensions) rather than "should be a valid integer"."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# The range, 1 to the width of the vectors asked for, is checked by the service, which knows that width.
+Dimensions = Annotated[int, BeforeValidator(_whole_float_as_int), Field(json_schema_extra={"minimum": 1})]
 
 
 class _Strict(BaseModel):
@@ -73,8 +83,9 @@ class OpenAIEmbeddingRequest(BaseModel):
     input: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] | list[int] | list[list[int]]
     model: str | None = Field(None, description="accepted and ignored: the server has one model")
     encoding_format: EncodingFormat = "float"
-    dimensions: int | None = Field(None, description="keep the first that many of the model's width (GET /info "
-                                   "`dimensions`), normalised after if the vectors are: for Matryoshka-trained models")
+    dimensions: Dimensions | None = Field(
+        None, description="keep the first that many of the model's width (GET /info `dimensions`), normalised "
+                          "after if the vectors are: for Matryoshka-trained models")
 
 
 class _TeiRequest(BaseModel):
@@ -105,8 +116,8 @@ class TeiEmbedAllRequest(_TeiRequest):
 class TeiEmbedRequest(TeiEmbedAllRequest):
     """POST / and /tei/embed as text-embeddings-inference's /embed takes it."""
     normalize: bool = Field(True, description="L2-normalise each embedding (TEI's default: true)")
-    dimensions: int | None = Field(None, description="keep the first that many values of each embedding, "
-                                   "normalised after if `normalize`: for Matryoshka-trained models")
+    dimensions: Dimensions | None = Field(None, description="keep the first that many values of each embedding, "
+                                          "normalised after if `normalize`: for Matryoshka-trained models")
     encoding_format: Literal["float"] | None = Field(None, description="float only: the answer is JSON numbers")
 
 

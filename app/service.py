@@ -115,9 +115,8 @@ class InferenceService:
     def check_dimensions(self, dimensions: int | None, pooling: str) -> None:
         """A request's `dimensions` (how many of each vector's first values to keep) fits `pooling`'s width."""
         width = self.width(pooling)
-        if dimensions is not None and not 1 <= dimensions <= width:
-            raise Unsupported(f"dimensions {dimensions} is not supported: this model's embeddings have {width} "
-                              f"(a smaller number keeps that many of the first ones)")
+        if dimensions is not None and not 1 <= dimensions <= width:  # the value itself may be 300 digits long
+            raise InvalidInput(f"dimensions must be between 1 and {width} (the model's width)")
 
     def drain(self, seconds: float) -> None:
         """Refuse new requests from now on; answer those still waiting after `seconds` with 503."""

@@ -394,9 +394,28 @@ def test_openai_embeddings(artifact, reference):
     # shortened as OpenAI does: the first 64 (this model's default is not normalised, so nothing after)
     np.testing.assert_allclose(dims["data"][0]["embedding"], ref["cls_embedding"][:64], atol=1e-5)
     assert same_dims.status_code == 200
-    assert_error(too_many, 400, "unsupported", "have 128")
-    assert_error(none, 400, "unsupported", "dimensions 0")
+    assert_error(too_many, 422, "invalid_request", "between 1 and 128")
+    assert_error(none, 422, "invalid_request", "between 1 and 128")
     assert_error(ids, 400, "unsupported", "token-id")
+
+
+def test_a_bad_dimensions_is_one_short_line_naming_the_range(artifact):
+    """/v1/embeddings and / (TEI's): zero, negative, past the width, past 64 bits (which orjson reads as a float)
+    or 1e300 is answered 422 with the range; a value that is no integer at all, with its type."""
+    out_of_range = [0, -5, 129, 2**63, 10**30, 1e300]
+    not_integers = [3.5, "12", True]
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            return {(path, value): await c.post(path, json={field: "x", "dimensions": value})
+                    for path, field in (("/v1/embeddings", "input"), ("/", "inputs"))
+                    for value in out_of_range + not_integers}
+    answers = run(go())
+    for (path, value), r in answers.items():
+        words = ["dimensions must be between 1 and 128 (the model's width)"] if value in out_of_range else [
+            "dimensions: should be a valid integer"]
+        message = assert_error(r, 422, "invalid_request", *words)["message"]
+        assert len(message) < 80 and "\n" not in message, (path, value, message)
 
 
 def test_tei_embed_at_the_root(artifact, reference):
@@ -452,7 +471,7 @@ def test_tei_embed_at_the_root(artifact, reference):
     assert_error(out["not_cut"], 413, "input_too_long", "inputs[0]")
     assert_error(out["prompt"], 400, "unsupported", "prompt_name 'query'")
     assert_error(out["base64"], 422, "invalid_request", "encoding_format")
-    assert_error(out["wide"], 400, "unsupported", "dimensions 129")
+    assert_error(out["wide"], 422, "invalid_request", "between 1 and 128")
     assert_error(out["pair"], 422, "invalid_request", "inputs")
     assert_error(out["empty"], 422, "invalid_request", "empty")
     assert out["page"].status_code == 200 and "text/html" in out["page"].headers["content-type"]

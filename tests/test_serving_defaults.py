@@ -263,7 +263,7 @@ def test_dense_modules_follow_the_models_own_pooling_as_in_sentence_transformers
     np.testing.assert_allclose(np.array([d["embedding"] for d in embed["data"]]), want, atol=2e-5)
     np.testing.assert_allclose(np.array([d.embedding for d in openai_answer.data]), want, atol=2e-5)
     assert np.array([d["embedding"] for d in cls["data"]]).shape == (len(TEXTS), 32)
-    assert_error(wrong_width, 400, "unsupported", "have 16")
+    assert_error(wrong_width, 422, "invalid_request", "between 1 and 16")
     prefix = want[:, :8] / np.linalg.norm(want[:, :8], axis=1, keepdims=True)  # shortened, then normalised
     np.testing.assert_allclose(np.array([d.embedding for d in shortened.data]), prefix, atol=2e-5)
 
