@@ -15,7 +15,8 @@ Inputs = Text | Annotated[list[Text | Pair], Field(json_schema_extra={"minItems"
 Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
 TruncationDirection = Literal["right", "left"]  # app.tokenization.DIRECTIONS
-_DIRECTION_TEXT = "which end of an over-long input truncation cuts: right keeps its start, left its end"
+_DIRECTION_TEXT = ("which end of an over-long input truncation cuts: right keeps its start, left its end (after "
+                   "the prompt, if any, which is kept whole)")
 _PROMPT_TEXT = ("one of the model's prompts (GET /info `prompts`, e.g. query), put before each text as "
                 "sentence-transformers does; null: the model's default prompt (`default_prompt_name`), if any; \"\": "
                 "no prompt, not even the default (sentence-transformers' prompt=\"\")")

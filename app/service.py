@@ -84,14 +84,12 @@ class InferenceService:
             vectors = vectors[:, :dimensions]
         return l2_normalize(vectors) if normalize else vectors
 
-    def prompted(self, items: Sequence[Item], prompt_name: str | None, field: str,
-                 direction: str = "right") -> Sequence[Item]:
-        """The texts with the named prompt before each (unnamed: the model's default prompt, if it has one;
-        named "": none), as sentence-transformers encodes them; pairs stay as they are. The inputs are checked first, so that
-        an empty text is refused as without a prompt."""
+    def prompt_for(self, items: Sequence[Item], prompt_name: str | None) -> str:
+        """The prompt the tokenizer puts before each text (pairs stay as they are), as sentence-transformers
+        encodes them: the named one; unnamed, the model's default prompt, if it has one; named "", none."""
         prompts = self.manifest.prompts
         if prompt_name == "":  # no prompt, the default's too (sentence-transformers' prompt="")
-            return items
+            return ""
         if prompt_name is not None:
             if prompt_name not in prompts:
                 raise Unsupported(f"prompt_name {prompt_name!r} is not one of this model's prompts "
@@ -99,14 +97,7 @@ class InferenceService:
                                   f"prompt_name {prompt_name!r}: this model has no prompts")
             if any(not isinstance(x, str) for x in items):
                 raise Unsupported("prompt_name applies to texts, not to [text_a, text_b] pairs")
-        prompt = prompts.get(prompt_name or self.manifest.default_prompt_name or "", "")
-        if not prompt:
-            return items
-        if direction == "left":
-            raise Unsupported(f"truncation_direction left would cut the prompt {prompt!r} off a long text: "
-                              f"truncate on the right with a prompt")
-        self.tokenizer.check(items, field)
-        return [prompt + x if isinstance(x, str) else x for x in items]
+        return prompts.get(prompt_name or self.manifest.default_prompt_name or "", "")
 
     def width(self, pooling: str) -> int:
         """The width of the vectors `pooling` gives."""
@@ -146,9 +137,10 @@ class InferenceService:
             self.metrics.inflight.dec()
 
     async def tokenize(self, items: Sequence[Item], truncate: bool, field: str, offsets: bool = True,
-                       direction: str = "right") -> tuple[Tokenized, float]:
+                       direction: str = "right", prompt: str = "") -> tuple[Tokenized, float]:
         """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens.
-        direction: which end truncation cuts (app.tokenization.DIRECTIONS)."""
+        direction: which end truncation cuts (app.tokenization.DIRECTIONS); prompt: put before each text
+        (prompt_for)."""
         if not items:
             raise InvalidInput(f"{field} is empty: send at least one {'pair' if field == 'pairs' else 'text'}")
         limit = self.settings.max_inputs_per_request
@@ -156,21 +148,21 @@ class InferenceService:
             raise TooManyInputs(f"{field} has {len(items)} items; the server accepts at most {limit} per request")
         started = time.perf_counter()
         if self._inline(items):
-            tokenized = self.tokenizer.encode_batch(items, truncate, field, offsets, direction)
+            tokenized = self.tokenizer.encode_batch(items, truncate, field, offsets, direction, prompt)
         else:  # the event loop keeps serving meanwhile
             tokenized = await asyncio.to_thread(self.tokenizer.encode_batch, items, truncate, field, offsets,
-                                                direction)
+                                                direction, prompt)
         seconds = time.perf_counter() - started
         self.metrics.tokenize_seconds.observe(seconds)
         return tokenized, seconds
 
-    async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool,
-                    outputs: frozenset[str], field: str, offsets: bool = False, direction: str = "right") -> Inference:
+    async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool, outputs: frozenset[str],
+                    field: str, offsets: bool = False, direction: str = "right", prompt: str = "") -> Inference:
         """offsets: whether the answer describes tokens (describe_tokens reads their offsets); direction:
-        which end truncation cuts."""
+        which end truncation cuts; prompt: put before each text (prompt_for)."""
         with self.admitted():
             self.batcher.check_admission()  # before the tokenising it would waste
-            tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets, direction)
+            tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets, direction, prompt)
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
                 return Inference(tokenized, None, timings)

@@ -145,35 +145,37 @@ class TextTokenizer:
             for item in items for part in ((item,) if isinstance(item, str) else item))
 
     def encode(self, items: Sequence[Item], truncate: bool, field: str = "inputs", offsets: bool = True,
-               direction: str = "right") -> list[Encoded]:
+               direction: str = "right", prompt: str = "") -> list[Encoded]:
         """encode_batch's answer, input by input."""
-        return self.encode_batch(items, truncate, field, offsets, direction).split()
+        return self.encode_batch(items, truncate, field, offsets, direction, prompt).split()
 
     def encode_batch(self, items: Sequence[Item], truncate: bool, field: str = "inputs", offsets: bool = True,
-                     direction: str = "right") -> Tokenized:
+                     direction: str = "right", prompt: str = "") -> Tokenized:
         """Blocking (the tokenizer releases the GIL meanwhile). Raises InvalidInput /
         InputTooLong naming the index. offsets=False: every offset is (0, 0), and tokenising costs less.
-        direction (DIRECTIONS): which end truncation cuts."""
+        direction (DIRECTIONS): which end truncation cuts. prompt: put before each text (not pairs), as
+        sentence-transformers does; truncation on the left cuts the text after it, never the prompt."""
         if direction not in DIRECTIONS:
             raise ValueError(f"truncation direction {direction!r} is not one of {DIRECTIONS}")
-        self.check(items, field)
-        plain = self._plain_ascii(items)
+        self.check(items, field)  # the texts as sent: an empty one is refused as without a prompt
+        texts = [prompt + x if isinstance(x, str) else x for x in items] if prompt else items
+        plain = self._plain_ascii(texts)
         left = truncate and direction == "left"
         if left:  # offsets count from a text's start: with them, the whole text is tokenised
-            batch = list(items) if offsets else [self._suffix(x) if isinstance(x, str) else x for x in items]
+            batch = list(texts) if offsets else [prompt + self._suffix(x) if isinstance(x, str) else x for x in items]
             tokenizer = self._left_truncating_tokenizer(plain)
         elif truncate:
-            batch = [self._prefix(x) if isinstance(x, str) else x for x in items]
+            batch = [self._prefix(x) if isinstance(x, str) else x for x in texts]
             tokenizer = self._ascii_truncating if plain else self._truncating
         else:
-            for i, x in enumerate(items):  # answer "too long" for a huge text without tokenising all of it
+            for i, x in enumerate(texts):  # answer "too long" for a huge text without tokenising all of it
                 if isinstance(x, str) and len(x) > self.max_length * _PREFIX_CHARS_PER_TOKEN:
                     prefix = self._prefix(x)
                     if prefix is not x:
                         raise InputTooLong(f"{field}[{i}] is too long: its first {len(prefix)} of {len(x)} "
                                            f"characters already make more than the {self.max_length} tokens the "
                                            f"model accepts (send truncate: true to cut it)")
-            batch = list(items)
+            batch = list(texts)
             tokenizer = self._ascii_full if plain else self._full
         if plain and self._ascii.lowercase:  # BertNormalizer's lower-casing, in Python: a fraction of the cost
             batch = [x.lower() if isinstance(x, str) else (x[0].lower(), x[1].lower()) for x in batch]
@@ -190,6 +192,9 @@ class TextTokenizer:
                         raise InvalidInput(f"{field}[{i}] is not valid Unicode text ({ue.reason} at "
                                            f"character {ue.start})") from None
             raise InvalidInput(f"{field} could not be tokenised: {e}") from e
+        if left and prompt:  # what the truncation cut off was the prompt
+            encodings = [self._prompt_kept(x, len(prompt), plain) if isinstance(x, str) and enc.overflowing else enc
+                         for x, enc in zip(batch, encodings)]
         lengths = [len(e) for e in encodings]
         self._check_lengths(items, lengths, field)
         total = sum(lengths)
@@ -202,6 +207,17 @@ class TextTokenizer:
             self._left_truncating[plain] = _load(self._path, self.max_length, truncate=True, replace=replace,
                                                  direction="left")
         return self._left_truncating[plain]
+
+    def _prompt_kept(self, text: str, prompt_chars: int, plain: bool) -> Encoding:
+        """`text`, a prompt and what follows, cut on the left to max_length tokens: the prompt's tokens, then as
+        many of the text's last tokens as fit (offsets in `text`)."""
+        tokenizer = self._ascii_full if plain else self._full
+        room = self.max_length - self._specials[0]
+        head = tokenizer.encode(text[:prompt_chars], add_special_tokens=False)
+        head.truncate(room)  # a prompt the model cannot take whole is cut as truncating on the right cuts it
+        tail = tokenizer.encode(text, add_special_tokens=False)
+        tail.truncate(room - len(head), direction="left")
+        return tokenizer.post_process(Encoding.merge([head, tail], growing_offsets=False))
 
     def _by_words(self, items: Sequence[Item], batch: list[Item], truncate: bool, field: str) -> Tokenized:
         rows, firsts = zip(*(self._words.encode(x, truncate) for x in batch))

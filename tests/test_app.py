@@ -532,6 +532,21 @@ def test_left_truncation_keeps_the_end_as_the_tokenizers_library_does(artifact, 
         if offsets:
             assert mine.encoding.offsets == enc.offsets
     assert ours.encode(["short"], True, direction="left")[0].ids.tolist() == ours.encode(["short"], True)[0].ids.tolist()
+    # with a prompt: kept whole before the text's end (the suffix shortcut too); a pair is not prompted
+    theirs.no_truncation()
+    prompt = "passage: "
+    head = theirs.encode(prompt, add_special_tokens=False)
+    whole = theirs.encode(prompt + huge, add_special_tokens=False)
+    kept = manifest.max_length - 2 - len(head.ids)
+    prompted, pair = ours.encode([huge, ("a", "b")], True, offsets=offsets, direction="left", prompt=prompt)
+    cls, sep = manifest.special_tokens["[CLS]"], manifest.special_tokens["[SEP]"]
+    assert prompted.ids.tolist() == [cls, *head.ids, *whole.ids[-kept:], sep]
+    if offsets:
+        assert prompted.encoding.offsets[1:-1] == head.offsets + whole.offsets[-kept:]
+    assert pair.ids.tolist() == _library_encode(theirs, ("a", "b")).ids
+    too_long = "word " * 200  # a prompt the model cannot take whole is cut as on the right
+    assert (ours.encode(["x"], True, direction="left", prompt=too_long)[0].ids.tolist()
+            == ours.encode([too_long + "x"], True)[0].ids.tolist())
     with pytest.raises(ValueError, match="direction"):
         ours.encode(["x"], True, direction="middle")
 

@@ -310,9 +310,8 @@ def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert,
                     (await c.post("/tokenize", json={"inputs": "hi", "prompt_name": "passage"})).json(),
                     await c.post("/embed", json={"inputs": "x", "prompt_name": "title"}),
                     await c.post("/embed", json={"inputs": [["a", "b"]], "prompt_name": "query"}),
-                    await c.post("/embed", json={"inputs": "x", "prompt_name": "query", "truncation_direction": "left"}),
                     await c.post("/embed", json={"inputs": ["ok", ""], "prompt_name": "query"}))
-    embed, tei, openai_answer, info, tokens, unknown, pair, left, empty = run(go())
+    embed, tei, openai_answer, info, tokens, unknown, pair, empty = run(go())
     for name, answer in embed.items():
         np.testing.assert_allclose(np.array([d["embedding"] for d in answer["data"]]), want[name], atol=2e-5,
                                    err_msg=str(name))
@@ -324,7 +323,6 @@ def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert,
     assert [t["id"] for t in tokens["data"][0]["tokens"]] == library.encode("passage: hi").ids
     assert_error(unknown, 400, "unsupported", "'title' is not one of this model's prompts (passage, query)")
     assert_error(pair, 400, "unsupported", "pairs")
-    assert_error(left, 400, "unsupported", "cut the prompt")
     assert_error(empty, 422, "invalid_request", "inputs[1]", "empty")
     if default is None:  # without a default prompt, texts are encoded as they are
         assert not np.allclose(want[None], want["query"], atol=1e-3)
@@ -336,6 +334,49 @@ def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert,
         unprompted = InferenceClient(base).feature_extraction(TEXTS)
     np.testing.assert_allclose(got, want["passage"], atol=2e-5)
     np.testing.assert_allclose(unprompted, want[None], atol=2e-5)  # the default prompt
+
+
+def test_left_truncation_cuts_the_text_never_its_prompt(st, hf_bert, tmp_path):
+    """truncation_direction left with a prompt (here the default one): texts that fit are embedded as
+    sentence-transformers embeds them; a longer one keeps its prompt whole and the end of its text (TEI and
+    sentence-transformers, truncating the prompted string, would cut the prompt off), its tokens' offsets in
+    the prompted text. ASCII and not (two tokenizing paths), with offsets (/tokenize) and without (/embed)."""
+    folder = sbert_folder(tmp_path / "model", hf_bert, legacy_pooling("mean"), True)
+    write_json(folder / "config_sentence_transformers.json", {"prompts": PROMPTS, "default_prompt_name": "passage"})
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    fitting = [TEXTS[0], TEXTS[1], TEXTS[3]]  # TEXTS[3] with the prompt: exactly max_length
+    long = {"ascii": TEXTS[2], "unicode": TEXTS[3] * 3}
+    model = st.SentenceTransformer(str(folder), device="cpu")
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            left = {"truncation_direction": "left"}
+            return (await c.post("/embed", json={"inputs": fitting, **left}),
+                    await c.post("/", json={"inputs": fitting, "truncation_direction": "Left"}),
+                    {k: (await c.post("/embed", json={"inputs": text, **left})).json() for k, text in long.items()},
+                    {k: (await c.post("/tokenize", json={"inputs": text, **left})).json() for k, text in long.items()})
+    fits, tei, embedded, tokenized = run(go())
+    assert (fits.status_code, tei.status_code) == (200, 200), (fits.text, tei.text)
+    want = model.encode(fitting, convert_to_numpy=True)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in fits.json()["data"]]), want, atol=2e-5)
+    np.testing.assert_allclose(tei.json(), want, atol=2e-5)
+
+    from tokenizers import Tokenizer
+    library = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))
+    library.no_truncation()
+    prompt = library.encode(PROMPTS["passage"], add_special_tokens=False)
+    for kind, text in long.items():
+        whole = library.encode(PROMPTS["passage"] + text, add_special_tokens=False)
+        kept = m.max_length - 2 - len(prompt.ids)  # [CLS] prompt, the text's last tokens, [SEP]
+        ids = [library.token_to_id("[CLS]"), *prompt.ids, *whole.ids[-kept:], library.token_to_id("[SEP]")]
+        tokens = tokenized[kind]["data"][0]["tokens"]
+        assert [t["id"] for t in tokens] == ids, kind
+        assert [(t["start"], t["end"]) for t in tokens[1:-1]] == prompt.offsets + whole.offsets[-kept:], kind
+        features = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+                    "token_type_ids": torch.zeros(1, len(ids), dtype=torch.long)}
+        with torch.no_grad():  # sentence-transformers' modules on the ids the server should have made
+            reference = model(features)["sentence_embedding"][0]
+        np.testing.assert_allclose(embedded[kind]["data"][0]["embedding"], reference.numpy(), atol=2e-5, err_msg=kind)
 
 
 @pytest.mark.parametrize("torch_name,ours", [("Tanh", "tanh"), ("Identity", "identity"), ("ReLU", "relu"),

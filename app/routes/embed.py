@@ -26,9 +26,10 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
     outputs = {POOLING_OUTPUT[pooling]} if pooling != "none" else set()
     if body.return_tokens:
         outputs.add(TOKEN_EMBEDDINGS)
-    items = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.truncation_direction)
+    items = as_items(body.inputs)
     result = await service.infer(request, items, body.truncate, frozenset(outputs), "inputs",
-                                 offsets=body.return_tokens, direction=body.truncation_direction)
+                                 offsets=body.return_tokens, direction=body.truncation_direction,
+                                 prompt=service.prompt_for(items, body.prompt_name))
     fmt = body.encoding_format
     embeddings: list = [None] * len(result.tokenized)
     if pooling != "none":  # the whole request's vectors at once
@@ -49,8 +50,9 @@ async def tokenize(body: TokenizeRequest, request: Request,
                    service: InferenceService = Depends(get_service)) -> Response:
     """The tokens /embed would see: id, token, segment, character offsets in its own text, special."""
     with service.admitted():
-        items = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.truncation_direction)
-        tokenized, seconds = await service.tokenize(items, body.truncate, "inputs", direction=body.truncation_direction)
+        items = as_items(body.inputs)
+        tokenized, seconds = await service.tokenize(items, body.truncate, "inputs", direction=body.truncation_direction,
+                                                    prompt=service.prompt_for(items, body.prompt_name))
     data = [{"index": i, "tokens": describe_tokens(enc)} for i, enc in enumerate(tokenized.encodings)]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": tokenized.tokens}},
                          headers={"x-tokenize-ms": f"{seconds * 1e3:.3f}"})

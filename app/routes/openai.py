@@ -33,8 +33,8 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
     service.check_dimensions(body.dimensions, pooling)
     if pooling == "pooled" and not service.manifest.has_pooler:
         raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
-    inputs = service.prompted(inputs, None, "input")  # the model's default prompt, if it has one
-    result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input")
+    result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input",
+                                 prompt=service.prompt_for(inputs, None))  # the model's default prompt, if any
     vectors = service.sentence_vectors(result.outputs, pooling, service.openai_normalize, body.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": e}
             for i, e in enumerate(encode_rows(vectors, body.encoding_format))]

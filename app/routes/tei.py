@@ -38,11 +38,12 @@ ROOT_PATHS = ("/", "/invocations", PREFIX, PREFIX + "/")
 
 async def tei_embed(body: TeiEmbedRequest, request: Request, service: InferenceService) -> Response:
     """text-embeddings-inference's /embed: `inputs` a text or a list of texts; answers [[float, ...], ...]."""
-    inputs = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.direction)
+    inputs = as_items(body.inputs)
+    prompt = service.prompt_for(inputs, body.prompt_name)
     pooling = service.manifest.default_pooling
     service.check_dimensions(body.dimensions, pooling)
     result = await service.infer(request, inputs, body.truncates, frozenset({POOLING_OUTPUT[pooling]}), "inputs",
-                                 direction=body.direction)
+                                 direction=body.direction, prompt=prompt)
     vectors = service.sentence_vectors(result.outputs, pooling, body.normalize, body.dimensions)
     return json_response(np.ascontiguousarray(vectors, dtype=np.float32), headers=result.timings.headers())
 
@@ -58,9 +59,9 @@ async def tei_embed_all(body: TeiEmbedAllRequest, request: Request,
                         service: InferenceService = Depends(get_service)) -> Response:
     """text-embeddings-inference's /embed_all: every token's vector of each input, [CLS] and [SEP]
     included, [[[float, ...], ...], ...]."""
-    inputs = service.prompted(as_items(body.inputs), body.prompt_name, "inputs", body.direction)
+    inputs = as_items(body.inputs)
     result = await service.infer(request, inputs, body.truncates, frozenset({TOKEN_EMBEDDINGS}), "inputs",
-                                 direction=body.direction)
+                                 direction=body.direction, prompt=service.prompt_for(inputs, body.prompt_name))
     tokens = [np.ascontiguousarray(t, dtype=np.float32) for t in result.outputs[TOKEN_EMBEDDINGS]]
     return json_response(tokens, headers=result.timings.headers())
 
@@ -73,11 +74,11 @@ async def similarity(body: TeiSimilarityRequest, request: Request,
     service.tokenizer.check_text(body.inputs.source_sentence, "inputs.source_sentence")
     for i, text in enumerate(body.inputs.sentences):
         service.tokenizer.check_text(text, f"inputs.sentences[{i}]")
-    texts = service.prompted([body.inputs.source_sentence, *body.inputs.sentences], parameters.prompt_name,
-                             "inputs", parameters.direction)
+    texts = [body.inputs.source_sentence, *body.inputs.sentences]
     pooling = service.manifest.default_pooling
     result = await service.infer(request, texts, parameters.truncates, frozenset({POOLING_OUTPUT[pooling]}),
-                                 "inputs", direction=parameters.direction)
+                                 "inputs", direction=parameters.direction,
+                                 prompt=service.prompt_for(texts, parameters.prompt_name))
     vectors = service.sentence_vectors(result.outputs, pooling, normalize=True)
     return json_response((vectors[1:] @ vectors[0]).astype(np.float32), headers=result.timings.headers())
 
