@@ -44,6 +44,21 @@ def test_jsonl_documents_skip_and_count_bad_lines(tmp_path, caplog):
     assert stats.bad_jsonl_lines == 2 and "skipped 2 lines" in caplog.text
 
 
+def test_data_preparation_warns_of_a_files_bad_lines_once(tmp_path, caplog):
+    """The tokenizer's pass and the shards' pass both read the corpus: one warning per file and problem."""
+    f = tmp_path / "c.jsonl"
+    docs = [json.dumps({"text": f"Document {i} has a sentence. And another one about {i}."}) for i in range(40)]
+    f.write_bytes("\n".join([*docs, "not json", json.dumps({"title": "no text"})]).encode()
+                  + b'\n{"text": "Bad \xff bytes. Still a document."}\n')
+    with caplog.at_level(logging.WARNING):
+        data = prepare_data(DataConfig(corpus=(str(f),), vocab_size=200, cache_dir=str(tmp_path / "cache")),
+                            show_progress=False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{f}: skipped 2 lines that are not JSON objects with a string `text` field",
+                        f"{f}: 1 lines had bytes that are not UTF-8 (replaced by U+FFFD)"], warnings
+    assert data.stats["bad_jsonl_lines"] == 2 and data.stats["documents"] == 41
+
+
 def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):
     f = tmp_path / "c.txt"
     f.write_bytes(b"Good line.\nBad \xff\xfe bytes here.\n\nOther doc \xc3\x28.\n")

@@ -204,9 +204,7 @@ def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
         doc = _text_document(text)
         for start in range(0, len(doc), MAX_DOCUMENT_SENTENCES):
             yield doc[start:start + MAX_DOCUMENT_SENTENCES]
-    if bad_json:
-        stats.bad_jsonl_lines += bad_json
-        log.warning("%s: skipped %d lines that are not JSON objects with a string `text` field", path, bad_json)
+    stats.bad_jsonl_lines += bad_json
     _note_bad_bytes(path, bad_lines, stats)
 
 
@@ -214,14 +212,16 @@ def _note_bad_bytes(path: Path, bad_lines: int, stats: CorpusStats) -> None:
     if bad_lines:
         stats.lines_with_bad_bytes += bad_lines
         stats.files_with_bad_bytes.append(str(path))
-        log.warning("%s: %d lines had bytes that are not UTF-8 (replaced by U+FFFD)", path, bad_lines)
 
 
-def read_documents(files: Iterable[Path], stats: CorpusStats | None = None) -> Iterator[Document]:
-    """Every non-empty document of `files`, in order, counting into `stats`."""
+def read_documents(files: Iterable[Path], stats: CorpusStats | None = None, *,
+                   warn: bool = True) -> Iterator[Document]:
+    """Every non-empty document of `files`, in order, counting into `stats`, with a warning for each file
+    that had lines skipped or bytes replaced; `warn` off for a second pass over the same files."""
     stats = stats if stats is not None else CorpusStats()
     for path in files:
         stats.files += 1
+        bad_json, bad_bytes = stats.bad_jsonl_lines, stats.lines_with_bad_bytes
         reader = _jsonl_documents if path.suffix.lower() == ".jsonl" else _txt_documents
         for doc in reader(path, stats):
             stats.documents += 1
@@ -229,3 +229,9 @@ def read_documents(files: Iterable[Path], stats: CorpusStats | None = None) -> I
             stats.words += sum(len(s.split()) for s in doc)
             stats.characters += sum(len(s) for s in doc)
             yield doc
+        if warn and stats.bad_jsonl_lines > bad_json:
+            log.warning("%s: skipped %d lines that are not JSON objects with a string `text` field", path,
+                        stats.bad_jsonl_lines - bad_json)
+        if warn and stats.lines_with_bad_bytes > bad_bytes:
+            log.warning("%s: %d lines had bytes that are not UTF-8 (replaced by U+FFFD)", path,
+                        stats.lines_with_bad_bytes - bad_bytes)

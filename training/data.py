@@ -310,7 +310,8 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
             tokenizer = tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
         else:
             counted = CorpusStats()
-            sentences = (s for doc in read_documents(files, counted) for s in doc)
+            # the shards' pass below reads the same files again: it warns of their bad lines, once
+            sentences = (s for doc in read_documents(files, counted, warn=False) for s in doc)
             tokenizer = train_wordpiece(sentences, cfg.vocab_size, cfg.lowercase, _MIN_FREQUENCY, show_progress)
             split_documents(counted.documents, cfg.heldout_fraction)  # fail before tokenising a bad corpus
         save_tokenizer(tokenizer, tmp / "tokenizer")
