@@ -99,6 +99,20 @@ def test_resolve_files_folders_and_globs(tmp_path):
                                                                           "c.txt", "D.Txt"]
 
 
+def test_a_folder_names_the_files_its_glob_does(tmp_path):
+    """`--corpus data` and `--corpus 'data/**'` name the same files in the same order: hidden files and
+    folders (an editor's backups, .ipynb_checkpoints) are left out of both, as a shell's glob leaves them."""
+    for name in ("data/b.txt", "data/A.txt", "data/sub/c.jsonl", "data/sub-x/d.txt", "data/.backup.txt",
+                 "data/.ipynb_checkpoints/b-checkpoint.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    folder = resolve_corpus_files([str(tmp_path / "data")])
+    assert [f.relative_to(tmp_path.resolve()).as_posix() for f in folder] == ["data/A.txt", "data/b.txt",
+                                                                           "data/sub/c.jsonl", "data/sub-x/d.txt"]
+    assert resolve_corpus_files([str(tmp_path / "data/**")]) == folder
+    assert resolve_corpus_files([str(tmp_path / "data") + "/"]) == folder
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist"), ("empty_folder", "no .txt or .jsonl files"),
     ("wrong_suffix", "neither .txt nor .jsonl"), ("glob_no_match", "no .txt or .jsonl files"),

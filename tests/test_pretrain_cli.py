@@ -80,6 +80,38 @@ def test_rerun_without_resume_is_refused_and_other_configurations_too(finished_r
     assert (root / "model" / "model.safetensors").read_bytes() == before  # the folder was left alone
 
 
+def test_resume_takes_a_corpus_however_it_is_spelt_and_refuses_other_files(tmp_path, capsys):
+    """A folder, a glob of it and its files are one corpus: a run made with one resumes with the others, a
+    checkpoint that recorded the spelling (as checkpoints did before) too; other files, or the same in
+    another order (another data order), are refused."""
+    data = tmp_path / "data"
+    data.mkdir()
+    a, b = write_corpus(data / "a.txt", n_docs=40, seed=1), write_corpus(data / "b.txt", n_docs=40, seed=2)
+    (data / ".a.txt.swp.txt").write_text("An editor's copy. A glob leaves it out, and so does the folder.\n")
+    cache = tmp_path / "cache"
+    flags = small_args(data, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                       "--checkpoint-every", "2")
+
+    def spelt(*corpus: Path | str) -> list[str]:
+        at = flags.index("--corpus") + 1
+        return [*flags[:at], *map(str, corpus), *flags[at + 1:]]
+
+    assert main(spelt(data / "*.txt")) == 0
+    for corpus in ([data], [f"{data}/"], [a, b], [data / "*.txt"]):
+        assert main([*spelt(*corpus), "--resume"]) == 0, corpus
+    assert len(list(cache.glob("data-*"))) == 1  # the same files in the same order: one prepared data set
+
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    state = torch.load(newest, weights_only=True)
+    torch.save({**state, "data_config": {**state["data_config"], "corpus": [str(data)]}}, newest)
+    assert main([*spelt(a, b), "--resume"]) == 0
+
+    capsys.readouterr()
+    fails_in_one_line(capsys, [*spelt(a), "--resume"], "another --corpus: 1 file now against its 2 files",
+                      f"not given: {b}")
+    fails_in_one_line(capsys, [*spelt(b, a), "--resume"], "another --corpus: the same 2 files in another order")
+
+
 def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
     root, corpus, cache, _ = finished_run
     run_dir = tmp_path / "run"

@@ -10,6 +10,7 @@ import codecs
 import glob
 import json
 import logging
+import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -112,10 +113,11 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
         if p.is_file():
             found = [p]
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.suffix.lower() in CORPUS_SUFFIXES and f.is_file())
+            # read as the glob FOLDER/** (hidden files skipped, symbolic links followed), so that a folder
+            # and a glob of it name the same files in the same order
+            found = _glob_files(os.path.join(glob.escape(str(p)), "**"))
         elif glob.has_magic(entry):
-            found = sorted(Path(f) for f in glob.glob(str(p), recursive=True)
-                           if Path(f).suffix.lower() in CORPUS_SUFFIXES and Path(f).is_file())
+            found = _glob_files(str(p))
         else:
             raise CorpusError(f"corpus path {entry} does not exist; check the path or the glob")
         if p.is_file() and p.suffix.lower() not in CORPUS_SUFFIXES:
@@ -126,6 +128,11 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
         raise CorpusError(f"no .txt or .jsonl files found in {', '.join(paths)}; "
                           f"point --corpus at files with one of those suffixes")
     return unique
+
+
+def _glob_files(pattern: str) -> list[Path]:
+    return sorted(Path(f) for f in glob.glob(pattern, recursive=True)
+                  if Path(f).suffix.lower() in CORPUS_SUFFIXES and Path(f).is_file())
 
 
 def _read_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:

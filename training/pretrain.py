@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import platform
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 from artifact.source_folder import trained_max_length
 from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
                                  remove_stale_temporaries)
-from training.corpus import CorpusError
+from training.corpus import CorpusError, resolve_corpus_files
 from training.data import DataConfig, prepare_data
 from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
@@ -275,8 +274,9 @@ def check_lengths(args: argparse.Namespace, source: ModelSource) -> None:
 
 def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> list[DataConfig]:
     phase1 = DataConfig(
-        # absolute and normalised, so that --resume from another folder, or with a trailing slash, matches
-        corpus=tuple(os.path.abspath(os.path.expanduser(c)) for c in args.corpus),
+        # the files it names (absolute, in reading order), not how it was spelt: checkpoints record and compare
+        # these, so that a run resumes with the folder, a glob of it or the files, from any working folder
+        corpus=tuple(corpus_files(args.corpus)),
         vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size, vocab_file=args.vocab_file,
         tokenizer_dir=tokenizer_dir, lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len,
         masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
@@ -386,8 +386,9 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             path.unlink()  # and metrics.jsonl starts over with step 0 (MetricsLog)
     barrier(dist)
     resume_from = existing[-1] if args.resume and existing else None
-    resume_state = load_checkpoint(resume_from) if resume_from is not None else None
+    resume_state = _corpus_as_files(load_checkpoint(resume_from)) if resume_from is not None else None
     if resume_state is not None:
+        check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
                                                      "data_config": _comparable(dcfgs[0])})
 
@@ -467,6 +468,44 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                           copies=sentence_transformers_files(args.init_from) if args.init_from else None)
     barrier(dist)
     return summary
+
+
+def _corpus_as_files(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with its corpus as the files it names: a checkpoint written before checkpoints recorded
+    those holds the --corpus as it was spelt (a folder, a glob), resolved here as the run's own is."""
+    data = state.get("data_config", {})
+    try:
+        return {**state, "data_config": {**data, "corpus": corpus_files(data.get("corpus", []))}}
+    except CorpusError:  # gone since: compared as recorded
+        return state
+
+
+def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
+    """Refuse a checkpoint of another corpus (other files, or the same in another order: another data
+    order) in one line that says how they differ."""
+    had, now = list(had), list(now)
+    if had == now:
+        return
+    had_set, now_set = set(had), set(now)
+    new, gone = [f for f in now if f not in had_set], [f for f in had if f not in now_set]
+    if not new and not gone:
+        how = f"the same {len(now)} files in another order"
+    else:
+        how = f"{_files_in_words(now)} now against its {_files_in_words(had)}"
+        for what, files in (("new", new), ("not given", gone)):
+            if files:
+                how += f"; {what}: {files[0]}" + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+    raise CheckpointError(f"checkpoint {path} was made with another --corpus: {how}; pass the corpus it was made "
+                          f"with, or --fresh or another --run-dir to start over")
+
+
+def _files_in_words(files: list[str]) -> str:
+    return f"{len(files)} file{'s' if len(files) != 1 else ''}" if files else "the embedded default corpus"
+
+
+def corpus_files(corpus: list[str] | tuple[str, ...]) -> list[str]:
+    """The files a --corpus names, absolute, in reading order; none for the embedded default corpus."""
+    return [str(f) for f in resolve_corpus_files(corpus)] if corpus else []
 
 
 def _comparable(c: DataConfig) -> dict[str, Any]:
