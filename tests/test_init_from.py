@@ -184,10 +184,11 @@ def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corp
     capsys.readouterr()
 
     other = init_args(corpus, root / "cache", bare_dir, tmp_path / "model", run_dir, "--checkpoint-every", "2")
-    fails_in_one_line(capsys, [*other, "--max-steps", "6", "--resume"], "another configuration", "init_from",
-           str(bare_dir.resolve()))
+    fails_in_one_line(capsys, [*other, "--max-steps", "6", "--resume"], "another configuration",
+                      f"--init-from {pretraining_dir.resolve()} (now {bare_dir.resolve()})")
     fresh = [a for a in args if a not in ("--init-from", str(pretraining_dir))]
-    fails_in_one_line(capsys, [*fresh, "--max-steps", "6", "--resume"], "another configuration", "init_from")
+    fails_in_one_line(capsys, [*fresh, "--max-steps", "6", "--resume"], "another configuration",
+                      f"--init-from {pretraining_dir.resolve()} (now not given)")
 
 
 @pytest.mark.parametrize("flags, expected", [

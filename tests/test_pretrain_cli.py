@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_trainer import REPO, fails_in_one_line, read_metrics, small_args, write_corpus
 
-from training.checkpoint import list_checkpoints
+from training.checkpoint import list_checkpoints, load_checkpoint
 from training.model_folder import load_model_folder
 from training.pretrain import main
 
@@ -75,9 +75,53 @@ def test_rerun_without_resume_is_refused_and_other_configurations_too(finished_r
         assert main(args) == 0
     before = (root / "model" / "model.safetensors").read_bytes()
     fails_in_one_line(capsys, args, "holds checkpoints of an earlier run", "--resume")
-    fails_in_one_line(capsys, [*args, "--resume", "--preset", "mini"], "another configuration", "hidden_size")
-    fails_in_one_line(capsys, [*args, "--resume", "--vocab-size", "400"], "another configuration", "vocab_size")
+    fails_in_one_line(capsys, [*args, "--resume", "--preset", "mini"], "another configuration",
+                      "--preset tiny (now mini)")
+    fails_in_one_line(capsys, [*args, "--resume", "--vocab-size", "400"], "another configuration",
+                      "--vocab-size 300 (now 400)")
     assert (root / "model" / "model.safetensors").read_bytes() == before  # the folder was left alone
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--batch-size", "4"], "--batch-size 8 (now 4)"), (["--seed", "1"], "--seed 0 (now 1)"),
+    (["--max-seq-len", "48"], "--max-seq-len 32 (now 48)"),
+    (["--whole-word-masking"], "--whole-word-masking off (now on)"),
+    (["--max-steps", "10"], "is at step 12, past --max-steps 10; pass --max-steps 12 or more"),
+])
+def test_resume_refuses_a_flag_the_checkpoint_was_made_under_and_writes_nothing(flags, expected, finished_run,
+                                                                               capsys):
+    root, _, _, args = finished_run
+    if not list_checkpoints(root / "run"):
+        assert main(args) == 0
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+    fails_in_one_line(capsys, [*args, "--resume", *flags], "checkpoint", expected)
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+
+
+def test_resume_takes_more_steps_and_new_optimiser_settings_and_says_so(tmp_path, capsys):
+    """Phase 2's flags and where it starts (--max-steps) are the checkpoint's once phase 2 has begun; before,
+    they are taken as the run's length and the optimiser's settings are, each said in the line at the start."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--phase2-seq-len", "48",
+                      "--checkpoint-every", "2", "--keep-checkpoints", "5", "--eval-every", "0", "--log-every", "1")
+    assert main([*args, "--max-steps", "2", "--phase2-steps", "2"]) == 0
+    in_phase2 = list_checkpoints(tmp_path / "run")[-1]
+    assert in_phase2.name == "ckpt-00000004.pt"
+    for flags, expected in ((["--max-steps", "3", "--phase2-steps", "2"], "--max-steps 2 (now 3)"),
+                            (["--max-steps", "2", "--phase2-steps", "2", "--phase2-batch-size", "4"],
+                             "--phase2-batch-size 8 (now 4)"),
+                            (["--max-steps", "2", "--phase2-steps", "1"],
+                             "past --max-steps 2 + --phase2-steps 1; pass --phase2-steps 2 or more")):
+        fails_in_one_line(capsys, [*args, *flags, "--resume"], expected)
+
+    in_phase2.unlink()  # from step 2, the end of phase 1: phase 2 has not begun
+    assert main([*args, "--max-steps", "3", "--phase2-steps", "2", "--phase2-batch-size", "4", "--weight-decay", "0.5",
+                 "--resume"]) == 0
+    assert ("resuming at step 2 with --max-steps 3 (was 2), --phase2-batch-size 4 (was 8), --weight-decay 0.5 "
+            "(was 0.01)") in capsys.readouterr().out.splitlines()
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4, 5]
+    state = load_checkpoint(list_checkpoints(tmp_path / "run")[-1])
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.5, 0.0]  # not the checkpoint's
 
 
 def test_resume_takes_a_corpus_however_it_is_spelt_and_refuses_other_files(tmp_path, capsys):

@@ -51,6 +51,18 @@ SCHEDULE_DEFAULTS = {
 }
 # Every fresh model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
+# What --resume does with a flag given another value than the checkpoint's run had (--corpus: check_corpus).
+# Refused: the flags that the checkpoint's weights, optimiser state and data position were made under, which
+# another value would not continue exactly; phase 2's (and where it starts) once phase 2 has begun.
+RESUME_FIXED = ("--vocab-size", "--vocab-file", "--no-lowercase", "--max-seq-len", "--max-predictions",
+                "--masked-lm-prob", "--whole-word-masking", "--heldout-fraction", "--no-nsp-balance", "--preset",
+                "--init-from", "--dropout", "--batch-size", "--seed")
+RESUME_FIXED_IN_PHASE2 = ("--max-steps", "--phase2-seq-len", "--phase2-max-predictions", "--phase2-batch-size")
+# Taken, and said at the start: how long the run goes on and how a step updates the weights (the
+# learning-rate schedule is computed from these flags at every start). Every other flag says where files
+# go, what is logged or evaluated, or on what hardware: taken as given.
+RESUME_TAKEN = ("--phase2-steps", "--grad-accum", "--lr", "--warmup-steps", "--warmup-fraction", "--weight-decay",
+                "--clip-norm")
 
 
 class _RankZeroFailed(Exception):
@@ -144,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", default=None,
                    help="checkpoints and metrics.jsonl (default: runs/<name of --out>)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --run-dir (starts fresh if there is none)")
+                   help="continue from the newest checkpoint in --run-dir (starts fresh if there is none), with the "
+                        "flags it was made under; a longer --max-steps and the optimiser's flags are taken (README)")
     g.add_argument("--fresh", action="store_true",
                    help="delete the checkpoints and metrics already in --run-dir and start over")
     g.add_argument("--eval-every", type=int, default=400, help="held-out evaluation every N steps; 0: at the end only")
@@ -216,6 +229,12 @@ class ModelSource:
     @property
     def default_lr(self) -> float:
         return PRESET_LR[self.preset] if self.init_from is None else INIT_FROM_LR
+
+    def dropout(self, given: float | None) -> float:
+        """--dropout, or what leaving it out means: BERT's for a fresh model, the folder's with --init-from."""
+        if given is not None:
+            return given
+        return DEFAULT_DROPOUT if self.init_from is None else self.init_from.config.hidden_dropout_prob
 
     def record(self) -> dict[str, Any]:
         """What checkpoints keep of it, so that a resume from another source is refused."""
@@ -369,6 +388,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     cfg = train_config(args, source.default_lr)
     check_config(cfg, dist)
     dcfgs = data_configs(args, source.folder)
+    flags = resume_flags(args, source, cfg)
 
     # Decide how the run starts before spending time on data: a wrong checkpoint or a folder that
     # cannot be written fails fast.
@@ -389,8 +409,11 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     resume_state = _corpus_as_files(load_checkpoint(resume_from)) if resume_from is not None else None
     if resume_state is not None:
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
+        changes = check_resume(resume_from, resume_state, flags)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
                                                      "data_config": _comparable(dcfgs[0])})
+        if changes and dist.is_main:
+            print(changes, flush=True)
 
     started = time.perf_counter()
     prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
@@ -410,11 +433,12 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
         "data_config": _comparable(dcfgs[0]),
         "phases_config": [_comparable(c) for c in dcfgs[1:]],
         "train_config": asdict(cfg),
+        "flags": flags,
     }
     if resume_state is not None:
         check_compatible(resume_from, resume_state, {"model_config": meta["model_config"]})
 
-    phase2_batch = args.batch_size if args.phase2_batch_size is None else args.phase2_batch_size
+    phase2_batch = phase2_batch_size(args)
     for i, (p, c) in enumerate(zip(prepared, dcfgs)):
         batch = args.batch_size if i == 0 else phase2_batch
         for split, data in (("training", p.train), ("held-out", p.heldout)):
@@ -468,6 +492,51 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                           copies=sentence_transformers_files(args.init_from) if args.init_from else None)
     barrier(dist)
     return summary
+
+
+def resume_flags(args: argparse.Namespace, source: ModelSource, cfg: TrainConfig) -> dict[str, Any]:
+    """The flags --resume compares (RESUME_*) with the values the run takes, where leaving one out means
+    another flag's value or the model's; checkpoints record them."""
+    given = {flag: getattr(args, flag[2:].replace("-", "_"))
+             for flag in (*RESUME_FIXED, *RESUME_FIXED_IN_PHASE2, *RESUME_TAKEN)}
+    return {**given, "--preset": source.preset, "--init-from": source.folder,
+            "--dropout": source.dropout(args.dropout), "--phase2-batch-size": phase2_batch_size(args), "--lr": cfg.lr}
+
+
+def phase2_batch_size(args: argparse.Namespace) -> int:
+    return args.batch_size if args.phase2_batch_size is None else args.phase2_batch_size
+
+
+def check_resume(path: Path, state: dict[str, Any], flags: dict[str, Any]) -> str:
+    """Refuse in one line to resume the checkpoint `state` (read from `path`) with another value of a flag its
+    state was made under (RESUME_FIXED), or with fewer steps than it has done. Returns the line that says
+    which flags the run takes with new values ("" when none)."""
+    step, in_phase2 = state["step"], state["phase"] > 0
+    fixed = RESUME_FIXED + (RESUME_FIXED_IN_PHASE2 if in_phase2 else ())
+    had = state.get("flags", {})  # {} in an older checkpoint: check_compatible compares its configuration
+    changed = [f for f in fixed if f in had and had[f] != flags[f]]
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {path} was made with another configuration: "
+            + ", ".join(f"{f} {_shown(had[f])} (now {_shown(flags[f])})" for f in changed)
+            + "; its weights, optimiser state and data position hold only under those values: pass them to "
+              "resume, or --fresh or another --run-dir to start over")
+    flag = "--phase2-steps" if in_phase2 else "--max-steps"
+    end = flags["--max-steps"] + (flags["--phase2-steps"] if in_phase2 else 0)
+    if end < step:
+        limit = f"--max-steps {flags['--max-steps']}" + (f" + --phase2-steps {flags[flag]}" if in_phase2 else "")
+        raise CheckpointError(f"checkpoint {path} is at step {step}, past {limit}; pass {flag} "
+                              f"{flags[flag] + step - end} or more to resume")
+    taken = [f"{f} {_shown(flags[f])} (was {_shown(had[f])})" for f in flags
+             if f not in fixed and f in had and had[f] != flags[f]]
+    return f"resuming at step {step} with {', '.join(taken)}" if taken else ""
+
+
+def _shown(value: Any) -> str:
+    """A flag's value in words: on / off for a switch, "not given" for one left out."""
+    if value is None:
+        return "not given"
+    return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
 def _corpus_as_files(state: dict[str, Any]) -> dict[str, Any]:

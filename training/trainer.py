@@ -508,7 +508,12 @@ def _restore(checkpoint: dict[str, Any], path: Path, model: BertForPreTraining, 
              schedule: WarmupLinearDecay, dist: DistInfo) -> TrainState:
     """Weights, optimiser, schedule and this process's random state from `checkpoint` (read from `path`)."""
     model.load_state_dict(checkpoint["model"])
+    # the run's own weight decay, not the checkpoint's (which load_state_dict would put back): --resume takes a
+    # changed --weight-decay as it takes a changed --lr (the schedule sets the learning rate)
+    weight_decay = [group["weight_decay"] for group in optimizer.param_groups]
     optimizer.load_state_dict(checkpoint["optimizer"])
+    for group, decay in zip(optimizer.param_groups, weight_decay):
+        group["weight_decay"] = decay
     schedule.load_state_dict(checkpoint["schedule"])
     if len(checkpoint["rng"]) != dist.world_size:
         raise ValueError(f"checkpoint {path} was written by {len(checkpoint['rng'])} processes; "
