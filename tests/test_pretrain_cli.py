@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,11 @@ import pytest
 import torch
 from test_trainer import REPO, fails_in_one_line, read_metrics, small_args, write_corpus
 
+import training.data
 from training.checkpoint import list_checkpoints, load_checkpoint
 from training.model_folder import load_model_folder
 from training.pretrain import main
+from training.wordpiece import tokenizer_from_vocab
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +157,69 @@ def test_resume_takes_a_corpus_however_it_is_spelt_and_refuses_other_files(tmp_p
     fails_in_one_line(capsys, [*spelt(a), "--resume"], "another --corpus: 1 file now against its 2 files",
                       f"not given: {b}")
     fails_in_one_line(capsys, [*spelt(b, a), "--resume"], "another --corpus: the same 2 files in another order")
+
+
+def _tokenizer_training_comes_out_otherwise(monkeypatch, tmp_path: Path) -> None:
+    """A tokenizer trained from now on gets other ids than one trained before on the same corpus, as HF
+    tokenizers' may (README): its last two tokens swap places."""
+    real = training.data.train_wordpiece
+
+    def trained_otherwise(*args, **kwargs):
+        vocab = [t for t, _ in sorted(real(*args, **kwargs).get_vocab().items(), key=lambda kv: kv[1])]
+        vocab[-2:] = vocab[:-3:-1]
+        (tmp_path / "otherwise.txt").write_text("".join(f"{t}\n" for t in vocab), encoding="utf-8")
+        return tokenizer_from_vocab(tmp_path / "otherwise.txt")
+
+    monkeypatch.setattr(training.data, "train_wordpiece", trained_otherwise)
+
+
+def test_resume_without_its_data_cache_prepares_the_data_with_the_checkpoints_tokenizer(tmp_path, monkeypatch):
+    """Another machine, a deleted cache: the data is tokenised again with the vocabulary the weights were
+    trained on, not with one trained anew; a checkpoint written before checkpoints kept it resumes as before."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--checkpoint-every", "2")
+    assert main([*args, "--max-steps", "2"]) == 0
+    vocab = (tmp_path / "model" / "vocab.txt").read_text()
+    shutil.rmtree(tmp_path / "cache")
+    _tokenizer_training_comes_out_otherwise(monkeypatch, tmp_path)
+    assert main([*args, "--max-steps", "4", "--resume"]) == 0
+    assert (tmp_path / "model" / "vocab.txt").read_text() == vocab
+    assert [(p / "tokenizer" / "vocab.txt").read_text() for p in (tmp_path / "cache").glob("data-*")] == [vocab]
+
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    torch.save({k: v for k, v in torch.load(newest, weights_only=True).items() if k != "tokenizer"}, newest)
+    shutil.rmtree(tmp_path / "cache")
+    assert main([*args, "--max-steps", "6", "--resume"]) == 0
+
+
+def test_resume_refuses_data_tokenised_otherwise_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    """A --cache-dir prepared by another run whose tokenizer came out otherwise, or a --vocab-file changed since:
+    the checkpoint's ids would mean other tokens. Refused in one line before any step, the run folder left
+    as it is."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                      "--checkpoint-every", "2")
+    assert main(args) == 0
+    with monkeypatch.context() as m:
+        _tokenizer_training_comes_out_otherwise(m, tmp_path)
+        assert main(small_args(corpus, tmp_path / "other", tmp_path / "model2", tmp_path / "run2", "--max-steps",
+                               "1")) == 0
+    checkpoint = list_checkpoints(tmp_path / "run")[-1]
+    at = args.index("--cache-dir") + 1
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
+    fails_in_one_line(capsys, [*args[:at], str(tmp_path / "other"), *args[at + 1:], "--resume"],
+                      f"checkpoint {checkpoint} was trained with another tokenizer", f"{tmp_path / 'other'}",
+                      "another --cache-dir")
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")} == before
+
+    vocab = tmp_path / "vocab.txt"
+    shutil.copy(tmp_path / "model" / "vocab.txt", vocab)
+    with_vocab = small_args(corpus, tmp_path / "cache", tmp_path / "model3", tmp_path / "run3", "--max-steps", "2",
+                            "--checkpoint-every", "2", "--vocab-file", str(vocab))
+    assert main(with_vocab) == 0
+    lines = vocab.read_text().splitlines(keepends=True)
+    vocab.write_text("".join(lines[:-2] + lines[:-3:-1]))
+    fails_in_one_line(capsys, [*with_vocab, "--resume"], "another tokenizer", f"--vocab-file {vocab}")
 
 
 def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):

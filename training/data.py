@@ -290,7 +290,8 @@ def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
     return hashlib.sha256(repr((_FORMAT, corpus_id, vocab, cfg.lowercase)).encode()).hexdigest()[:16]
 
 
-def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progress: bool) -> None:
+def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progress: bool,
+           trained: Tokenizer | None) -> None:
     """Everything into a temporary sibling, renamed into place at the end (so it is whole or absent)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_siblings(folder)  # what a killed run left (a live one's build is left alone)
@@ -308,6 +309,8 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
             tokenizer = folder_tokenizer(cfg.tokenizer_dir)
         elif cfg.vocab_file is not None:
             tokenizer = tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
+        elif trained is not None:
+            tokenizer = trained
         else:
             counted = CorpusStats()
             # the shards' pass below reads the same files again: it warns of their bad lines, once
@@ -347,15 +350,18 @@ def _wait_for(done: Path) -> None:
         time.sleep(1.0)
 
 
-def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> PreparedData:
+def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True,
+                 trained: Tokenizer | None = None) -> PreparedData:
     """Builds (or loads from cache) the tokenizer and the token shards. Only rank 0 builds; other ranks
-    wait for the cache's DONE marker, so it is safe to call on every rank."""
+    wait for the cache's DONE marker, so it is safe to call on every rank. `trained`, a tokenizer trained
+    earlier on these settings (a resumed run's), is built with instead of training one: training again can
+    give other ids (README)."""
     corpus_id, files = _corpus_fingerprint(cfg)
     folder = Path(cfg.cache_dir) / f"data-{_cache_key(cfg, corpus_id)}"
     built_now = False
     if not (folder / _DONE).is_file():
         if rank == 0:
-            _build(cfg, files, folder, show_progress)
+            _build(cfg, files, folder, show_progress, trained)
             built_now = True
         else:
             _wait_for(folder / _DONE)

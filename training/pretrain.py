@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
 from artifact.source_folder import trained_max_length
 from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
                                  remove_stale_temporaries)
 from training.corpus import CorpusError, resolve_corpus_files
-from training.data import DataConfig, prepare_data
+from training.data import DataConfig, PreparedData, prepare_data
 from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
 from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
@@ -30,6 +31,7 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, setup_distributed,
                               teardown_distributed, train)
 from training.stop_signals import sigterm_stops_between_steps
+from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_writable
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
@@ -407,6 +409,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     barrier(dist)
     resume_from = existing[-1] if args.resume and existing else None
     resume_state = _corpus_as_files(load_checkpoint(resume_from)) if resume_from is not None else None
+    trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
     if resume_state is not None:
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         changes = check_resume(resume_from, resume_state, flags)
@@ -414,12 +417,17 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                                                      "data_config": _comparable(dcfgs[0])})
         if changes and dist.is_main:
             print(changes, flush=True)
+        if "tokenizer" in resume_state:
+            trained_with = Tokenizer.from_str(resume_state["tokenizer"])
 
     started = time.perf_counter()
     prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
-                                                            show_progress=dist.is_main and not args.no_progress))
+                                                            show_progress=dist.is_main and not args.no_progress,
+                                                            trained=trained_with))
                 for c in dcfgs]
     prepare_s = time.perf_counter() - started
+    if trained_with is not None:
+        check_tokenizer(resume_from, trained_with, prepared[0], dcfgs[0])
     vocab_size = prepared[0].tokenizer.get_vocab_size()
     if len(prepared) > 1 and prepared[1].tokenizer.get_vocab() != prepared[0].tokenizer.get_vocab():
         raise ValueError("phase 2 data got another vocabulary than phase 1; pass --vocab-file to fix one")
@@ -434,6 +442,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
         "phases_config": [_comparable(c) for c in dcfgs[1:]],
         "train_config": asdict(cfg),
         "flags": flags,
+        # the whole tokenizer, not only its fingerprint: a resume without this cache tokenises with it again
+        "tokenizer": prepared[0].tokenizer.to_str(),
     }
     if resume_state is not None:
         check_compatible(resume_from, resume_state, {"model_config": meta["model_config"]})
@@ -530,6 +540,22 @@ def check_resume(path: Path, state: dict[str, Any], flags: dict[str, Any]) -> st
     taken = [f"{f} {_shown(flags[f])} (was {_shown(had[f])})" for f in flags
              if f not in fixed and f in had and had[f] != flags[f]]
     return f"resuming at step {step} with {', '.join(taken)}" if taken else ""
+
+
+def check_tokenizer(path: Path, trained_with: Tokenizer, prepared: PreparedData, cfg: DataConfig) -> None:
+    """Refuse in one line to resume the checkpoint at `path` on data tokenised otherwise than its weights were
+    trained on (`trained_with`): the same ids would mean other tokens."""
+    if fingerprint(prepared.tokenizer) == fingerprint(trained_with):
+        return
+    if cfg.tokenizer_dir is not None:
+        source, fix = f"--init-from {cfg.tokenizer_dir} has (its tokenizer changed since)", "restore that folder's"
+    elif cfg.vocab_file is not None:
+        source, fix = f"--vocab-file {cfg.vocab_file} gives (the file changed since)", "restore that file"
+    else:  # a missing cache is prepared with the checkpoint's: this one was prepared by a run that trained its own
+        source = f"the prepared data in {prepared.stats['cache']} holds (another run prepared it, with its own)"
+        fix = "pass another --cache-dir to prepare the data again with the checkpoint's"
+    raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {source}: the same ids would "
+                          f"mean other tokens; {fix}, or --fresh or another --run-dir to start over")
 
 
 def _shown(value: Any) -> str:

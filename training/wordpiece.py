@@ -6,6 +6,7 @@ so every consumer (training, export, server) gets the same ids from `tokenizer.e
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,6 +64,13 @@ def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True) -> Toke
 
 def is_lowercase(tok: Tokenizer) -> bool:
     return bool(json.loads(tok.to_str())["normalizer"].get("lowercase", False))
+
+
+def fingerprint(tok: Tokenizer) -> str:
+    """What decides the ids a tokenizer gives (its tokens in id order and its lower-casing), hashed: equal
+    for the same vocabulary however it was loaded or serialised."""
+    tokens = [t for t, _ in sorted(tok.get_vocab().items(), key=lambda kv: kv[1])]
+    return hashlib.sha256(json.dumps([is_lowercase(tok), tokens]).encode()).hexdigest()
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path | str, model_max_length: int = 512) -> None:
