@@ -222,6 +222,35 @@ def test_resume_refuses_data_tokenised_otherwise_and_writes_nothing(tmp_path, ca
     fails_in_one_line(capsys, [*with_vocab, "--resume"], "another tokenizer", f"--vocab-file {vocab}")
 
 
+def test_a_relative_vocab_file_resumes_from_another_working_folder(tmp_path, capsys, monkeypatch):
+    """--vocab-file is recorded as the file it names (absolute), as --corpus is; a checkpoint that recorded it
+    as typed (as checkpoints did before) resumes with the same file, named from the folder it was typed in."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                      "--checkpoint-every", "2")
+    assert main(args) == 0
+    (tmp_path / "vocab").mkdir()
+    vocab = tmp_path / "vocab" / "vocab.txt"
+    shutil.copy(tmp_path / "model" / "vocab.txt", vocab)
+    args = [*args[:args.index("--run-dir") + 1], str(tmp_path / "run2"), *args[args.index("--run-dir") + 2:]]
+
+    monkeypatch.chdir(tmp_path / "vocab")
+    assert main([*args, "--vocab-file", "vocab.txt"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main([*args, "--vocab-file", "vocab/vocab.txt", "--resume"]) == 0
+    assert load_checkpoint(list_checkpoints(tmp_path / "run2")[-1])["data_config"]["vocab_file"] == str(vocab)
+
+    newest = list_checkpoints(tmp_path / "run2")[-1]
+    state = torch.load(newest, weights_only=True)
+    torch.save({**state, "data_config": {**state["data_config"], "vocab_file": "vocab.txt"},
+                "flags": {**state["flags"], "--vocab-file": "vocab.txt"}}, newest)
+    monkeypatch.chdir(tmp_path / "vocab")
+    assert main([*args, "--vocab-file", str(vocab), "--resume"]) == 0
+    shutil.copy(vocab, tmp_path / "copy.txt")
+    fails_in_one_line(capsys, [*args, "--vocab-file", "../copy.txt", "--resume"], "another configuration",
+                      f"--vocab-file {vocab} (now {tmp_path / 'copy.txt'})")
+
+
 def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
     root, corpus, cache, _ = finished_run
     run_dir = tmp_path / "run"

@@ -298,7 +298,8 @@ def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> 
         # the files it names (absolute, in reading order), not how it was spelt: checkpoints record and compare
         # these, so that a run resumes with the folder, a glob of it or the files, from any working folder
         corpus=tuple(corpus_files(args.corpus)),
-        vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size, vocab_file=args.vocab_file,
+        vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
+        vocab_file=absolute_path(args.vocab_file),
         tokenizer_dir=tokenizer_dir, lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len,
         masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
         whole_word_masking=args.whole_word_masking,
@@ -408,7 +409,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             path.unlink()  # and metrics.jsonl starts over with step 0 (MetricsLog)
     barrier(dist)
     resume_from = existing[-1] if args.resume and existing else None
-    resume_state = _corpus_as_files(load_checkpoint(resume_from)) if resume_from is not None else None
+    resume_state = _paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
     if resume_state is not None:
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
@@ -509,8 +510,9 @@ def resume_flags(args: argparse.Namespace, source: ModelSource, cfg: TrainConfig
     another flag's value or the model's; checkpoints record them."""
     given = {flag: getattr(args, flag[2:].replace("-", "_"))
              for flag in (*RESUME_FIXED, *RESUME_FIXED_IN_PHASE2, *RESUME_TAKEN)}
-    return {**given, "--preset": source.preset, "--init-from": source.folder,
-            "--dropout": source.dropout(args.dropout), "--phase2-batch-size": phase2_batch_size(args), "--lr": cfg.lr}
+    return {**given, "--vocab-file": absolute_path(args.vocab_file), "--preset": source.preset,
+            "--init-from": source.folder, "--dropout": source.dropout(args.dropout),
+            "--phase2-batch-size": phase2_batch_size(args), "--lr": cfg.lr}
 
 
 def phase2_batch_size(args: argparse.Namespace) -> int:
@@ -565,14 +567,19 @@ def _shown(value: Any) -> str:
     return ("on" if value else "off") if isinstance(value, bool) else str(value)
 
 
-def _corpus_as_files(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` with its corpus as the files it names: a checkpoint written before checkpoints recorded
-    those holds the --corpus as it was spelt (a folder, a glob), resolved here as the run's own is."""
-    data = state.get("data_config", {})
+def _paths_as_recorded_now(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with its paths as checkpoints record them now: one written before holds the --corpus as it was
+    spelt (a folder, a glob) and --vocab-file as typed, resolved here as the run's own are (a relative one
+    from this working folder: the one it was typed in when the run resumes where it started)."""
+    data, flags = state.get("data_config", {}), state.get("flags", {})
     try:
-        return {**state, "data_config": {**data, "corpus": corpus_files(data.get("corpus", []))}}
+        corpus = corpus_files(data.get("corpus", []))
     except CorpusError:  # gone since: compared as recorded
-        return state
+        corpus = data.get("corpus", [])
+    state = {**state, "data_config": {**data, "corpus": corpus, "vocab_file": absolute_path(data.get("vocab_file"))}}
+    if "--vocab-file" in flags:
+        state["flags"] = {**flags, "--vocab-file": absolute_path(flags["--vocab-file"])}
+    return state
 
 
 def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
@@ -601,6 +608,12 @@ def _files_in_words(files: list[str]) -> str:
 def corpus_files(corpus: list[str] | tuple[str, ...]) -> list[str]:
     """The files a --corpus names, absolute, in reading order; none for the embedded default corpus."""
     return [str(f) for f in resolve_corpus_files(corpus)] if corpus else []
+
+
+def absolute_path(path: str | None) -> str | None:
+    """A path as checkpoints record and compare it: absolute and normalised, so that a run resumes from any
+    working folder."""
+    return None if path is None else str(Path(path).expanduser().resolve())
 
 
 def _comparable(c: DataConfig) -> dict[str, Any]:
