@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", default=None,
                    help="checkpoints and metrics.jsonl (default: runs/<name of --out>)")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --run-dir (starts fresh if there is none), with the "
-                        "flags it was made under; a longer --max-steps and the optimiser's flags are taken (README)")
+                   help="continue from the newest checkpoint in --run-dir (starts fresh if there is none); flags are "
+                        "not read from it: pass the same values again (another value of one its state was made "
+                        "under is refused; README)")
     g.add_argument("--fresh", action="store_true",
                    help="delete the checkpoints and metrics already in --run-dir and start over")
     g.add_argument("--eval-every", type=int, default=400, help="held-out evaluation every N steps; 0: at the end only")
