@@ -24,7 +24,7 @@ import typing
 from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
-from app.settings import ENV_PREFIX, Settings, configure_logging
+from app.settings import ENV_PREFIX, Settings, configure_logging, shown_default
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, str]:
@@ -34,7 +34,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, str]:
     for name, field in Settings.model_fields.items():
         text = field.description or ""
         if field.default not in (None, PydanticUndefined):
-            text += f" (default: {str(field.default).lower() if isinstance(field.default, bool) else field.default})"
+            text += f" (default: {shown_default(field.default)})"
         parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=_metavar(name, field.annotation),
                             help=text.replace("%", "%%"))  # argparse %-formats help strings
     return {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}

@@ -105,8 +105,10 @@ class Settings(BaseSettings):
                                  "(with Retry-After), exit 0. A supervisor's grace period must be longer by a few "
                                  "seconds (Docker's default is 10 s; Kubernetes: terminationGracePeriodSeconds > "
                                  "preStop sleep + this + 5)")
-    api_key: SecretStr | None = Field(None, description="when set, requests need `Authorization: Bearer KEY` "
-                                                        "(all but /health, /ready, /metrics and the docs)")
+    api_key: SecretStr | None = Field(None, description="when set, every route needs `Authorization: Bearer KEY` "
+                                                        "but the page (`GET /` and `/static/`), `/health`, `/ping`, "
+                                                        "`/ready`, `/metrics` and the docs (`/docs`, `/redoc`, "
+                                                        "`/openapi.json`)")
     model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")
     openai_pooling: Literal[POOLINGS] | None = Field(None, description="pooling of /v1/embeddings (see /embed's "
                                                      "`pooling`); default: the model's (GET /info `default_pooling`)")
@@ -150,6 +152,12 @@ class Settings(BaseSettings):
     def engine_devices(self) -> list[int]:
         """The GPUs that get an engine process each (cuda_device_ids, else cuda_device_id)."""
         return [int(i) for i in self.cuda_device_ids.split(",")] if self.cuda_device_ids else [self.cuda_device_id]
+
+
+def shown_default(value: object) -> str:
+    """A setting's default as `python -m app --help` and the README's settings table show it (a switch as
+    its flag takes it: true / false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def configure_logging(settings: Settings) -> None:

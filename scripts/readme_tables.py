@@ -17,7 +17,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from app.metrics import Metrics  # noqa: E402
-from app.settings import ENV_PREFIX, Settings  # noqa: E402
+from app.settings import ENV_PREFIX, Settings, shown_default  # noqa: E402
 
 
 def _default(field) -> str:
@@ -25,10 +25,7 @@ def _default(field) -> str:
         return "required"
     if field.default is None:
         return "unset"
-    value = field.default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return f"`{value}`"
+    return f"`{shown_default(field.default)}`"
 
 
 def settings_table() -> str:
