@@ -377,23 +377,36 @@ def test_flags_left_out_give_the_demonstration_only_on_the_embedded_corpus():
     assert fill_defaults(build_parser().parse_args(["--preset", "mini"])).phase2_steps == 0
 
 
-def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+@pytest.mark.parametrize("to", ["process", "process group"])
+def test_sigterm_stops_a_run_as_ctrl_c_does(to, tmp_path):
     """Schedulers and Kubernetes stop a job with SIGTERM: the run stops at the end of its step, with a
-    checkpoint there to resume from, and the same line as Ctrl-C; no half-written model folder."""
+    checkpoint there to resume from, and the same line as Ctrl-C; no half-written model folder. GNU timeout,
+    Slurm and systemd send it to every process of the job, the data workers included: they leave it to
+    the trainer."""
+    import os
     import signal
     import time
 
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=4)
     cmd = [sys.executable, "-m", "training.pretrain",
            *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "100000",
-                       "--log-every", "1")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                       "--log-every", "1", "--data-workers", "2")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    while not (metrics.is_file() and metrics.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # training steps are being logged
-    assert proc.poll() is None, proc.communicate()[1][-2000:]
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    try:
+        while len(metrics.read_text().splitlines() if metrics.is_file() else []) < 3 and proc.poll() is None \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)  # training steps are being logged: the workers are running
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        if to == "process":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
     assert "Traceback" not in err and "Exception" not in err, err
     assert not (tmp_path / "model").exists() and not list(tmp_path.glob(".model*"))

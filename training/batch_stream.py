@@ -100,6 +100,10 @@ class BatchStream:
             # What DataLoader's own __del__ calls; explicit so that no exit path leaves workers behind
             # (a traceback that holds the iterator would delay __del__).
             loader._shutdown_workers()
+            for worker in loader._workers:  # still there after its SIGTERM, which workers ignore
+                if worker.is_alive():
+                    worker.kill()
+                    worker.join()
 
     def __enter__(self) -> BatchStream:
         return self
@@ -117,10 +121,15 @@ class BatchStream:
             # Worker seeds come from this generator instead of the global RNG, which holds the
             # training's dropout state (a resumed run must draw the same masks as a straight one).
             generator=torch.Generator().manual_seed(0),
-            worker_init_fn=functools.partial(_end_with_trainer, os.getpid()))
+            worker_init_fn=functools.partial(_start_worker, os.getpid()))
 
 
-def _end_with_trainer(trainer_pid: int, worker_id: int) -> None:
+def _start_worker(trainer_pid: int, worker_id: int) -> None:
+    _end_with_trainer(trainer_pid)
+    _leave_sigterm_to_trainer()
+
+
+def _end_with_trainer(trainer_pid: int) -> None:
     """Have the kernel kill this worker when the trainer dies, however it dies. DataLoader's own check of
     its parent is not enough: a worker that finds the trainer gone cannot exit while a batch it queued
     (larger than a pipe's buffer) waits in the pipe, so a `kill -9` of the trainer left its workers running."""
@@ -129,6 +138,15 @@ def _end_with_trainer(trainer_pid: int, worker_id: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != trainer_pid:  # the trainer died before the line above took effect
         os._exit(1)
+
+
+def _leave_sigterm_to_trainer() -> None:
+    """Ignore SIGTERM: the trainer decides what it means (stop at the step's end, with a checkpoint) and
+    then stops this worker itself. A stop sent to the whole process group or control group (GNU timeout,
+    Slurm, systemd) reaches the workers too, and DataLoader's own handler would end them at once, which
+    the trainer reports as a failed worker. SIGINT needs nothing: DataLoader's workers exit quietly on
+    Ctrl-C, and the trainer stops at once on it anyway."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 @dataclass(frozen=True)
