@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -1210,6 +1211,26 @@ def test_cuda_fp16_serves_what_cpu_fp32_serves(tiny_model_dir, tmp_path):
         np.testing.assert_allclose(g["token_embeddings"], c["token_embeddings"], atol=0.05)
     for g, c in zip(gpu_nsp, cpu_nsp):
         assert abs(g["is_next"] - c["is_next"]) < 0.01
+
+
+def test_openapi_operation_ids_are_unique_and_head_still_answers(artifact):
+    """The health routes answer HEAD as well as GET (load balancers' checks): generating the schema must not
+    warn of a duplicate operationId (FastAPI warns once per duplicate, in the server's log)."""
+    async def go():
+        async with serving(artifact) as (c, _):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                spec = (await c.get("/openapi.json")).json()
+            heads = {path: (await c.head(path)).status_code for path in ("/health", "/ping", "/ready")}
+            return spec, [str(w.message) for w in caught], heads
+
+    spec, caught, heads = run(go())
+    assert not [m for m in caught if "Duplicate Operation ID" in m], caught
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(ids)
+    for path in ("/health", "/ping", "/ready"):
+        assert set(spec["paths"][path]) == {"get"}, path
+    assert heads == {"/health": 200, "/ping": 200, "/ready": 200}
 
 
 def test_openapi_declares_the_api_key_the_minimums_and_the_metrics_text(artifact):

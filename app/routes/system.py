@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -17,15 +19,24 @@ from app.service import InferenceService
 router = APIRouter(route_class=ServiceRoute, tags=["system"])
 
 
-# HEAD as well as GET: load balancers' health checks often send HEAD (uvicorn sends HEAD answers bodiless)
-@router.api_route("/health", methods=["GET", "HEAD"])
-@router.api_route("/ping", methods=["GET", "HEAD"])  # SageMaker's health path, as text-embeddings-inference serves it
+def _get_and_head(path: str, **kwargs: Any) -> Callable[[Callable], Callable]:
+    """GET, and HEAD beside it: load balancers' health checks often send HEAD (uvicorn sends HEAD answers
+    bodiless). The schema lists the GET only, as FastAPI's `get` does: one route for both would give both
+    operations the same operationId."""
+    def register(endpoint: Callable) -> Callable:
+        router.head(path, include_in_schema=False, **kwargs)(endpoint)
+        return router.get(path, **kwargs)(endpoint)
+    return register
+
+
+@_get_and_head("/health")
+@_get_and_head("/ping")  # SageMaker's health path, as text-embeddings-inference serves it
 async def health() -> Response:
     """The process is alive (says nothing about the model: see /ready)."""
     return json_response({"status": "ok"})
 
 
-@router.api_route("/ready", methods=["GET", "HEAD"], responses={503: ERROR_RESPONSES[503]})
+@_get_and_head("/ready", responses={503: ERROR_RESPONSES[503]})
 async def ready(service: InferenceService = Depends(get_service)) -> Response:
     """200 once the model is loaded and a real forward pass succeeded; 503 before and while shutting down."""
     if service.draining:
