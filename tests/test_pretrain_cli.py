@@ -35,6 +35,7 @@ def test_end_to_end_writes_a_loadable_folder_metrics_and_summary(finished_run, c
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1].startswith("done: 12 steps")
+    assert " x1: 12 steps of 8 sequences of 32 tokens; checkpoints in " in out  # the line at the start
     assert "held-out MLM accuracy" in out and "NSP accuracy" in out
 
     folder = root / "model"
@@ -99,6 +100,19 @@ def test_resume_refuses_a_flag_the_checkpoint_was_made_under_and_writes_nothing(
     before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
     fails_in_one_line(capsys, [*args, "--resume", *flags], "checkpoint", expected)
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+
+
+def test_the_start_line_gives_each_phase_and_a_line_marks_where_phase_2_begins(tmp_path, capsys):
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                      "--phase2-steps", "3", "--phase2-seq-len", "48", "--phase2-batch-size", "4", "--grad-accum", "2",
+                      "--eval-every", "0")
+    assert main(args) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = next(line for line in out if line.startswith("training "))
+    assert (" x1: phase 1: 2 steps of 16 sequences of 32 tokens, phase 2: 3 steps of 8 sequences of 48 tokens; "
+            "checkpoints in ") in start, start
+    assert "step 2: phase 2 begins, 3 steps of 8 sequences of 48 tokens" in out, out
 
 
 def test_resume_takes_more_steps_and_new_optimiser_settings_and_says_so(tmp_path, capsys):

@@ -28,8 +28,8 @@ from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
 from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
                                    sentence_transformers_files)
-from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, setup_distributed,
-                              teardown_distributed, train)
+from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
+                              setup_distributed, teardown_distributed, train)
 from training.stop_signals import sigterm_stops_between_steps
 from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_writable
@@ -467,9 +467,11 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     model = source.build(model_config, cfg.seed)
     if dist.is_main:
         n_params = sum(p.numel() for p in model.parameters())
+        schedule = [phase_schedule(p, cfg, dist.world_size) for p in phases]
+        if len(phases) > 1:
+            schedule = [f"phase {i + 1}: {words}" for i, words in enumerate(schedule)]
         print(f"training {source.name} ({n_params / 1e6:.1f}M parameters, vocabulary {vocab_size}) on {dist.device}"
-              f" x{dist.world_size}: {sum(p.steps for p in phases)} steps of "
-              f"{args.batch_size * cfg.grad_accum * dist.world_size} sequences; "
+              f" x{dist.world_size}: {', '.join(schedule)}; "
               f"{'resuming from ' + str(resume_from) if resume_from else 'checkpoints in ' + str(run_dir)}",
               flush=True)
     result = train(model, phases, cfg, dist, run_dir, checkpoint_meta=meta, resume_from=resume_from,

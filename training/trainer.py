@@ -394,6 +394,11 @@ class RunLog:
             write_plots_quietly(self.run_dir)  # training.png beside metrics.jsonl (training/report.py)
         return record
 
+    def phase_start(self, step: int, number: int, phase: Phase, cfg: TrainConfig, world_size: int) -> None:
+        """The line that marks a later phase's first step."""
+        if self.is_main:
+            self.progress.write(f"step {step}: phase {number} begins, {phase_schedule(phase, cfg, world_size)}")
+
     def end(self, state: TrainState, wall_time_s: float) -> None:
         self.metrics.write("end", step=state.step, tokens_seen=state.tokens_seen, wall_time_s=wall_time_s)
 
@@ -455,6 +460,7 @@ def train(
                 continue
             if i != state.phase:  # entering a later phase than the checkpoint's: its data starts afresh
                 state.phase, state.epoch, state.batch_in_epoch = i, 0, 0
+                log.phase_start(state.step, i + 1, phase, cfg, dist.world_size)
             with batch_stream(phase, state, cfg, dist) as stream:  # stops its workers on every way out
                 window = LogWindow(dist.device)
                 while state.step < phase_end:
@@ -485,6 +491,12 @@ def train(
     log.end(state, wall)
     final = {k: v for k, v in evals[-1].items() if k not in ("step", "phase")}
     return TrainResult(state.step, state.tokens_seen, wall, final, evals)
+
+
+def phase_schedule(phase: Phase, cfg: TrainConfig, world_size: int) -> str:
+    """A phase's length in words: its steps, and the sequences (over every process) and tokens of each."""
+    return (f"{phase.steps} steps of {phase.batch_size * cfg.grad_accum * world_size} sequences of "
+            f"{phase.max_seq_len} tokens")
 
 
 # Python's automatic collection, left on, starts at random points of a step and stalls the thread that
