@@ -28,7 +28,7 @@ from app.settings import ENV_PREFIX, Settings, configure_logging, shown_default
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, str]:
-    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="python -m app", description=__doc__.split("\n\n")[0],
                                      epilog=f"Each flag can also be given as an environment variable, e.g. "
                                             f"{ENV_PREFIX}MODEL_DIR, {ENV_PREFIX}MAX_BATCH_TOKENS.")
     for name, field in Settings.model_fields.items():

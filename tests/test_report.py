@@ -63,3 +63,13 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, case, words):
                           text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and words in done.stderr, done.stderr
     assert not (folder / "training.png").exists()
+
+
+def test_help_gives_the_whole_first_paragraph_of_the_module_docstring():
+    import training.report
+
+    done = subprocess.run([sys.executable, "-m", "training.report", "--help"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    paragraph = " ".join(training.report.__doc__.split("\n\n")[0].split())
+    assert paragraph.endswith("also one still going.") and paragraph in " ".join(done.stdout.split()), done.stdout

@@ -1,6 +1,6 @@
 """Plots of a training run from its `metrics.jsonl`: loss, held-out MLM and NSP accuracy against their
 baselines, tokens/s, learning rate and gradient norm, against steps. The trainer writes them next to
-the metrics at every evaluation and at the end; this makes them for any run, also one still going:
+the metrics at every evaluation and at the end; this makes them for any run, also one still going.
 
   python -m training.report RUN_DIR [--out FILE]      # default RUN_DIR/training.png
 """
@@ -111,7 +111,7 @@ def _figure(train: list[dict], evals: list[dict], title: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("run_dir", type=Path, help="a run folder (it holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, help=f"the PNG to write (default RUN_DIR/{PLOT_FILE})")
     args = parser.parse_args(argv)
