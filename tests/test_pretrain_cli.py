@@ -391,6 +391,36 @@ def test_flags_left_out_give_the_demonstration_only_on_the_embedded_corpus():
     assert fill_defaults(build_parser().parse_args(["--preset", "mini"])).phase2_steps == 0
 
 
+def test_sigterm_while_the_data_is_prepared_stops_at_once(tmp_path):
+    """Before the first step there is nothing to finish: SIGTERM to the job's process group stops the data
+    preparation at once, as Ctrl-C does, with no checkpoint and no half-built data left (a run that went on
+    would also wait forever on a preparation pool whose workers the same signal ended)."""
+    import os
+    import signal
+    import time
+
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=20000, seed=4)  # a few seconds of preparation
+    cache = tmp_path / "cache"
+    cmd = [sys.executable, "-m", "training.pretrain",
+           *small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "100000")]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 120
+    try:
+        while not cache.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the preparation has begun
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
+    assert "Traceback" not in err, err
+    assert not list_checkpoints(tmp_path / "run") and not (tmp_path / "model").exists()
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]  # no half-built data
+
+
 @pytest.mark.parametrize("to", ["process", "process group"])
 def test_sigterm_stops_a_run_as_ctrl_c_does(to, tmp_path):
     """Schedulers and Kubernetes stop a job with SIGTERM: the run stops at the end of its step, with a

@@ -30,7 +30,7 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
-from training.stop_signals import sigterm_stops_between_steps
+from training.stop_signals import sigterm_as_interrupt, sigterm_stops_between_steps
 from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_writable
 
@@ -423,10 +423,13 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             trained_with = Tokenizer.from_str(resume_state["tokenizer"])
 
     started = time.perf_counter()
-    prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
-                                                            show_progress=dist.is_main and not args.no_progress,
-                                                            trained=trained_with))
-                for c in dcfgs]
+    # No step to finish yet: SIGTERM stops the preparation at once, as Ctrl-C does. Sent to the whole group,
+    # it also ends the preparation's own worker processes, whose work a pool would otherwise wait for forever.
+    with sigterm_as_interrupt() if not dist.distributed else contextlib.nullcontext():
+        prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
+                                                                show_progress=dist.is_main and not args.no_progress,
+                                                                trained=trained_with))
+                    for c in dcfgs]
     prepare_s = time.perf_counter() - started
     if trained_with is not None:
         check_tokenizer(resume_from, trained_with, prepared[0], dcfgs[0])
