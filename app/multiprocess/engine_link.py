@@ -75,7 +75,7 @@ class _Framed(asyncio.BufferedProtocol):
         self._have = 0  # bytes in _scratch not yet parsed into frames
         self._frame: bytearray | None = None  # a large frame being received straight into its buffer
         self._filled = 0
-        self._outgoing: list = []  # frames sent in this turn of the loop, written by _flush
+        self._outgoing: list = []  # frames sent in this turn of the loop, written by flush
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -98,19 +98,16 @@ class _Framed(asyncio.BufferedProtocol):
     def send(self, *parts) -> None:
         views = [memoryview(p).cast("B") for p in parts]
         if not self._outgoing:
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self.flush)
         self._outgoing.append(_LENGTH.pack(sum(v.nbytes for v in views)))
         self._outgoing += views
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write what was sent so far: at the next turn of the loop (scheduled by `send`), or now, for a
+        caller that itself runs at the end of a turn's gathering."""
         outgoing, self._outgoing = self._outgoing, []
         if outgoing and not self.transport.is_closing():
             self.transport.writelines(outgoing)
-
-    def flush(self) -> None:
-        """Write what was sent so far now, not at the next turn (for a caller that itself runs at the end of
-        a turn's gathering)."""
-        self._flush()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._frame is not None:
