@@ -391,31 +391,42 @@ def test_flags_left_out_give_the_demonstration_only_on_the_embedded_corpus():
     assert fill_defaults(build_parser().parse_args(["--preset", "mini"])).phase2_steps == 0
 
 
-def test_sigterm_while_the_data_is_prepared_stops_at_once(tmp_path):
-    """Before the first step there is nothing to finish: SIGTERM to the job's process group stops the data
-    preparation at once, as Ctrl-C does, with no checkpoint and no half-built data left (a run that went on
-    would also wait forever on a preparation pool whose workers the same signal ended)."""
+def _sigterm_once(args: list[str], started, poll_s: float, to_group: bool, stop_within_s: float) -> tuple[int, str]:
+    """`python -m training.pretrain args` in a session of its own, sent SIGTERM (to the trainer, or to the
+    whole process group as GNU timeout, Slurm and systemd send it) once `started()` holds; its exit code
+    and stderr, which it must give within `stop_within_s`."""
     import os
     import signal
     import time
 
-    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=20000, seed=4)  # a few seconds of preparation
-    cache = tmp_path / "cache"
-    cmd = [sys.executable, "-m", "training.pretrain",
-           *small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "100000")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "training.pretrain", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     try:
-        while not cache.is_dir() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)  # the preparation has begun
+        while not started() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        if to_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=stop_within_s)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
+    return proc.returncode, err
+
+
+def test_sigterm_while_the_data_is_prepared_stops_at_once(tmp_path):
+    """Before the first step there is nothing to finish: SIGTERM to the job's process group stops the data
+    preparation at once, as Ctrl-C does, with no checkpoint and no half-built data left (a run that went on
+    would also wait forever on a preparation pool whose workers the same signal ended)."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=20000, seed=4)  # a few seconds of preparation
+    cache = tmp_path / "cache"
+    returncode, err = _sigterm_once(
+        small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "100000"),
+        started=cache.is_dir, poll_s=0.01, to_group=True, stop_within_s=60)  # the preparation has begun
+    assert returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
     assert "Traceback" not in err, err
     assert not list_checkpoints(tmp_path / "run") and not (tmp_path / "model").exists()
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]  # no half-built data
@@ -427,31 +438,15 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(to, tmp_path):
     checkpoint there to resume from, and the same line as Ctrl-C; no half-written model folder. GNU timeout,
     Slurm and systemd send it to every process of the job, the data workers included: they leave it to
     the trainer."""
-    import os
-    import signal
-    import time
-
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=4)
-    cmd = [sys.executable, "-m", "training.pretrain",
-           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "100000",
-                       "--log-every", "1", "--data-workers", "2")]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    metrics, deadline = tmp_path / "run" / "metrics.jsonl", time.monotonic() + 120
-    try:
-        while len(metrics.read_text().splitlines() if metrics.is_file() else []) < 3 and proc.poll() is None \
-                and time.monotonic() < deadline:
-            time.sleep(0.05)  # training steps are being logged: the workers are running
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        if to == "process":
-            proc.send_signal(signal.SIGTERM)
-        else:
-            os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    returncode, err = _sigterm_once(
+        small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "100000",
+                   "--log-every", "1", "--data-workers", "2"),
+        # training steps are being logged: the workers are running
+        started=lambda: len(metrics.read_text().splitlines() if metrics.is_file() else []) >= 3,
+        poll_s=0.05, to_group=to == "process group", stop_within_s=120)
+    assert returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
     assert "Traceback" not in err and "Exception" not in err, err
     assert not (tmp_path / "model").exists() and not list(tmp_path.glob(".model*"))
     steps = [r["step"] for r in read_metrics(tmp_path / "run")]
