@@ -161,11 +161,11 @@ class DynamicBatcher:
                  packed: bool = False, max_padding: float = 1.0, max_queue_ms: float | None = None,
                  overlap_min_tokens: int | None = None, metrics: Metrics | None = None,
                  on_engine_lost: Callable[[], None] | None = None,
-                 idle_thread: Callable[[int, int], Executor | None] | None = None):
+                 replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None):
         self._run = run
-        # (rows, longest) -> the thread a batch that finds nothing else running should run on instead of an
-        # inference thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
-        self._idle_thread = idle_thread
+        # (rows, longest, tokens, outputs, alone) -> the thread a batch should run on instead of an inference
+        # thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
+        self._replay_thread = replay_thread
         self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -434,9 +434,10 @@ class DynamicBatcher:
         done = self._loop_ref.create_future()
         self._running.add(done)
         executor = self._executor
-        if self._idle_thread is not None and self._running_batches == 0:
-            rows = sum(e.count for e in entries)
-            executor = self._idle_thread(rows, max(int(e.lengths.max()) for e in entries)) or executor
+        if self._replay_thread is not None:
+            rows, tokens = sum(e.count for e in entries), sum(e.tokens for e in entries)
+            longest = max(int(e.lengths.max()) for e in entries)
+            executor = self._replay_thread(rows, longest, tokens, outputs, self._running_batches == 0) or executor
         self._running_batches += 1
         executor.submit(self._work, entries, outputs, time.perf_counter(), done)
 
@@ -496,4 +497,5 @@ def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch
     input_ids[real] = sequences.ids
     token_type_ids = np.zeros(real.shape, dtype=np.int64)
     token_type_ids[real] = sequences.type_ids
-    return Batch(input_ids, real.astype(np.int64), token_type_ids, tuple(sorted(outputs)))
+    return Batch(input_ids, real.astype(np.int64), token_type_ids, tuple(sorted(outputs)),
+                 (sequences.ids, sequences.type_ids, lengths))

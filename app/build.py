@@ -77,7 +77,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     workers, threads = inference_threads(settings, device)
     try:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
-                           settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows)
+                           settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows,
+                           settings.max_batch_size, min(settings.cuda_graph_tokens, batch_token_budget(settings, device)))
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise
@@ -93,7 +94,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_queued=settings.max_queued_sequences, inference_workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device),
                              max_queue_ms=settings.max_queue_ms, overlap_min_tokens=settings.overlap_min_tokens,
-                             metrics=metrics, on_engine_lost=on_engine_lost, idle_thread=engine.replay_thread)
+                             metrics=metrics, on_engine_lost=on_engine_lost, replay_thread=engine.replay_thread)
     _measure_speed(engine, batcher, probe.ids, manifest.max_length)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher

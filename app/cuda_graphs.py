@@ -1,13 +1,18 @@
-"""Small batches replayed as CUDA graphs (`python -m export --device cuda` writes the graph they need).
+"""Batches replayed as CUDA graphs (`python -m export --device cuda` writes the graph they need).
 
 A batch of a few short texts costs ONNX Runtime about as much CPU time as a large one: it launches
 every kernel of the graph one by one, from a thread that has often just woken up. A replayed CUDA graph
-launches them all at once (what that saves: bench/engine_idle_gaps.py, BENCHMARKS.md). A CUDA graph needs fixed shapes
-and fixed addresses, which the packed graph (its shapes follow the data) cannot give, so small batches
-run on the artifact's padded twin of it: one captured graph per (rows, length) bucket, each with its own
-input and output buffers on the device. A batch is cut into a few row groups by length, each padded up to
-the smallest bucket that holds it and replayed in turn: a batch of 64 texts whose longest has 90 tokens
-would otherwise cost 64 x 128 tokens of GPU time however short the rest (`ReplayPlanner`).
+launches them all at once (what that saves: bench/engine_idle_gaps.py, bench/packed_cuda_graphs.py,
+BENCHMARKS.md). A CUDA graph needs fixed shapes and fixed addresses, each captured graph has its own input
+and output buffers on the device, and a batch is padded up to the smallest bucket that holds it:
+- A packed graph's shapes follow its data (ORT removes the padding on the GPU and sizes its tensors by
+  the count), so the server replays its host-packed variant instead: the tokens are packed here, one
+  (rows, tokens) bucket per graph, and every batch that fits and needs no token vectors replays
+  (`PackedGraphBuckets`).
+- A padded graph is captured per (rows, length) bucket, for small batches that find the GPU idle. A
+  batch is cut into a few row groups by length, each replayed in its own bucket: a batch of 64 texts
+  whose longest has 90 tokens would otherwise cost 64 x 128 tokens of GPU time however short the rest
+  (`CudaGraphBuckets`, `ReplayPlanner`).
 
 ONNX Runtime keeps captured graphs per calling thread (the CUDA provider's per-thread context): a graph
 captured in one thread is captured again in the next, and a capture beside a running batch fails both.
@@ -16,12 +21,14 @@ So one thread of our own captures every bucket at start-up and runs every replay
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
+from artifact.host_packing import HOST_PACKED_INPUTS, pack_on_host
 from artifact.manifest import INPUT_NAMES
 
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
@@ -94,7 +101,7 @@ class ReplayPlanner:
 @dataclass
 class _Bucket:
     rows: int
-    length: int
+    length: int  # padded buckets: the sequence length; host-packed buckets: the token count
     binding: ort.IOBinding
     inputs: dict[str, ort.OrtValue]
     outputs: dict[str, ort.OrtValue]
@@ -102,8 +109,8 @@ class _Bucket:
 
 
 class CudaGraphBuckets:
-    """`session` (created with the CUDA provider's enable_cuda_graph) over fixed-shape buckets. `run`
-    takes the same padded int64 arrays as the packed graph and answers float32 outputs cut back to the
+    """`session` over a padded graph (created with the CUDA provider's enable_cuda_graph), over fixed-shape
+    (rows, length) buckets. `run` takes the batch's padded int64 arrays and answers float32 outputs cut back to the
     batch's own rows and length. One batch at a time, on the buckets' own thread."""
 
     def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int, pad_id: int,
@@ -191,3 +198,104 @@ class CudaGraphBuckets:
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)
         return {name: bucket.outputs[name].numpy() for name in outputs}  # copies to the host
 
+
+
+
+# Host-packed graphs (artifact/host_packing.py): a batch's real tokens one after another, so a bucket is
+# (rows, tokens) and a replay computes only its bucket's filler beyond the batch's own tokens.
+PACKED_ROWS = (4, 16, 64, 256)
+# About 1.25x apart (the filler a batch can cost)
+PACKED_TOKENS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
+                 5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768)
+# The largest batch replayed by default. BERT-base on an H100 (bench/packed_cuda_graphs.py, BENCHMARKS.md):
+# a replay took 1.4 against 1.8 ms at 1,131 tokens, 1.6 against 1.8 at 1,731, but 3.3 against 2.7 ms at
+# 3,494 (the host's packing and copies grow with the batch while the launches it saves do not), and
+# larger batches run faster on the packed graph, two at a time.
+PACKED_MAX_TOKENS = 2048
+
+
+def packed_buckets(max_rows: int, max_tokens: int, width: int) -> list[tuple[int, int]]:
+    """(rows, tokens) buckets for batches of up to `max_rows` rows of up to `width` tokens and `max_tokens`
+    tokens in all: for each row bucket, the token buckets above the row bucket below it (a row has at
+    least one token) up to the first that holds rows x width tokens."""
+    rows = [r for r in PACKED_ROWS if r < max_rows] + [max_rows]
+    tokens = [t for t in PACKED_TOKENS if t < max_tokens] + [max_tokens]
+    buckets, below = [], 0
+    for r in rows:
+        fits = [t for t in tokens if t > below]
+        most = next((t for t in fits if t >= r * width), fits[-1])
+        buckets += [(r, t) for t in fits if t <= most]
+        below = r
+    return buckets
+
+
+class PackedGraphBuckets:
+    """`session` over a host-packed graph (created with the CUDA provider's enable_cuda_graph), captured at
+    start-up for every (rows, tokens) bucket of `packed_buckets`. `run` packs a batch's tokens on the host
+    into the smallest bucket that holds them and answers its per-row outputs (float32). One batch at a
+    time, on the buckets' own thread, like CudaGraphBuckets; the bucket's device buffers are reused."""
+
+    def __init__(self, session: ort.InferenceSession, device_id: int, width: int, pad_id: int, max_rows: int,
+                 max_tokens: int):
+        self.session, self.device_id, self.pad_id = session, device_id, pad_id
+        self.width = width  # token_offset's width: the longest row (the model's max length)
+        self.outputs = frozenset(o.name for o in session.get_outputs())
+        self.buckets = packed_buckets(max_rows, max_tokens, width)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
+        self._thread_id = self._thread.submit(threading.get_ident).result()
+        self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
+
+    def _make(self, rows: int, tokens: int, graph_id: int) -> _Bucket:
+        binding = self.session.io_binding()
+        shapes = dict(zip(HOST_PACKED_INPUTS, [(3, tokens), (rows, self.width), (rows + 1,), (rows,)]))
+        inputs = {}
+        for name, shape in shapes.items():
+            inputs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.int32), "cuda", self.device_id)
+            binding.bind_ortvalue_input(name, inputs[name])
+        outputs = {}
+        for o in self.session.get_outputs():
+            outputs[o.name] = ort.OrtValue.ortvalue_from_shape_and_type([rows, *o.shape[1:]], np.float32, "cuda",
+                                                                        self.device_id)
+            binding.bind_ortvalue_output(o.name, outputs[o.name])
+        run_options = ort.RunOptions()
+        run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        return _Bucket(rows, tokens, binding, inputs, outputs, run_options)
+
+    @property
+    def thread(self) -> Executor:
+        """The buckets' own thread: work submitted here replays without a hop to it (`run` calls straight in)."""
+        return self._thread
+
+    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        """The smallest (rows, tokens) bucket that holds such a batch, else None."""
+        return next(((r, t) for r, t in self.buckets if r >= rows and t >= tokens), None)
+
+    def fits(self, rows: int, longest: int, tokens: int, outputs: Iterable[str]) -> bool:
+        return longest <= self.width and self.outputs.issuperset(outputs) and self.bucket(rows, tokens) is not None
+
+    def capture(self) -> None:
+        """Run every bucket until ORT has captured its graph (start-up: later runs only replay)."""
+        for rows, tokens in self.buckets:
+            used = min(rows, tokens)  # rows of [PAD] tokens filling the bucket as far as the width allows
+            lengths = np.full(used, min(self.width, tokens // used), np.int64)
+            for _ in range(_RUNS_TO_CAPTURE):
+                self._thread.submit(self._replay, (rows, tokens), lengths, None, None, ()).result()
+
+    def run(self, lengths: np.ndarray, ids: np.ndarray, type_ids: np.ndarray,
+            outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Rows of these `lengths` whose tokens, one row after another, are `ids` / `type_ids`."""
+        key = self.bucket(len(lengths), int(lengths.sum()))
+        if key is None:
+            raise ValueError(f"{len(lengths)} rows of {int(lengths.sum())} tokens fit no captured bucket")
+        if threading.get_ident() == self._thread_id:
+            return self._replay(key, lengths, ids, type_ids, outputs)
+        return self._thread.submit(self._replay, key, lengths, ids, type_ids, outputs).result()
+
+    def _replay(self, key: tuple[int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
+                outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        bucket = self._graphs[key]
+        feeds = pack_on_host(lengths, ids, type_ids, bucket.rows, bucket.length, self.width, self.pad_id)
+        for name, value in zip(HOST_PACKED_INPUTS, feeds):
+            bucket.inputs[name].update_inplace(value)
+        self.session.run_with_iobinding(bucket.binding, bucket.run_options)
+        return {name: bucket.outputs[name].numpy()[:len(lengths)] for name in outputs}  # copies to the host

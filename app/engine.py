@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from app.cuda_graphs import MAX_ROWS, CudaGraphBuckets
+from app.cuda_graphs import MAX_ROWS, PACKED_MAX_TOKENS, CudaGraphBuckets, PackedGraphBuckets
 from app.errors import EngineLost
-from artifact.manifest import CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo, Manifest
+from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo,
+                               HostPackedGraph, Manifest)
 from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
 log = logging.getLogger("app.engine")
@@ -34,6 +35,15 @@ class Batch:
     attention_mask: np.ndarray  # [B, S] int64, 1 on real tokens
     token_type_ids: np.ndarray  # [B, S] int64
     outputs: tuple[str, ...]  # graph outputs wanted by at least one entry
+    # The same tokens unpadded, one row after another: (ids, type_ids, lengths), int64, as the batcher has
+    # them (host-packed graphs take that); None: taken from the padded arrays when needed.
+    packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def unpadded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.packed is not None:
+            return self.packed
+        real = self.attention_mask.astype(bool)
+        return self.input_ids[real], self.token_type_ids[real], real.sum(1)
 
 
 # CUDA's "sticky" errors: after one, every later call in the process's CUDA context fails too
@@ -75,7 +85,8 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
 class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
-                 cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS):
+                 cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS, max_batch_size: int = 256,
+                 cuda_graph_tokens: int = PACKED_MAX_TOKENS):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
@@ -98,55 +109,71 @@ class OrtEngine:
         self.hidden_size = manifest.hidden_size
         self.packed = graph.packed  # padded tokens cost nothing: the batcher packs by tokens, not rows
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
-        self.graph_buckets = self._open_graph_buckets(folder, graph, library if self.custom_kernels else None,
-                                                      cuda_graphs, manifest.max_length, cuda_graph_rows)
+        self.graph_buckets: CudaGraphBuckets | None = None  # a padded graph's, for small batches
+        self.packed_graphs: PackedGraphBuckets | None = None  # a packed graph's host-packed variant's
+        self._open_cuda_graphs(folder, graph, library if self.custom_kernels else None, cuda_graphs,
+                               manifest.max_length, cuda_graph_rows, (max_batch_size, cuda_graph_tokens))
         self._running = 0  # batches on the GPU now, from any inference thread
         self._running_lock = threading.Lock()
 
     @property
     def cuda_graphs(self) -> bool:
-        return self.graph_buckets is not None
+        return self.graph_buckets is not None or self.packed_graphs is not None
 
-    def _open_graph_buckets(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str,
-                            max_length: int, max_rows: int) -> CudaGraphBuckets | None:
-        """Small batches on the padded twin as CUDA graphs (app/cuda_graphs.py), captured now. choice
-        "auto": when on CUDA and the artifact has the twin; "on": both required; "off": never. With the
-        custom kernels running (`library`), the twin's kernels variant."""
+    def _open_cuda_graphs(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str, max_length: int,
+                          max_rows: int, batch_limits: tuple[int, int]) -> None:
+        """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
+        host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
+        or a padded graph for batches of up to `max_rows` rows that find the GPU idle. choice "auto": when
+        on CUDA and the artifact has them; "on": both required; "off": never. With the custom kernels
+        running (`library`), their variant."""
         if choice not in ("auto", "on", "off"):
             raise EngineError(f"cuda_graphs must be auto, on or off, not {choice!r}")
-        if choice == "off" or (choice == "auto" and (self.device != "cuda" or graph.padded is None)):
-            return None
-        if self.device != "cuda" or graph.padded is None:
-            raise EngineError("cuda_graphs on needs CUDA and an artifact with a padded twin of its fp16 graph "
-                              "(python -m export --device cuda writes one unless --no-cuda-graphs)")
+        variant = graph.host_packed or graph.padded
+        if choice == "off" or (choice == "auto" and (self.device != "cuda" or variant is None)):
+            return
+        if self.device != "cuda" or variant is None:
+            raise EngineError("cuda_graphs on needs CUDA and an artifact exported for them (python -m export "
+                              "--device cuda writes what they replay unless --no-cuda-graphs)")
         try:
-            path, session = open_graph(folder, graph.padded, self.device, library=library,
+            path, session = open_graph(folder, variant, self.device, library=library,
                                        kernels_required=library is not None, device_id=self.cuda_device_id,
                                        cuda_graph=True, intra_op_threads=self.intra_op_threads)
-            buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id,
-                                       max_rows=max_rows)
+            if isinstance(variant, HostPackedGraph):
+                buckets = PackedGraphBuckets(session, self.cuda_device_id, max_length, self.pad_id, *batch_limits)
+            else:
+                buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id,
+                                           max_rows=max_rows)
             buckets.capture()
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             if choice == "on":
-                raise EngineError(f"CUDA graphs of the padded twin failed: {e}") from e
-            log.warning("CUDA graphs of the padded twin failed (%s); small batches run on %s", e, self.graph_file)
-            return None
-        log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
-                 buckets.lengths[-1], path.name)
-        return buckets
+                raise EngineError(f"CUDA graphs of {variant.file} failed: {e}") from e
+            log.warning("CUDA graphs of %s failed (%s); batches run on %s", variant.file, e, self.graph_file)
+            return
+        if isinstance(buckets, PackedGraphBuckets):
+            self.packed_graphs = buckets
+            log.info("batches of up to %d texts and %d tokens replay CUDA graphs of %s (%d buckets)",
+                     batch_limits[0], buckets.buckets[-1][1], path.name, len(buckets.buckets))
+        else:
+            self.graph_buckets = buckets
+            log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
+                     buckets.lengths[-1], path.name)
 
-    def replay_thread(self, rows: int, length: int) -> Executor | None:
-        """Where to run a batch of `rows` sequences of up to `length` tokens that finds the GPU idle: the CUDA
-        graphs' own thread when it will replay one (`run` there replays without a hop to that thread and
-        back), else None (any thread)."""
-        if self.graph_buckets is None or not self.graph_buckets.fits(rows, length):
-            return None
-        return self.graph_buckets.thread
+    def replay_thread(self, rows: int, longest: int, tokens: int, outputs: Iterable[str], alone: bool) -> Executor | None:
+        """Where to run a batch of `rows` sequences, the longest of `longest` tokens, `tokens` in all, that
+        wants `outputs` (`alone`: no other batch is running): the CUDA graphs' own thread when it will
+        replay one there (`run` there replays without a hop to that thread and back), else None (any thread)."""
+        if self.packed_graphs is not None and self.packed_graphs.fits(rows, longest, tokens, outputs):
+            return self.packed_graphs.thread
+        if alone and self.graph_buckets is not None and self.graph_buckets.fits(rows, longest):
+            return self.graph_buckets.thread
+        return None
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
-        """A small batch replays a CUDA graph when it is the only batch on the GPU; the rest run on the
-        session's graph. Only alone: a replay's input and output copies are synchronous and wait for a
-        batch running beside it (replaying beside one cost 7-8% at 16-64 texts per request, BENCHMARKS.md).
+        """A batch replays a CUDA graph of the host-packed variant when it fits its buckets and wants no
+        token vectors; of a padded graph, when it is small and the only batch on the GPU (a padded replay's
+        synchronous copies would wait for a batch running beside it: replaying beside one cost 7-8% at
+        16-64 texts per request, BENCHMARKS.md). The rest run on the session's graph.
         Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable."""
         try:
             return self._run_batch(batch)
@@ -157,6 +184,10 @@ class OrtEngine:
             raise lost from e
 
     def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
+        if self.packed_graphs is not None:
+            ids, type_ids, lengths = batch.unpadded()
+            if self.packed_graphs.fits(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
+                return self.packed_graphs.run(lengths, ids, type_ids, batch.outputs)
         if self.graph_buckets is None:
             return self._run_session(batch)
         with self._running_lock:
@@ -189,7 +220,7 @@ class OrtEngine:
 
     def health(self, ids: Sequence[int], type_ids: Sequence[int]) -> None:
         """A real forward pass on a padded two-row batch (on the session's graph, and as a CUDA graph when
-        small batches replay them); raises unless every output is finite."""
+        batches replay them); raises unless every output is finite."""
         n = len(ids)
         input_ids = np.full((2, n), self.pad_id, dtype=np.int64)
         mask = np.zeros((2, n), dtype=np.int64)
@@ -198,6 +229,8 @@ class OrtEngine:
         input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
         probe = Batch(input_ids, mask, types, tuple(sorted(self.outputs)))
         runs = [self._run_session(probe)] + ([self.run(probe)] if self.graph_buckets is not None else [])
+        if self.packed_graphs is not None:
+            runs.append(self.run(Batch(input_ids, mask, types, tuple(sorted(self.packed_graphs.outputs)))))
         for name, value in (item for out in runs for item in out.items()):
             if value.shape[0] != 2 or not np.isfinite(value).all():
                 raise EngineError(f"the warm-up forward pass gave a bad {name} (shape {value.shape}, "

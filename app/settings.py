@@ -37,16 +37,22 @@ class Settings(BaseSettings):
         "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
         "built in the checkout), else the plain graph; on: fail without them; off: never")
     cuda_graphs: Literal["auto", "on", "off"] = Field(
-        "auto", description="CUDA: a batch of up to cuda_graph_rows texts x 128 tokens that finds the GPU "
-        "otherwise idle replays a CUDA graph of the artifact's padded fp16 twin (written by python -m export --device cuda), "
-        "captured at start: a lone short text is answered sooner, for GPU memory and start-up time "
-        "(BENCHMARKS.md). auto: when the artifact has the twin; on: fail without it; off: never")
-    cuda_graph_rows: int = Field(16, ge=1, le=256, description="CUDA: the largest batch (texts) replayed from a "
-                                 "CUDA graph; one is captured for each power of two below it and for it, at each "
-                                 "length bucket (a batch of mixed lengths may be replayed as a few buckets). More "
-                                 "rows: more GPU memory (BERT-base on an H100: 2,065 MiB in all with 16 rows, "
-                                 "2,385 MiB with 32); above about 32 short texts the packed graph is faster "
-                                 "(BENCHMARKS.md)")
+        "auto", description="CUDA: replay batches as CUDA graphs captured at start, from the graph python -m "
+        "export --device cuda writes for them: with a packed graph (the default) every batch of up to "
+        "max_batch_size texts and cuda_graph_tokens tokens that needs no token vectors; with a padded one "
+        "(--keep-padding), a batch of up to cuda_graph_rows texts that finds the GPU otherwise idle. A lone "
+        "text is answered sooner and a batch costs less CPU, for GPU memory and start-up time (BENCHMARKS.md). "
+        "auto: when the artifact has that graph; on: fail without it; off: never")
+    cuda_graph_tokens: int = Field(2048, ge=1, le=32768, description="CUDA, packed graphs: the largest batch "
+                                   "(tokens) replayed from a CUDA graph; one is captured for each (rows, tokens) "
+                                   "bucket up to it, about 1.25x apart. More tokens: more GPU memory, and above "
+                                   "about 2,048 tokens the packed graph is as fast (BENCHMARKS.md)")
+    cuda_graph_rows: int = Field(16, ge=1, le=256, description="CUDA, padded graphs: the largest batch (texts) "
+                                 "replayed from a CUDA graph; one is captured for each power of two below it and "
+                                 "for it, at each length bucket (a batch of mixed lengths may be replayed as a few "
+                                 "buckets). More rows: more GPU memory (BERT-base on an H100: 2,065 MiB in all "
+                                 "with 16 rows, 2,385 MiB with 32); above about 32 short texts the packed graph "
+                                 "is faster (BENCHMARKS.md)")
     workers: int = Field(1, ge=1, le=64, description="HTTP worker processes (not inference_workers), handed the "
                          "port's connections in turn. Above 1 they parse, tokenise and answer around one engine "
                          "process that holds the session and the batcher (app/multiprocess/), metrics summed over "

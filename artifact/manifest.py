@@ -36,8 +36,12 @@ POOLINGS = ("cls", "pooled", "mean", "max", "mean_sqrt_len", "weightedmean", "la
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 # The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
 KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
-# A packed fp16 graph's shapes follow its data, so CUDA cannot replay it; small batches run on the same
-# graph with its padding kept, replayed as CUDA graphs (app/cuda_graphs.py). With our operators too:
+# A packed fp16 graph's shapes follow its data, so CUDA cannot replay it; its host-packed variant
+# (artifact/host_packing.py) can, per (rows, tokens) bucket (app/cuda_graphs.py). With our operators too:
+HOST_PACKED_GRAPH_FILE = "model_fp16_host_packed.onnx"
+HOST_PACKED_KERNELS_GRAPH_FILE = "model_fp16_host_packed_kernels.onnx"
+# Artifacts exported before the host-packed variants gave a packed graph a padded twin for CUDA graphs
+# instead; a server reading one replays nothing (re-export for CUDA graphs).
 PADDED_GRAPH_FILE = "model_fp16_padded.onnx"
 PADDED_KERNELS_GRAPH_FILE = "model_fp16_padded_kernels.onnx"
 # A sentence-transformers checkpoint's Dense modules, applied after its own pooling (numpy .npz: arrays
@@ -70,6 +74,16 @@ class PaddedGraph:
 
 
 @dataclass
+class HostPackedGraph:
+    """A packed graph's host-packed variant: the same model fed tokens packed by the server, so that CUDA
+    can replay it per (rows, tokens) bucket (artifact/host_packing.py). Per-sequence outputs only."""
+    file: str
+    outputs: list[str]
+    parity: dict[str, float]
+    custom_kernels: CustomKernelsGraph | None = None
+
+
+@dataclass
 class GraphInfo:
     """A precision's graph as export built and checked it, and its variants: packed (ORT drops the padding
     itself) or padded, each with or without our custom kernels."""
@@ -79,7 +93,8 @@ class GraphInfo:
     fused_operators: dict[str, int] = field(default_factory=dict)
     parity: dict[str, float] = field(default_factory=dict)  # measured against PyTorch fp32 at export
     custom_kernels: CustomKernelsGraph | None = None  # a server without their library runs `file`
-    padded: PaddedGraph | None = None  # for CUDA graphs; export --device cuda makes it unless --no-cuda-graphs
+    padded: PaddedGraph | None = None  # a padded graph's own twin, for CUDA graphs (see PaddedGraph)
+    host_packed: HostPackedGraph | None = None  # a packed graph's variant for CUDA graphs
 
     @property
     def packed(self) -> bool:
@@ -88,7 +103,8 @@ class GraphInfo:
 
     def files(self) -> list[str]:
         """Every graph file this entry names."""
-        variants = [self, self.custom_kernels, self.padded, self.padded and self.padded.custom_kernels]
+        variants = [self, self.custom_kernels, self.padded, self.padded and self.padded.custom_kernels,
+                    self.host_packed, self.host_packed and self.host_packed.custom_kernels]
         return [v.file for v in variants if v]
 
     @classmethod
@@ -99,7 +115,11 @@ class GraphInfo:
         padded = d.get("padded")
         if padded:
             padded = PaddedGraph(**{**padded, "custom_kernels": kernels(padded.get("custom_kernels"))})
-        return cls(**{**d, "custom_kernels": kernels(d.get("custom_kernels")), "padded": padded or None})
+        host_packed = d.get("host_packed")
+        if host_packed:
+            host_packed = HostPackedGraph(**{**host_packed, "custom_kernels": kernels(host_packed.get("custom_kernels"))})
+        return cls(**{**d, "custom_kernels": kernels(d.get("custom_kernels")), "padded": padded or None,
+                      "host_packed": host_packed or None})
 
 
 @dataclass

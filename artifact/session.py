@@ -11,7 +11,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 import custom_kernels
-from artifact.manifest import GraphInfo, PaddedGraph
+from artifact.manifest import GraphInfo, HostPackedGraph, PaddedGraph
 
 log = logging.getLogger("artifact.session")
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -81,7 +81,7 @@ def open_session(path: Path, device: str, *, library: Path | None = None, device
     return session
 
 
-def open_graph(folder: Path, graph: GraphInfo | PaddedGraph, device: str, *, library: Path | None,
+def open_graph(folder: Path, graph: GraphInfo | PaddedGraph | HostPackedGraph, device: str, *, library: Path | None,
                kernels_required: bool, **options) -> tuple[Path, ort.InferenceSession]:
     """(path, session) over `graph`'s custom-kernels variant when it has one and `library` is given (see
     kernels_library), else over its plain file. A variant that does not load falls back to the plain file

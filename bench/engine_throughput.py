@@ -88,7 +88,7 @@ def build(preset: str, device: str, work: Path, texts: list[str], packed_attenti
             kind = PACKED_KINDS[op]
             try:
                 artifacts[kind] = export_artifact(model_dir, work / kind, device="cuda", packed_attention=op,
-                                                  padded_twin=False)  # "padded" above is that graph
+                                                  cuda_graphs=False)  # "padded" above is that graph
             except ExportError as e:
                 print(f"{kind} fp16 export failed, benchmarking without it: {e}", flush=True)
     print(f"export ({device}): {time.perf_counter() - t:.1f} s", flush=True)

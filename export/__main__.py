@@ -33,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --device cuda, also write the fp16 graph on our fused GEMM + bias + GELU "
                              "operator (custom_kernels/): auto when its library is built, on: required")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                        help="with --device cuda (the default there), also write a padded copy of the fp16 graph "
-                             "(and of its custom-kernels variant) that the server replays as CUDA graphs for a "
-                             "batch of a few texts when the GPU is otherwise idle: a lone short text is answered "
-                             "sooner, for about 2 x the fp16 graph's size on disk (BENCHMARKS.md)")
+                        help="with --device cuda (the default there), also write a host-packed copy of the packed "
+                             "fp16 graph (and of its custom-kernels variant) that the server replays as CUDA "
+                             "graphs: batches of texts cost less CPU and a lone text is answered sooner, for about "
+                             "2 x the fp16 graph's size on disk (BENCHMARKS.md)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help="longest input served, in tokens (at most the model's position embeddings). Default: "
                              "the length the model was trained at: training_summary.json max_length, "
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_as_interrupt():
             manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
                                        remove_padding=not args.keep_padding, kernels=args.custom_kernels,
-                                       padded_twin=args.cuda_graphs, max_length=args.max_length)
+                                       cuda_graphs=args.cuda_graphs, max_length=args.max_length)
     except (ExportError, ModelFolderError, ManifestError, OSError) as e:
         if isinstance(e, OSError):  # a full disk, a folder that cannot be written: the file and the reason
             e = write_failed(Path(e.filename or args.out), e)

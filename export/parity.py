@@ -177,12 +177,16 @@ def _vector_figures(name: str, out: np.ndarray, ref: np.ndarray) -> dict[str, fl
 
 
 def compare(session, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
-            references: list[dict[str, np.ndarray]] | None = None) -> dict[str, float]:
-    """Run `session` (an onnxruntime.InferenceSession) on every batch; worst figures over all of them."""
+            references: list[dict[str, np.ndarray]] | None = None,
+            outputs: list[str] | None = None) -> dict[str, float]:
+    """Run `session` (an onnxruntime.InferenceSession, or anything with its `run`) on every batch; worst
+    figures over all of them, for `outputs` (default: all of the graph's)."""
+    names = list(outputs or graph.outputs)
     worst: dict[str, float] = {}
     for i, feed in enumerate(batches):
         want = references[i] if references is not None else reference_outputs(graph, feed)
-        got = dict(zip(graph.outputs, session.run(graph.outputs, feed)))
+        want = {name: want[name] for name in names}
+        got = dict(zip(names, session.run(names, feed)))
         for key, value in measure(got, want, feed["attention_mask"]).items():
             pick = min if key.endswith("_min_cosine") else max
             worst[key] = pick(worst.get(key, value), value)

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import (DENSE_FILE, GRAPH_FILES, KERNELS_GRAPH_FILE, MANIFEST_FILE, PADDED_GRAPH_FILE,
-                               PADDED_KERNELS_GRAPH_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
-                               GraphInfo, Manifest, PaddedGraph, sha256_file)
+from artifact.manifest import (DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE,
+                               KERNELS_GRAPH_FILE, MANIFEST_FILE, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, TOKENIZER_FILE,
+                               CustomKernelsGraph, GraphInfo, HostPackedGraph, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
@@ -51,7 +51,7 @@ def default_model_name(model_dir: Path) -> str:
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
-    padded_twin: bool | None = None, max_length: int | None = None, packed_attention: str | None = None,
+    cuda_graphs: bool | None = None, max_length: int | None = None, packed_attention: str | None = None,
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -61,9 +61,9 @@ def export_artifact(
     PackedMultiHeadAttention with custom_kernels' library, PackedAttention without); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
-    on parity like the others. `padded_twin` (default: with device="cuda"): the server may replay the
-    fp16 graph's padded form as CUDA graphs for small batches; a packed graph gets a padded twin (and its
-    kernels variant) for that.
+    on parity like the others. `cuda_graphs` (default: with device="cuda"): the server may replay the
+    fp16 graph as CUDA graphs; a packed graph gets a host-packed variant (and its kernels variant) for
+    that (export.host_packing), a padded graph is replayed as it is.
     The artifact serves texts of up to `max_length` tokens, by default the length the model was trained
     at (artifact.source_folder.trained_max_length), and pools them as a sentence-transformers folder
     says (export.checkpoint_layout; else the raw [CLS] vector).
@@ -71,9 +71,9 @@ def export_artifact(
     graph fails parity; nothing is written then."""
     if device not in DEVICES:
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
-    if padded_twin is None:
-        padded_twin = device == "cuda"
-    if padded_twin and device != "cuda":
+    if cuda_graphs is None:
+        cuda_graphs = device == "cuda"
+    if cuda_graphs and device != "cuda":
         raise ExportError("CUDA graphs replay the fp16 graph: --cuda-graphs needs --device cuda")
     try:
         library = kernels_library(kernels, device)  # None on the CPU
@@ -119,14 +119,13 @@ def export_artifact(
                                              packed_attention=packed_attention)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
-        if padded_twin:
-            twin = graphs["fp16"]  # a padded fp16 graph is its own twin
+        if cuda_graphs:
             if remove_padding:
-                twin = _build_graph("fp16", traced, tmp, loaded, graph, batches, references, False, PADDED_GRAPH_FILE)
-                if library is not None:
-                    twin.custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references,
-                                                               PADDED_GRAPH_FILE, PADDED_KERNELS_GRAPH_FILE)
-            graphs["fp16"].padded = PaddedGraph(twin.file, twin.fused_operators, twin.parity, twin.custom_kernels)
+                graphs["fp16"].host_packed = _build_host_packed(tmp, library, graph, batches, references,
+                                                                graphs["fp16"], specials[PAD])
+            else:  # a padded graph is replayed as it is
+                fp16 = graphs["fp16"]
+                fp16.padded = PaddedGraph(fp16.file, fp16.fused_operators, fp16.parity, fp16.custom_kernels)
         traced.unlink()
         tokenizer.save(str(tmp / TOKENIZER_FILE))
         dense_files = _write_dense(layout, tmp)
@@ -259,6 +258,34 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     figures = compare(session, graph, batches, references)
     check_parity("fp16", figures)
     return CustomKernelsGraph(file=path.name, operators={op: n for op, n in operators.items() if n}, parity=figures)
+
+
+def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
+                       references: list[dict[str, np.ndarray]], packed: GraphInfo, pad_id: int) -> HostPackedGraph:
+    """The packed fp16 graph `packed` and its kernels variant as host-packed graphs (export.host_packing),
+    each gated on parity like the graph it comes from, on the outputs it has."""
+    import onnx
+
+    from export.host_packing import HostPackedRunner, host_packed
+
+    def build(source: str, file: str, session_library: Path | None) -> dict[str, float]:
+        model = host_packed(onnx.load(str(tmp / source)))
+        onnx.save(model, str(tmp / file))
+        try:
+            session = open_session(tmp / file, "cuda", library=session_library)
+        except SessionError as e:
+            raise ExportError(str(e)) from e
+        figures = compare(HostPackedRunner(session, pad_id), graph, batches, references, outputs)
+        check_parity("fp16", figures)
+        return figures
+
+    outputs = [name for name in graph.outputs if name != TOKEN_EMBEDDINGS]
+    figures = build(packed.file, HOST_PACKED_GRAPH_FILE, None)
+    kernels = None
+    if packed.custom_kernels is not None:
+        kernels = CustomKernelsGraph(HOST_PACKED_KERNELS_GRAPH_FILE, packed.custom_kernels.operators,
+                                     build(packed.custom_kernels.file, HOST_PACKED_KERNELS_GRAPH_FILE, library))
+    return HostPackedGraph(HOST_PACKED_GRAPH_FILE, outputs, figures, kernels)
 
 
 def _session(path: Path, device: str):

@@ -1013,15 +1013,16 @@ def test_work_waits_for_the_running_batch_below_overlap_min_tokens(overlap_min_t
     assert most_at_once[0] == 2
 
 
-def test_a_batch_that_finds_the_engine_idle_runs_on_the_thread_the_engine_names():
-    """idle_thread (OrtEngine.replay_thread: where a CUDA graph replays) is asked only for a batch that
-    finds no other running; a batch beside a running one, or one it declines, runs on an inference thread."""
+def test_a_batch_runs_on_the_thread_the_engine_names():
+    """replay_thread (OrtEngine.replay_thread: where a CUDA graph replays) is asked for every batch, with
+    its rows, longest and total tokens, outputs and whether it finds no other batch running; a batch it
+    declines runs on an inference thread."""
     asked, ran_on = [], []
-    idle = ThreadPoolExecutor(1, thread_name_prefix="idle-lane")
+    lane = ThreadPoolExecutor(1, thread_name_prefix="replay-lane")
 
-    def idle_thread(rows, longest):
-        asked.append((rows, longest))
-        return idle if rows <= 2 else None
+    def replay_thread(rows, longest, tokens, outputs, alone):
+        asked.append((rows, longest, tokens, sorted(outputs), alone))
+        return lane if rows <= 2 else None
 
     def engine(batch):
         ran_on.append((len(batch.input_ids), threading.current_thread().name))
@@ -1030,7 +1031,7 @@ def test_a_batch_that_finds_the_engine_idle_runs_on_the_thread_the_engine_names(
 
     async def go():
         b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
-                           max_queued=1000, inference_workers=2, packed=True, idle_thread=idle_thread)
+                           max_queued=1000, inference_workers=2, packed=True, replay_thread=replay_thread)
         b.start()
         outputs = frozenset({"cls_embedding"})
         alone = await b.submit_group(_zeros([5, 7]), outputs)
@@ -1041,12 +1042,13 @@ def test_a_batch_that_finds_the_engine_idle_runs_on_the_thread_the_engine_names(
         await b.stop()
         return alone, beside
     alone, beside = run(go())
-    idle.shutdown()
+    lane.shutdown()
     assert alone.outputs["cls_embedding"].shape == (2, 4) and beside.outputs["cls_embedding"].shape == (1, 4)
-    assert asked == [(2, 7), (3, 4)]
-    assert ran_on[0] == (2, "idle-lane_0")
+    assert asked == [(2, 7, 12, ["cls_embedding"], True), (3, 4, 12, ["cls_embedding"], True),
+                     (1, 6, 6, ["cls_embedding"], False)]
+    assert ran_on[0] == (2, "replay-lane_0")
     assert ran_on[1][0] == 3 and ran_on[1][1].startswith("inference")
-    assert ran_on[2][0] == 1 and ran_on[2][1].startswith("inference")
+    assert ran_on[2] == (1, "replay-lane_0")
 
 
 def test_batcher_stops_a_padded_batch_at_the_padding_limit():

@@ -7,8 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from app.cuda_graphs import CudaGraphBuckets, ReplayPlanner, rows_up_to
+from app.cuda_graphs import PACKED_ROWS, CudaGraphBuckets, ReplayPlanner, packed_buckets, rows_up_to
 from app.engine import EngineError, OrtEngine
+from artifact.host_packing import pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
 
 
@@ -113,11 +114,64 @@ def test_the_captured_batch_sizes_are_powers_of_two_up_to_the_largest():
         rows_up_to(0)
 
 
-def test_cuda_graphs_need_cuda_and_a_padded_twin(tiny_artifact_dir):
+def test_cuda_graphs_need_cuda_and_an_artifact_exported_for_them(tiny_artifact_dir):
     manifest = read_manifest(tiny_artifact_dir)
     engine = OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="auto")
-    assert not engine.cuda_graphs and engine.replay_thread(1, 8) is None  # every batch on the batcher's threads
-    with pytest.raises(EngineError, match="padded twin"):
+    assert not engine.cuda_graphs
+    assert engine.replay_thread(1, 8, 8, ["cls_embedding"], True) is None  # every batch on the batcher's threads
+    with pytest.raises(EngineError, match="needs CUDA and an artifact exported for them"):
         OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="on")
     with pytest.raises(EngineError, match="auto, on or off"):
         OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="yes")
+
+
+def ort_token_offset(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
+    """ONNX Runtime's RemovePadding on the GPU (bert_padding.cu, getTokenOffset), line by line."""
+    offset, cumulative = [], [0]
+    for i, count in enumerate(lengths):
+        cumulative.append(cumulative[-1] + count)
+        offset += [i * width + j for j in range(count)]
+    for i, count in enumerate(lengths):
+        offset += [i * width + count + j for j in range(width - count)]
+    return offset, cumulative
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_packing_gives_what_ort_packs_on_the_gpu_with_filler_rows_and_tokens(seed):
+    rng = np.random.default_rng(seed)
+    rows, width = int(rng.integers(1, 9)), int(rng.integers(1, 40))
+    lengths = rng.integers(1, width + 1, rows)
+    ids, types = rng.integers(5, 100, lengths.sum()), rng.integers(0, 2, lengths.sum())
+    bucket_rows, bucket_tokens = rows + int(rng.integers(0, 3)), int(lengths.sum() + rng.integers(0, 9))
+    tokens, offset, cumulative, cls = pack_on_host(lengths, ids, types, bucket_rows, bucket_tokens, width, pad_id=3)
+    all_lengths = list(lengths) + [0] * (bucket_rows - rows)
+    want_offset, want_cumulative = ort_token_offset(all_lengths, width)
+    assert offset.shape == (bucket_rows, width) and offset.ravel().tolist() == want_offset
+    assert cumulative.tolist() == want_cumulative
+    count = int(lengths.sum())
+    assert tokens.shape == (3, bucket_tokens) and tokens.dtype == np.int32
+    assert tokens[0, :count].tolist() == ids.tolist() and (tokens[0, count:] == 3).all()
+    assert tokens[1, :count].tolist() == types.tolist() and (tokens[1:, count:] == 0).all()
+    assert tokens[2, :count].tolist() == [p for n in lengths for p in range(n)]  # positions restart per row
+    assert cls.tolist() == want_cumulative[:rows] + [0] * (bucket_rows - rows)  # filler rows read token 0
+
+
+def test_host_packing_refuses_a_batch_its_bucket_cannot_hold():
+    lengths = np.array([4, 6])
+    for rows, tokens, width in [(1, 16, 8), (2, 9, 8), (2, 16, 5)]:
+        with pytest.raises(ValueError, match="do not fit a bucket"):
+            pack_on_host(lengths, None, None, rows, tokens, width, 0)
+
+
+def test_packed_buckets_hold_every_batch_within_the_limits_in_the_smallest_that_fits():
+    width, max_rows, max_tokens = 128, 256, 16384
+    buckets = packed_buckets(max_rows, max_tokens, width)
+    assert buckets == sorted(set(buckets)) and {r for r, _ in buckets} == set(PACKED_ROWS)
+    assert max(t for _, t in buckets) == max_tokens
+    for rows in [1, 2, 4, 5, 16, 17, 63, 64, 65, 200, 256]:
+        for tokens in {rows, rows * 7, min(rows * width, max_tokens)}:
+            holding = [(r, t) for r, t in buckets if r >= rows and t >= tokens]
+            assert holding, (rows, tokens)
+            smallest_rows = min(r for r, _ in holding)
+            assert min(t for r, t in holding if r == smallest_rows) - tokens < max(64, tokens // 4)  # filler
+    assert packed_buckets(8, 1000, 512)[-1] == (8, 1000)  # limits set by the server's batch limits

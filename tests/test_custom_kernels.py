@@ -209,16 +209,20 @@ def test_manifest_naming_a_missing_kernels_graph_is_refused(tiny_artifact_dir, t
 def test_manifest_graph_variants_are_types_that_survive_the_json(tiny_artifact_dir, tmp_path):
     """packed / padded x plain / custom kernels, written as export writes them and read back as dataclasses;
     a manifest with a key this version does not know asks for a re-export."""
-    from artifact.manifest import Manifest, PaddedGraph
+    from artifact.manifest import HostPackedGraph, Manifest, PaddedGraph
 
     manifest = read_manifest(tiny_artifact_dir)
     graph = manifest.graph("fp32")
     graph.custom_kernels = CustomKernelsGraph("k.onnx", {MATMUL_BIAS_GELU: 2}, {"batches": 1.0})
     graph.padded = PaddedGraph("p.onnx", {"Attention": 2}, {"batches": 1.0},
                                CustomKernelsGraph("pk.onnx", {MATMUL_BIAS_GELU: 2}, {}))
+    graph.host_packed = HostPackedGraph("h.onnx", ["cls_embedding"], {"batches": 1.0},
+                                        CustomKernelsGraph("hk.onnx", {MATMUL_BIAS_GELU: 2}, {}))
     back = Manifest.from_dict(json.loads(manifest.to_json())).graph("fp32")
     assert back == graph and isinstance(back.padded.custom_kernels, CustomKernelsGraph)
-    assert back.files() == [graph.file, "k.onnx", "p.onnx", "pk.onnx"] and not back.packed
+    assert isinstance(back.host_packed, HostPackedGraph) and isinstance(back.host_packed.custom_kernels,
+                                                                        CustomKernelsGraph)
+    assert back.files() == [graph.file, "k.onnx", "p.onnx", "pk.onnx", "h.onnx", "hk.onnx"] and not back.packed
     assert manifest.graph("int8").custom_kernels is None and manifest.graph("int8").files() == ["model_int8.onnx"]
 
     stale = json.loads(manifest.to_json())

@@ -8,7 +8,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import CLS_EMBEDDING, GRAPH_FILES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, read_manifest
+from artifact.manifest import (CLS_EMBEDDING, GRAPH_FILES, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
+                               read_manifest)
 from artifact.session import open_session
 from export.__main__ import main
 from export.onnx_graph import EmbeddingGraph
@@ -30,7 +31,8 @@ def test_fp16_graph_built_and_checked_on_cuda(tiny_model_dir, tmp_path):
     assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--int8",
                  "--no-cuda-graphs"]) == 0
     m = read_manifest(out)
-    assert set(m.graphs) == {"fp32", "fp16", "int8"} and m.graph("fp16").padded is None
+    assert set(m.graphs) == {"fp32", "fp16", "int8"}
+    assert m.graph("fp16").padded is None and m.graph("fp16").host_packed is None
     fp16 = m.graph("fp16")
     assert fp16.file == GRAPH_FILES["fp16"] and fp16.device == "cuda"
     assert fp16.fused_operators["Attention"] + fp16.fused_operators["MultiHeadAttention"] == m.num_layers
@@ -69,7 +71,7 @@ def test_packed_multi_head_attention_graph(tiny_model_dir, tmp_path):
     """The packed graph on PackedMultiHeadAttention (Q, K, V products before it) passes the same gate and
     answers a padded batch as the model does, with padding in the batch to remove."""
     m = export_artifact(tiny_model_dir, tmp_path / "art", device="cuda", packed_attention="PackedMultiHeadAttention",
-                        padded_twin=False)
+                        cuda_graphs=False)
     fp16 = m.graph("fp16")
     assert fp16.fused_operators["PackedMultiHeadAttention"] == m.num_layers and fp16.packed
     assert "PackedAttention" not in fp16.fused_operators
@@ -189,51 +191,78 @@ def test_kernels_reuse_a_buckets_algorithm_for_new_token_counts(tiny_model_dir, 
 
 
 @pytest.mark.parametrize("kernels,keep_padding", [("off", False), ("on", False), ("on", True)])
-def test_small_batches_replay_cuda_graphs_of_the_padded_twin(tiny_model_dir, tmp_path, kernels, keep_padding):
-    """The export writes a padded twin of the packed fp16 graph (and its kernels variant with the
-    library; a padded fp16 graph is its own twin); the engine replays it as CUDA graphs for small
-    batches, giving what the session's graph gives, every replay on its own new inputs; a batch beyond
-    the buckets runs on the session's graph."""
+def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_dir, tmp_path, kernels, keep_padding):
+    """A packed fp16 graph gets a host-packed variant (and its kernels variant with the library), gated on
+    parity like it; the engine replays it for every batch within its buckets that wants no token vectors,
+    each replay on its own new inputs, and answers what the packed graph answers. A padded graph is
+    replayed as it is, for small batches. The rest runs on the session's graph."""
     from app.engine import Batch, OrtEngine
-    from artifact.manifest import NSP_LOGITS, PADDED_GRAPH_FILE
+    from artifact.manifest import HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE, NSP_LOGITS
 
-    out = tmp_path / "art"  # the twin is written by default on CUDA
+    out = tmp_path / "art"  # written by default on CUDA
     assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels]
                 + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
-    padded = m.graph("fp16").padded
-    assert padded.file == (GRAPH_FILES["fp16"] if keep_padding else PADDED_GRAPH_FILE)
-    assert "PackedAttention" not in padded.fused_operators
-    assert padded.parity["cls_embedding_min_cosine"] >= 0.999 and bool(padded.custom_kernels) == (kernels == "on")
-    replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on")
+    fp16 = m.graph("fp16")
+    if keep_padding:
+        assert fp16.padded.file == GRAPH_FILES["fp16"] and fp16.host_packed is None
+    else:
+        host_packed = fp16.host_packed
+        assert fp16.padded is None and host_packed.file == HOST_PACKED_GRAPH_FILE
+        assert host_packed.outputs == [name for name in fp16.outputs if name != TOKEN_EMBEDDINGS]
+        assert host_packed.parity["cls_embedding_min_cosine"] >= 0.999 and host_packed.parity["nsp_prob_max_diff"] <= 0.01
+        assert (host_packed.custom_kernels.file if kernels == "on" else None) == (
+            HOST_PACKED_KERNELS_GRAPH_FILE if kernels == "on" else host_packed.custom_kernels)
+    replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on", max_batch_size=24,
+                         cuda_graph_tokens=2000)
     packed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="off")
     assert replayed.cuda_graphs and not packed.cuda_graphs
+    assert (replayed.packed_graphs is None) == keep_padding and (replayed.graph_buckets is None) != keep_padding
+    replays = []
+    if not keep_padding:
+        run = replayed.packed_graphs.run
+        replayed.packed_graphs.run = lambda lengths, *a: replays.append(len(lengths)) or run(lengths, *a)
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-    texts = [tok.encode("a short one"), tok.encode("a much longer sentence with more words in it", "and a pair"),
-             tok.encode("x"), tok.encode("another text of a middling length")]
-    outputs = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
-    for rows, first in [(1, 0), (1, 1), (1, 2), (3, 1), (16, 0), (16, 3), (17, 0)]:
+    rng = np.random.default_rng(0)
+    words = "the a cat sat on mat of words longer sentence with more in it and pair".split()
+    texts = [tok.encode(" ".join(rng.choice(words, int(n)))) for n in rng.integers(1, 120, 60)]
+    texts[0] = tok.encode(" ".join(["word"] * 200))  # the longest the model takes, once truncated
+    for text in texts:
+        text.truncate(m.max_length)
+    assert len(texts[0]) == m.max_length
+    per_row = (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
+    cases = [(rows, first, per_row) for rows, first in [(1, 1), (1, 0), (3, 5), (4, 2), (5, 9), (16, 20), (17, 30),
+                                                         (24, 3), (25, 0)]]
+    cases += [(3, 5, per_row + (TOKEN_EMBEDDINGS,)), (2, 7, (CLS_EMBEDDING,))]
+    for rows, first, outputs in cases:
         feed = padded_feed([texts[(first + i) % len(texts)] for i in range(rows)])
         batch = Batch(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"], outputs)
         got, want = replayed.run(batch), packed.run(batch)
-        real = feed["attention_mask"].astype(bool)
         assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
-        assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999, (rows, first)
+        if TOKEN_EMBEDDINGS in outputs:
+            real = feed["attention_mask"].astype(bool)
+            assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999, (rows, first)
         assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, (rows, first)
-        assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)
-        np.testing.assert_allclose(got[NSP_LOGITS], want[NSP_LOGITS], atol=2e-2)
+        if POOLED_EMBEDDING in outputs:
+            assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)
+            np.testing.assert_allclose(got[NSP_LOGITS], want[NSP_LOGITS], atol=2e-2)
+    if not keep_padding:  # within 24 rows and 2000 tokens, without token vectors
+        tokens = [sum(len(texts[(first + i) % len(texts)]) for i in range(rows)) for rows, first, _ in cases]
+        assert replays == [rows for (rows, _, outputs), n in zip(cases, tokens)
+                           if rows <= 24 and n <= 2000 and TOKEN_EMBEDDINGS not in outputs]
+        assert len(set(replays)) >= 5
 
 
 def test_a_small_batch_replays_a_cuda_graph_only_when_the_gpu_is_otherwise_idle(tiny_model_dir, tmp_path, monkeypatch):
-    """Beside a running batch a small one runs on the session's graph (a replay's synchronous copies
-    would wait for the other batch), with the same answer; alone it replays its CUDA graph."""
+    """A padded graph's CUDA graphs: beside a running batch a small one runs on the session's graph (a
+    replay's synchronous copies would wait for the other batch), with the same answer; alone it replays."""
     import threading
 
     from app.engine import Batch, OrtEngine
 
     out = tmp_path / "art"
-    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]) == 0
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--keep-padding"]) == 0
     engine = OrtEngine(out, read_manifest(out), "cuda", "fp16")
     assert engine.cuda_graphs
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -265,27 +294,35 @@ def test_a_small_batch_replays_a_cuda_graph_only_when_the_gpu_is_otherwise_idle(
     assert cosine(beside, alone).min() >= 0.9999
 
 
-def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("keep_padding", [False, True])
+def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_dir, tmp_path, keep_padding):
     """ONNX Runtime keeps captured CUDA graphs per calling thread: replays asked for from threads other than
     the one that captured them, while other threads keep running the session's graph, all succeed (each
     would otherwise capture again, and a capture beside a running batch fails both)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from app.engine import OrtEngine
+    from app.engine import Batch, OrtEngine
 
     out = tmp_path / "art"
-    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]) == 0
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]
+                + (["--keep-padding"] if keep_padding else [])) == 0
     engine = OrtEngine(out, read_manifest(out), "cuda", "fp16")
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     large = padded_feed([tok.encode("a longer text that keeps the session's graph busy for a while")] * 64)
-    small = padded_feed([tok.encode("a short one")] * 3)
-    want = engine.graph_buckets.run(small["input_ids"], small["attention_mask"], small["token_type_ids"],
-                                    (CLS_EMBEDDING,))[CLS_EMBEDDING]
+    small = Batch(*(padded_feed([tok.encode("a short one")] * 3)[k] for k in INPUT_NAMES), (CLS_EMBEDDING,))
+
+    def replay():
+        if keep_padding:
+            return engine.graph_buckets.run(small.input_ids, small.attention_mask, small.token_type_ids,
+                                            small.outputs)[CLS_EMBEDDING]
+        ids, type_ids, lengths = small.unpadded()
+        return engine.packed_graphs.run(lengths, ids, type_ids, small.outputs)[CLS_EMBEDDING]
+
+    want = replay()
     stop, failures = threading.Event(), []
 
     def keep_busy():
-        from app.engine import Batch
         batch = Batch(large["input_ids"], large["attention_mask"], large["token_type_ids"], (CLS_EMBEDDING,))
         while not stop.is_set():
             try:
@@ -299,11 +336,10 @@ def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_di
         t.start()
     try:
         with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(lambda _: engine.graph_buckets.run(
-                small["input_ids"], small["attention_mask"], small["token_type_ids"], (CLS_EMBEDDING,)), range(64)))
+            got = list(pool.map(lambda _: replay(), range(64)))
     finally:
         stop.set()
         for t in busy:
             t.join(30)
     assert failures == []
-    assert all(cosine(g[CLS_EMBEDDING], want).min() >= 0.9999 for g in got)
+    assert all(cosine(g, want).min() >= 0.9999 for g in got)
