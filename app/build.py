@@ -78,7 +78,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     try:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
                            settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows,
-                           settings.max_batch_size, min(settings.cuda_graph_tokens, batch_token_budget(settings, device)))
+                           settings.max_batch_size, min(settings.cuda_graph_tokens, batch_token_budget(settings, device)), settings.cuda_graph_lanes)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise

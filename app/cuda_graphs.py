@@ -244,6 +244,8 @@ class PackedGraphBuckets:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
         self._thread_id = self._thread.submit(threading.get_ident).result()
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
+        self._claims = 0  # batches handed to this thread by `claim` and not finished
+        self._claims_lock = threading.Lock()
 
     def _make(self, rows: int, tokens: int, graph_id: int) -> _Bucket:
         binding = self.session.io_binding()
@@ -266,6 +268,21 @@ class PackedGraphBuckets:
         """The buckets' own thread: work submitted here replays without a hop to it (`run` calls straight in)."""
         return self._thread
 
+    def claim(self) -> Executor:
+        """The thread, counting one more batch for it until its replay ends (see `claims`)."""
+        with self._claims_lock:
+            self._claims += 1
+        return self._thread
+
+    @property
+    def thread_id(self) -> int:
+        return self._thread_id
+
+    @property
+    def claims(self) -> int:
+        """Batches claimed and not finished: where several sessions replay, the least claimed takes the next."""
+        return self._claims
+
     def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
         """The smallest (rows, tokens) bucket that holds such a batch, else None."""
         return next(((r, t) for r, t in self.buckets if r >= rows and t >= tokens), None)
@@ -287,9 +304,13 @@ class PackedGraphBuckets:
         key = self.bucket(len(lengths), int(lengths.sum()))
         if key is None:
             raise ValueError(f"{len(lengths)} rows of {int(lengths.sum())} tokens fit no captured bucket")
-        if threading.get_ident() == self._thread_id:
+        if threading.get_ident() != self._thread_id:
+            return self._thread.submit(self._replay, key, lengths, ids, type_ids, outputs).result()
+        try:
             return self._replay(key, lengths, ids, type_ids, outputs)
-        return self._thread.submit(self._replay, key, lengths, ids, type_ids, outputs).result()
+        finally:
+            with self._claims_lock:
+                self._claims = max(0, self._claims - 1)
 
     def _replay(self, key: tuple[int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
                 outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

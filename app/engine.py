@@ -86,7 +86,7 @@ class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
                  cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS, max_batch_size: int = 256,
-                 cuda_graph_tokens: int = PACKED_MAX_TOKENS):
+                 cuda_graph_tokens: int = PACKED_MAX_TOKENS, cuda_graph_lanes: int = 1):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
@@ -110,21 +110,24 @@ class OrtEngine:
         self.packed = graph.packed  # padded tokens cost nothing: the batcher packs by tokens, not rows
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
         self.graph_buckets: CudaGraphBuckets | None = None  # a padded graph's, for small batches
-        self.packed_graphs: PackedGraphBuckets | None = None  # a packed graph's host-packed variant's
+        # a packed graph's host-packed variant's, one per session that replays it (each on its own thread)
+        self.packed_lanes: tuple[PackedGraphBuckets, ...] = ()
         self._open_cuda_graphs(folder, graph, library if self.custom_kernels else None, cuda_graphs,
-                               manifest.max_length, cuda_graph_rows, (max_batch_size, cuda_graph_tokens))
+                               manifest.max_length, cuda_graph_rows, (max_batch_size, cuda_graph_tokens),
+                               cuda_graph_lanes)
         self._running = 0  # batches on the GPU now, from any inference thread
         self._running_lock = threading.Lock()
 
     @property
     def cuda_graphs(self) -> bool:
-        return self.graph_buckets is not None or self.packed_graphs is not None
+        return self.graph_buckets is not None or bool(self.packed_lanes)
 
     def _open_cuda_graphs(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str, max_length: int,
-                          max_rows: int, batch_limits: tuple[int, int]) -> None:
+                          max_rows: int, batch_limits: tuple[int, int], lanes: int) -> None:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
         host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
-        or a padded graph for batches of up to `max_rows` rows that find the GPU idle. choice "auto": when
+        in `lanes` sessions that replay side by side, or a padded graph for batches of up to `max_rows` rows
+        that find the GPU idle. choice "auto": when
         on CUDA and the artifact has them; "on": both required; "off": never. With the custom kernels
         running (`library`), their variant."""
         if choice not in ("auto", "on", "off"):
@@ -135,25 +138,29 @@ class OrtEngine:
         if self.device != "cuda" or variant is None:
             raise EngineError("cuda_graphs on needs CUDA and an artifact exported for them (python -m export "
                               "--device cuda writes what they replay unless --no-cuda-graphs)")
+        packed = isinstance(variant, HostPackedGraph)
+        captured = []
         try:
-            path, session = open_graph(folder, variant, self.device, library=library,
-                                       kernels_required=library is not None, device_id=self.cuda_device_id,
-                                       cuda_graph=True, intra_op_threads=self.intra_op_threads)
-            if isinstance(variant, HostPackedGraph):
-                buckets = PackedGraphBuckets(session, self.cuda_device_id, max_length, self.pad_id, *batch_limits)
-            else:
-                buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id,
-                                           max_rows=max_rows)
-            buckets.capture()
+            for _ in range(lanes if packed else 1):
+                path, session = open_graph(folder, variant, self.device, library=library,
+                                           kernels_required=library is not None, device_id=self.cuda_device_id,
+                                           cuda_graph=True, intra_op_threads=self.intra_op_threads)
+                if packed:
+                    buckets = PackedGraphBuckets(session, self.cuda_device_id, max_length, self.pad_id, *batch_limits)
+                else:
+                    buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id,
+                                               max_rows=max_rows)
+                buckets.capture()
+                captured.append(buckets)
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             if choice == "on":
                 raise EngineError(f"CUDA graphs of {variant.file} failed: {e}") from e
             log.warning("CUDA graphs of %s failed (%s); batches run on %s", variant.file, e, self.graph_file)
             return
-        if isinstance(buckets, PackedGraphBuckets):
-            self.packed_graphs = buckets
-            log.info("batches of up to %d texts and %d tokens replay CUDA graphs of %s (%d buckets)",
-                     batch_limits[0], buckets.buckets[-1][1], path.name, len(buckets.buckets))
+        if packed:
+            self.packed_lanes = tuple(captured)
+            log.info("batches of up to %d texts and %d tokens replay CUDA graphs of %s (%d buckets, %d session(s))",
+                     batch_limits[0], buckets.buckets[-1][1], path.name, len(buckets.buckets), lanes)
         else:
             self.graph_buckets = buckets
             log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
@@ -163,8 +170,8 @@ class OrtEngine:
         """Where to run a batch of `rows` sequences, the longest of `longest` tokens, `tokens` in all, that
         wants `outputs` (`alone`: no other batch is running): the CUDA graphs' own thread when it will
         replay one there (`run` there replays without a hop to that thread and back), else None (any thread)."""
-        if self.packed_graphs is not None and self.packed_graphs.fits(rows, longest, tokens, outputs):
-            return self.packed_graphs.thread
+        if self.packed_lanes and self.packed_lanes[0].fits(rows, longest, tokens, outputs):
+            return min(self.packed_lanes, key=lambda lane: lane.claims).claim()
         if alone and self.graph_buckets is not None and self.graph_buckets.fits(rows, longest):
             return self.graph_buckets.thread
         return None
@@ -184,10 +191,10 @@ class OrtEngine:
             raise lost from e
 
     def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
-        if self.packed_graphs is not None:
+        if self.packed_lanes:
             ids, type_ids, lengths = batch.unpadded()
-            if self.packed_graphs.fits(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
-                return self.packed_graphs.run(lengths, ids, type_ids, batch.outputs)
+            if self.packed_lanes[0].fits(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
+                return self._packed_lane().run(lengths, ids, type_ids, batch.outputs)
         if self.graph_buckets is None:
             return self._run_session(batch)
         with self._running_lock:
@@ -201,6 +208,12 @@ class OrtEngine:
         finally:
             with self._running_lock:
                 self._running -= 1
+
+    def _packed_lane(self) -> PackedGraphBuckets:
+        """The lane whose thread this is (the batcher ran the batch there), else the least claimed one."""
+        here = threading.current_thread()
+        return next((lane for lane in self.packed_lanes if lane.thread_id == here.ident),
+                    min(self.packed_lanes, key=lambda lane: lane.claims))
 
     def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
@@ -229,8 +242,9 @@ class OrtEngine:
         input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
         probe = Batch(input_ids, mask, types, tuple(sorted(self.outputs)))
         runs = [self._run_session(probe)] + ([self.run(probe)] if self.graph_buckets is not None else [])
-        if self.packed_graphs is not None:
-            runs.append(self.run(Batch(input_ids, mask, types, tuple(sorted(self.packed_graphs.outputs)))))
+        for lane in self.packed_lanes:  # each session's replay, with the outputs it has
+            probe_ids, probe_types, lengths = Batch(input_ids, mask, types, ()).unpadded()
+            runs.append(lane.run(lengths, probe_ids, probe_types, tuple(sorted(lane.outputs))))
         for name, value in (item for out in runs for item in out.items()):
             if value.shape[0] != 2 or not np.isfinite(value).all():
                 raise EngineError(f"the warm-up forward pass gave a bad {name} (shape {value.shape}, "

@@ -45,8 +45,13 @@ class Settings(BaseSettings):
         "auto: when the artifact has that graph; on: fail without it; off: never")
     cuda_graph_tokens: int = Field(2048, ge=1, le=32768, description="CUDA, packed graphs: the largest batch "
                                    "(tokens) replayed from a CUDA graph; one is captured for each (rows, tokens) "
-                                   "bucket up to it, about 1.25x apart. More tokens: more GPU memory, and above "
-                                   "about 2,048 tokens the packed graph is as fast (BENCHMARKS.md)")
+                                   "bucket up to it, about 1.25x apart. More tokens: more GPU memory (about 65 MB a "
+                                   "captured graph for BERT-base), and above about 2,048 tokens a batch runs as "
+                                   "fast or faster on the packed graph (BENCHMARKS.md)")
+    cuda_graph_lanes: int = Field(1, ge=1, le=4, description="CUDA, packed graphs: sessions that replay CUDA "
+                                  "graphs side by side, each on its own thread with its own copy of the graph and "
+                                  "of every captured bucket in GPU memory. Two replayed 30% more 40-text batches "
+                                  "a second on an H100, a gain not seen through HTTP (BENCHMARKS.md)")
     cuda_graph_rows: int = Field(16, ge=1, le=256, description="CUDA, padded graphs: the largest batch (texts) "
                                  "replayed from a CUDA graph; one is captured for each power of two below it and "
                                  "for it, at each length bucket (a batch of mixed lengths may be replayed as a few "

@@ -41,7 +41,7 @@ KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
 HOST_PACKED_GRAPH_FILE = "model_fp16_host_packed.onnx"
 HOST_PACKED_KERNELS_GRAPH_FILE = "model_fp16_host_packed_kernels.onnx"
 # Artifacts exported before the host-packed variants gave a packed graph a padded twin for CUDA graphs
-# instead; a server reading one replays nothing (re-export for CUDA graphs).
+# instead (PaddedGraph); the server still replays it for small batches.
 PADDED_GRAPH_FILE = "model_fp16_padded.onnx"
 PADDED_KERNELS_GRAPH_FILE = "model_fp16_padded_kernels.onnx"
 # A sentence-transformers checkpoint's Dense modules, applied after its own pooling (numpy .npz: arrays
@@ -65,8 +65,9 @@ class CustomKernelsGraph:
 
 @dataclass
 class PaddedGraph:
-    """A packed graph's padded twin: the same model with its padding kept, so that its shapes are fixed and
-    small batches can replay it as CUDA graphs (app/cuda_graphs.py). A padded graph is its own twin."""
+    """A graph with its padding kept, whose shapes are fixed, so that small batches can replay it as CUDA
+    graphs per (rows, length) bucket (app/cuda_graphs.py): a padded graph's own file, or the padded twin
+    that export gave a packed graph before host-packed variants."""
     file: str
     fused_operators: dict[str, int]
     parity: dict[str, float]
@@ -93,7 +94,7 @@ class GraphInfo:
     fused_operators: dict[str, int] = field(default_factory=dict)
     parity: dict[str, float] = field(default_factory=dict)  # measured against PyTorch fp32 at export
     custom_kernels: CustomKernelsGraph | None = None  # a server without their library runs `file`
-    padded: PaddedGraph | None = None  # a padded graph's own twin, for CUDA graphs (see PaddedGraph)
+    padded: PaddedGraph | None = None  # for CUDA graphs of a padded graph (see PaddedGraph)
     host_packed: HostPackedGraph | None = None  # a packed graph's variant for CUDA graphs
 
     @property

@@ -1,7 +1,9 @@
 """What a batch of one-text requests costs the engine on the GPU, by path: the packed graph (ONNX Runtime
 launching every kernel), CUDA-graph replays of the padded twin with the whole batch in one bucket (padded
 to its longest text), and replays planned by length (app/cuda_graphs.ReplayPlanner). The engine is the
-server's own OrtEngine over an artifact exported with --device cuda; the texts are bench/http_load.py's.
+server's own OrtEngine over an artifact with a packed graph and its padded twin, as `python -m export
+--device cuda` wrote them before the host-packed variant replaced the twin (bench/packed_cuda_graphs.py
+measures that one); the texts are bench/http_load.py's.
 
 Also: a replay's fixed cost and its cost per padded token, timed on single buckets, from which the
 planner's REPLAY_COST_TOKENS is chosen; and two threads running packed batches at once (does a second
@@ -101,6 +103,8 @@ def main() -> None:
                        cuda_graph_rows=max(sizes))
     packed_engine = OrtEngine(args.artifact, manifest, "cuda", "fp16", kernels=args.kernels, cuda_graphs="off")
     buckets = engine.graph_buckets
+    if buckets is None or not packed_engine.packed:
+        parser.error(f"{args.artifact} has no packed fp16 graph with a padded twin (see this script's docstring)")
     planned = buckets.planner
     one_bucket = ReplayPlanner(buckets.rows, buckets.lengths, replay_cost=10**9)
     print(f"{engine.graph_file} (custom kernels: {engine.custom_kernels}); buckets rows {buckets.rows} x lengths "

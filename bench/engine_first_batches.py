@@ -1,5 +1,5 @@
-"""The server's engine (app.engine.OrtEngine) in a fresh process: one small batch (a CUDA-graph replay of the
-padded twin, with CUDA graphs on), then batches of 64, 128 and 256 texts of 128 tokens, each timed on its
+"""The server's engine (app.engine.OrtEngine) in a fresh process: one small batch (a CUDA-graph replay, with CUDA
+graphs on), then batches of 64, 128 and 256 texts of 128 tokens, each timed on its
 first run and then as the median of ten. The first run of each size pays custom_kernels' autotuning
 (BERTSERVE_KERNELS_AUTOTUNE=0 to compare); run it several times to see start-up failures. With
 --ragged-rows, batches of those many texts of random lengths (8-128 tokens) follow, timed the same way:

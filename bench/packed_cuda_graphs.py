@@ -85,12 +85,12 @@ def main() -> int:
     for tokens in (PACKED_MAX_TOKENS, 32768):  # the server's default, and room for 256 x 128
         before, t = gpu_memory_mib(), time.perf_counter()
         engines[tokens] = OrtEngine(art, manifest, "cuda", "fp16", cuda_graphs="on", cuda_graph_tokens=tokens)
-        capture = {"cuda_graph_tokens": tokens, "buckets": len(engines[tokens].packed_graphs.buckets),
+        capture = {"cuda_graph_tokens": tokens, "buckets": len(engines[tokens].packed_lanes[0].buckets),
                    "seconds": round(time.perf_counter() - t, 2), "gpu_mib_added": gpu_memory_mib() - before}
         result["capture"].append(capture)
         print("capture", capture, flush=True)
     served = engines[32768]
-    replays = served.packed_graphs
+    replays = served.packed_lanes[0]
 
     texts = make_texts(4000, seed=3)
     cases = {f"{n} texts": text_batch(tokenizer, texts[i * 7:i * 7 + n], pad, outputs)
@@ -122,9 +122,56 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result["cases"] = rows
+    result["lanes"] = lanes_throughput(art, manifest, cases["40 texts"], args.iters)
+    result["host_stages_40_texts"] = replays.thread.submit(host_stages, replays, cases["40 texts"], args.iters).result()
+    print("lanes", result["lanes"], "\nhost stages (ms)", result["host_stages_40_texts"], flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def lanes_throughput(art: Path, manifest, batch: Batch, iters: int) -> list[dict]:
+    """Batches per second of `batch` back to back, through 1 and 2 sessions replaying side by side
+    (cuda_graph_lanes), each lane fed by its own thread as the batcher's claims would."""
+    engine = OrtEngine(art, manifest, "cuda", "fp16", cuda_graphs="on", cuda_graph_lanes=2)
+    ids, types, lengths = batch.unpadded()
+    out = []
+    for lanes in (1, 2, 1, 2):
+        count = 20 * iters
+        started = time.perf_counter()
+        futures = [engine.packed_lanes[i % lanes].thread.submit(engine.run, batch) for i in range(count)]
+        for f in futures:
+            f.result()
+        seconds = time.perf_counter() - started
+        out.append({"lanes": lanes, "batches_per_s": round(count / seconds, 1),
+                    "texts_per_s": round(count * len(lengths) / seconds)})
+    return out
+
+
+def host_stages(replays, batch: Batch, iters: int) -> dict[str, float]:
+    """Median ms of each step of one replay (called on the lane's own thread): packing, the input copies,
+    the replay, the output copy."""
+    from artifact.host_packing import HOST_PACKED_INPUTS, pack_on_host
+
+    ids, types, lengths = batch.unpadded()
+    key = replays.bucket(len(lengths), int(lengths.sum()))
+    bucket = replays._graphs[key]
+    feeds = pack_on_host(lengths, ids, types, bucket.rows, bucket.length, replays.width, replays.pad_id)
+
+    def copy_in():
+        for name, value in zip(HOST_PACKED_INPUTS, feeds):
+            bucket.inputs[name].update_inplace(value)
+    return {"collate": median_ms(lambda: text_batch_like(batch), iters),
+            "pack": median_ms(lambda: pack_on_host(lengths, ids, types, bucket.rows, bucket.length, replays.width,
+                                                   replays.pad_id), iters),
+            "copy_in": median_ms(copy_in, iters),
+            "replay": median_ms(lambda: replays.session.run_with_iobinding(bucket.binding, bucket.run_options), iters),
+            "copy_out_cls": median_ms(lambda: bucket.outputs[CLS_EMBEDDING].numpy(), iters)}
+
+
+def text_batch_like(batch: Batch) -> Batch:
+    ids, types, lengths = batch.unpadded()
+    return collate(Sequences(ids, types, lengths), 0, frozenset(batch.outputs))
 
 
 def device_ms(session, batch: Batch, iters: int) -> float:

@@ -76,10 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             ops = ", ".join(f"{k} {v}" for k, v in kernels.operators.items())
             worst = ", ".join(f"{k} {v:.3g}" for k, v in kernels.parity.items() if k != "batches")
             print(f"{precision} with custom kernels: {args.out}/{kernels.file}; {ops}; parity: {worst}")
-        if padded := info.padded:
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in padded.parity.items() if k != "batches")
-            print(f"{precision} padded twin (CUDA graphs): {args.out}/{padded.file}"
-                  + (f" and {padded.custom_kernels.file}" if padded.custom_kernels else "") + f"; parity: {worst}")
+        if replayed := info.host_packed:
+            worst = ", ".join(f"{k} {v:.3g}" for k, v in replayed.parity.items() if k != "batches")
+            print(f"{precision} host-packed (CUDA graphs): {args.out}/{replayed.file}"
+                  + (f" and {replayed.custom_kernels.file}" if replayed.custom_kernels else "") + f"; parity: {worst}")
+        elif info.padded:
+            print(f"{precision}: CUDA graphs replay {args.out}/{info.padded.file} itself")
     return 0
 
 

@@ -135,8 +135,8 @@ def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokeni
 
 @pytest.mark.gpu
 def test_a_cross_encoder_scores_on_the_gpu_as_transformers_does(cross_encoder, tiny_tokenizer_dir, tmp_path):
-    """The fp16 graph the GPU serves (packed, with our kernels when built) and its padded twin replayed as
-    CUDA graphs give the classifier's scores within the export gate's 0.01."""
+    """The fp16 graph the GPU serves (packed, with our kernels when built) and its host-packed variant replayed
+    as CUDA graphs give the classifier's scores within the export gate's 0.01."""
     from tokenizers import Tokenizer
 
     from app.engine import Batch, OrtEngine

@@ -217,11 +217,12 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
                          cuda_graph_tokens=2000)
     packed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="off")
     assert replayed.cuda_graphs and not packed.cuda_graphs
-    assert (replayed.packed_graphs is None) == keep_padding and (replayed.graph_buckets is None) != keep_padding
+    assert (not replayed.packed_lanes) == keep_padding and (replayed.graph_buckets is None) != keep_padding
     replays = []
     if not keep_padding:
-        run = replayed.packed_graphs.run
-        replayed.packed_graphs.run = lambda lengths, *a: replays.append(len(lengths)) or run(lengths, *a)
+        lane = replayed.packed_lanes[0]
+        run = lane.run
+        lane.run = lambda lengths, *a: replays.append(len(lengths)) or run(lengths, *a)
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     rng = np.random.default_rng(0)
@@ -317,7 +318,7 @@ def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_di
             return engine.graph_buckets.run(small.input_ids, small.attention_mask, small.token_type_ids,
                                             small.outputs)[CLS_EMBEDDING]
         ids, type_ids, lengths = small.unpadded()
-        return engine.packed_graphs.run(lengths, ids, type_ids, small.outputs)[CLS_EMBEDDING]
+        return engine.packed_lanes[0].run(lengths, ids, type_ids, small.outputs)[CLS_EMBEDDING]
 
     want = replay()
     stop, failures = threading.Event(), []
@@ -343,3 +344,37 @@ def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_di
             t.join(30)
     assert failures == []
     assert all(cosine(g, want).min() >= 0.9999 for g in got)
+
+
+def test_two_sessions_replay_side_by_side_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
+    """cuda_graph_lanes 2: batches handed to the thread replay_thread names go to both sessions (the least
+    claimed takes the next), and every answer is the packed graph's."""
+    import threading
+
+    from app.engine import Batch, OrtEngine
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]) == 0
+    m = read_manifest(out)
+    engine = OrtEngine(out, m, "cuda", "fp16", cuda_graph_lanes=2)
+    packed = OrtEngine(out, m, "cuda", "fp16", cuda_graphs="off")
+    assert len(engine.packed_lanes) == 2
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    batches = []
+    for rows in (1, 2, 5, 9, 16, 30):
+        feed = padded_feed([tok.encode(" ".join(["word"] * (1 + (i * 7) % 40))) for i in range(rows)])
+        batches.append(Batch(*(feed[k] for k in INPUT_NAMES), (CLS_EMBEDDING, POOLED_EMBEDDING)))
+    work = []
+    for batch in batches * 6:
+        ids, _, lengths = batch.unpadded()
+        thread = engine.replay_thread(len(lengths), int(lengths.max()), len(ids), batch.outputs, False)
+        work.append((batch, thread.submit(lambda b=batch: (threading.get_ident(), engine.run(b)))))
+    ran_on = set()
+    for batch, future in work:
+        ident, got = future.result(30)
+        ran_on.add(ident)
+        want = packed.run(batch)
+        for name in batch.outputs:
+            assert cosine(got[name], want[name]).min() >= 0.9999
+    assert ran_on == {lane.thread_id for lane in engine.packed_lanes}
+    assert all(lane.claims == 0 for lane in engine.packed_lanes)
