@@ -127,9 +127,8 @@ class OrtEngine:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
         host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
         in `lanes` sessions that replay side by side, or a padded graph for batches of up to `max_rows` rows
-        that find the GPU idle. choice "auto": when
-        on CUDA and the artifact has them; "on": both required; "off": never. With the custom kernels
-        running (`library`), their variant."""
+        that find the GPU idle. choice "auto": when on CUDA and the artifact has them; "on": both required;
+        "off": never. With the custom kernels running (`library`), their variant."""
         if choice not in ("auto", "on", "off"):
             raise EngineError(f"cuda_graphs must be auto, on or off, not {choice!r}")
         variant = graph.host_packed or graph.padded
