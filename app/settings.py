@@ -45,7 +45,7 @@ class Settings(BaseSettings):
         "auto: when the artifact has that graph; on: fail without it; off: never")
     cuda_graph_tokens: int = Field(2048, ge=1, le=32768, description="CUDA, packed graphs: the largest batch "
                                    "(tokens) replayed from a CUDA graph; one is captured for each (rows, tokens) "
-                                   "bucket up to it, about 1.25x apart. More tokens: more GPU memory (about 65 MB a "
+                                   "bucket up to it, about 1.25x apart. More tokens: more GPU memory (10-20 MB a "
                                    "captured graph for BERT-base), and above about 2,048 tokens a batch runs as "
                                    "fast or faster on the packed graph (BENCHMARKS.md)")
     cuda_graph_lanes: int = Field(1, ge=1, le=4, description="CUDA, packed graphs: sessions that replay CUDA "
