@@ -223,6 +223,8 @@ def packed_buckets(max_rows: int, max_tokens: int, width: int) -> list[tuple[int
     buckets, below = [], 0
     for r in rows:
         fits = [t for t in tokens if t > below]
+        if not fits:  # more rows than tokens: no batch needs them
+            break
         most = next((t for t in fits if t >= r * width), fits[-1])
         buckets += [(r, t) for t in fits if t <= most]
         below = r

@@ -175,3 +175,5 @@ def test_packed_buckets_hold_every_batch_within_the_limits_in_the_smallest_that_
             smallest_rows = min(r for r, _ in holding)
             assert min(t for r, t in holding if r == smallest_rows) - tokens < max(64, tokens // 4)  # filler
     assert packed_buckets(8, 1000, 512)[-1] == (8, 1000)  # limits set by the server's batch limits
+    assert packed_buckets(256, 10, 512) == [(4, 10), (16, 10)]  # a budget of fewer tokens than rows
+    assert packed_buckets(2, 100, 8) == [(2, 64)]  # 2 rows of at most 8 tokens fit the first
