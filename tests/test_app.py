@@ -401,17 +401,27 @@ def test_openai_embeddings(artifact, reference):
 
 
 def test_a_bad_dimensions_is_one_short_line_naming_the_range(artifact):
-    """/v1/embeddings and / (TEI's): zero, negative, past the width, past 64 bits (which orjson reads as a float)
-    or 1e300 is answered 422 with the range; a value that is no integer at all, with its type."""
-    out_of_range = [0, -5, 129, 2**63, 10**30, 1e300]
-    not_integers = [3.5, "12", True]
+    """/v1/embeddings and / (TEI's): zero, negative, past the width, past 64 bits (which orjson reads as a float),
+    past a double (which orjson refuses) or 1e300 is answered 422 with the range; a value that is no integer
+    at all, with its type, a number past a double's range written as a float too."""
+    out_of_range = [0, -5, 129, 2**63, 10**30, 1e300, 10**400, -10**400]
+    not_integers = [3.5, "12", True, "1e400"]  # "1e400": written as the number itself, not a string
 
     async def go():
         async with serving(artifact) as (c, _):
-            return {(path, value): await c.post(path, json={field: "x", "dimensions": value})
-                    for path, field in (("/v1/embeddings", "input"), ("/", "inputs"))
-                    for value in out_of_range + not_integers}
+            answers = {}
+            for path, field in (("/v1/embeddings", "input"), ("/", "inputs")):
+                for value in out_of_range + not_integers:
+                    body = json.dumps({field: "x", "dimensions": value})
+                    if value == "1e400":
+                        body = body.replace('"1e400"', "1e400")
+                    answers[path, value] = await c.post(path, content=body,
+                                                        headers={"content-type": "application/json"})
+            answers["nan"] = await c.post("/", content='{"inputs": "x", "dimensions": NaN}',
+                                          headers={"content-type": "application/json"})
+            return answers
     answers = run(go())
+    assert_error(answers.pop("nan"), 422, "invalid_request", "the body is not valid JSON")  # NaN is not JSON
     for (path, value), r in answers.items():
         words = ["dimensions must be between 1 and 128 (the model's width)"] if value in out_of_range else [
             "dimensions: should be a valid integer"]

@@ -2,6 +2,7 @@
 dependencies, the route class, and `DirectRoute`, the fast path of the service endpoints."""
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
@@ -76,7 +77,7 @@ class _OrjsonRequest(Request):
         # orjson rejects non-UTF-8 bytes and lone surrogates with a JSONDecodeError (a subclass of json's),
         # which FastAPI turns into a validation error: 422, like any other malformed body.
         if not hasattr(self, "_json"):
-            self._json = orjson.loads(await self.body())
+            self._json = loads(await self.body())
         return self._json
 
 
@@ -105,12 +106,31 @@ class DirectRoute:
         return await self.endpoint(validate_body(self.body, data), request, service)
 
 
+def loads(raw: bytes):
+    """orjson's parse. A number past a double's range (10**400), which orjson refuses as "number is infinity",
+    is read by the standard library instead, so that validation names the field that holds it; NaN and
+    Infinity, which are not JSON, stay refused."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        if "number is infinity" not in e.msg:
+            raise
+        try:
+            return json.loads(raw, parse_constant=_not_json)
+        except ValueError:
+            raise e from None
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _json_body(raw: bytes):
     """The parsed body; None when empty. A decode error reads as FastAPI's own json_invalid error."""
     if not raw:
         return None
     try:
-        return orjson.loads(raw)
+        return loads(raw)
     except orjson.JSONDecodeError as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": e.msg}}], body=e.doc) from e
