@@ -233,7 +233,9 @@ def test_resume_refuses_data_tokenised_otherwise_and_writes_nothing(tmp_path, ca
     assert main(with_vocab) == 0
     lines = vocab.read_text().splitlines(keepends=True)
     vocab.write_text("".join(lines[:-2] + lines[:-3:-1]))
+    caches = sorted((tmp_path / "cache").iterdir())
     fails_in_one_line(capsys, [*with_vocab, "--resume"], "another tokenizer", f"--vocab-file {vocab}")
+    assert sorted((tmp_path / "cache").iterdir()) == caches  # refused before the corpus was tokenised again
 
 
 def test_a_relative_vocab_file_resumes_from_another_working_folder(tmp_path, capsys, monkeypatch):

@@ -305,13 +305,8 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
         timings["extract_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
-        if cfg.tokenizer_dir is not None:
-            tokenizer = folder_tokenizer(cfg.tokenizer_dir)
-        elif cfg.vocab_file is not None:
-            tokenizer = tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
-        elif trained is not None:
-            tokenizer = trained
-        else:
+        tokenizer = named_tokenizer(cfg) or trained
+        if tokenizer is None:
             counted = CorpusStats()
             # the shards' pass below reads the same files again: it warns of their bad lines, once
             sentences = (s for doc in read_documents(files, counted, warn=False) for s in doc)
@@ -348,6 +343,16 @@ def _wait_for(done: Path) -> None:
             log.info("waiting %.0fs for rank 0 to prepare %s", time.monotonic() - started, done.parent)
             last_log = time.monotonic()
         time.sleep(1.0)
+
+
+def named_tokenizer(cfg: DataConfig) -> Tokenizer | None:
+    """The tokenizer the settings name (a model folder's, or one over a vocab file), else None: one is
+    trained on the corpus."""
+    if cfg.tokenizer_dir is not None:
+        return folder_tokenizer(cfg.tokenizer_dir)
+    if cfg.vocab_file is not None:
+        return tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
+    return None
 
 
 def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True,

@@ -23,7 +23,7 @@ from artifact.source_folder import trained_max_length
 from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
                                  remove_stale_temporaries)
 from training.corpus import CorpusError, resolve_corpus_files
-from training.data import DataConfig, PreparedData, prepare_data
+from training.data import DataConfig, named_tokenizer, prepare_data
 from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
 from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
@@ -421,6 +421,9 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             print(changes, flush=True)
         if "tokenizer" in resume_state:
             trained_with = Tokenizer.from_str(resume_state["tokenizer"])
+            named = named_tokenizer(dcfgs[0])  # a changed --vocab-file or --init-from: refused before the data
+            if named is not None:
+                check_tokenizer(resume_from, trained_with, named, dcfgs[0])
 
     started = time.perf_counter()
     # No step to finish yet: SIGTERM stops the preparation at once, as Ctrl-C does. Sent to the whole group,
@@ -432,7 +435,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                     for c in dcfgs]
     prepare_s = time.perf_counter() - started
     if trained_with is not None:
-        check_tokenizer(resume_from, trained_with, prepared[0], dcfgs[0])
+        check_tokenizer(resume_from, trained_with, prepared[0].tokenizer, dcfgs[0], prepared[0].stats["cache"])
     vocab_size = prepared[0].tokenizer.get_vocab_size()
     if len(prepared) > 1 and prepared[1].tokenizer.get_vocab() != prepared[0].tokenizer.get_vocab():
         raise ValueError("phase 2 data got another vocabulary than phase 1; pass --vocab-file to fix one")
@@ -550,17 +553,19 @@ def check_resume(path: Path, state: dict[str, Any], flags: dict[str, Any]) -> st
     return f"resuming at step {step} with {', '.join(taken)}" if taken else ""
 
 
-def check_tokenizer(path: Path, trained_with: Tokenizer, prepared: PreparedData, cfg: DataConfig) -> None:
-    """Refuse in one line to resume the checkpoint at `path` on data tokenised otherwise than its weights were
-    trained on (`trained_with`): the same ids would mean other tokens."""
-    if fingerprint(prepared.tokenizer) == fingerprint(trained_with):
+def check_tokenizer(path: Path, trained_with: Tokenizer, tokenizer: Tokenizer, cfg: DataConfig,
+                    cache: str | None = None) -> None:
+    """Refuse in one line to resume the checkpoint at `path` with `tokenizer`, which the settings `cfg` name or
+    the prepared data in `cache` holds, where its weights were trained with `trained_with`: the same ids
+    would mean other tokens."""
+    if fingerprint(tokenizer) == fingerprint(trained_with):
         return
     if cfg.tokenizer_dir is not None:
         source, fix = f"--init-from {cfg.tokenizer_dir} has (its tokenizer changed since)", "restore that folder's"
     elif cfg.vocab_file is not None:
         source, fix = f"--vocab-file {cfg.vocab_file} gives (the file changed since)", "restore that file"
     else:  # a missing cache is prepared with the checkpoint's: this one was prepared by a run that trained its own
-        source = f"the prepared data in {prepared.stats['cache']} holds (another run prepared it, with its own)"
+        source = f"the prepared data in {cache} holds (another run prepared it, with its own)"
         fix = "pass another --cache-dir to prepare the data again with the checkpoint's"
     raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {source}: the same ids would "
                           f"mean other tokens; {fix}, or --fresh or another --run-dir to start over")
