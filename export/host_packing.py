@@ -13,9 +13,10 @@ from collections import Counter
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
-from artifact.host_packing import CLS_POSITIONS, CUMULATIVE_LENGTHS, HOST_PACKED_INPUTS, TOKEN_OFFSET, TOKENS, pack_on_host
+from artifact.host_packing import (CLS_POSITIONS, CUMULATIVE_LENGTHS, HOST_PACKED_INPUTS, TOKEN_OFFSET, TOKENS,
+                                   pack_on_host)
 from artifact.manifest import TOKEN_EMBEDDINGS
 from export import ExportError
 
@@ -24,8 +25,9 @@ _MS = "com.microsoft"
 
 def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ORT's packed graph `model` (one EmbedLayerNormalization, RemovePadding and RestorePadding,
-    the [CLS] vector taken as Gather(axis 1, index 0) of the restored output) with the inputs above and
-    without the token vectors. Raises ExportError when the graph is not of that shape."""
+    the [CLS] vector taken as Gather(axis 1, index 0) of the restored output) with the host-packed inputs
+    (artifact/host_packing.py) and without the token vectors. Raises ExportError when the graph is not of
+    that shape."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
@@ -35,9 +37,8 @@ def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
     if uses[remove.output[3]]:
         raise ExportError("the packed graph reads RemovePadding's longest length; it cannot be packed on the host")
 
-    new: list[onnx.NodeProto] = []
     split = [f"{TOKENS}_{part}" for part in ("ids", "types", "positions")]  # each [1, tokens]
-    new.append(helper.make_node("Split", [TOKENS], split, name="split_tokens", axis=0))
+    split_node = helper.make_node("Split", [TOKENS], split, name="split_tokens", axis=0)
     embed_inputs = list(embed.input) + [""] * (9 - len(embed.input))
     embed_inputs[0], embed_inputs[1], embed_inputs[7], embed_inputs[8] = split[0], split[1], "", split[2]
     # [1, tokens, hidden] -> [tokens, hidden], the name RemovePadding gave its output
@@ -49,7 +50,7 @@ def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
     restored, hidden = restore.output[0], restore.input[0]
     dropped_outputs = {o.name for o in graph.output if o.name == TOKEN_EMBEDDINGS}
 
-    kept: list[onnx.NodeProto] = []
+    kept: list[onnx.NodeProto] = [split_node]
     for node in nodes:
         if node is remove or node is restore:
             continue
@@ -71,7 +72,6 @@ def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
                 raise ExportError(f"the packed graph reads its padded output in {node.op_type} node {node.name!r}; "
                                   f"only the [CLS] position can be taken from a host-packed graph")
         kept.append(node)
-    kept[0:0] = new
 
     del graph.output[:]
     graph.output.extend(_copy(o) for o in model.graph.output if o.name not in dropped_outputs)
@@ -121,8 +121,6 @@ def _only(nodes: list[onnx.NodeProto], op_type: str) -> onnx.NodeProto:
 
 def _gathers_first_position(node: onnx.NodeProto, graph: onnx.GraphProto) -> bool:
     """Gather(axis 1) of the scalar 0 from a Constant node or an initializer: the [CLS] token."""
-    from onnx import numpy_helper
-
     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
     index = node.input[1]
     value = next((numpy_helper.to_array(t) for t in graph.initializer if t.name == index), None)
