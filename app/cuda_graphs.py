@@ -278,6 +278,7 @@ class PackedGraphBuckets:
 
     @property
     def thread_id(self) -> int:
+        """The ident of the buckets' own thread (OrtEngine finds the lane a batch runs on by it)."""
         return self._thread_id
 
     @property
