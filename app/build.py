@@ -75,10 +75,11 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
                                                  ort.get_available_providers())
     workers, threads = inference_threads(settings, device)
+    replayed_tokens = min(settings.cuda_graph_tokens, batch_token_budget(settings, device))  # no batch is larger
     try:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
                            settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows,
-                           settings.max_batch_size, min(settings.cuda_graph_tokens, batch_token_budget(settings, device)), settings.cuda_graph_lanes)
+                           settings.max_batch_size, replayed_tokens, settings.cuda_graph_lanes)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise

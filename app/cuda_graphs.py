@@ -108,7 +108,32 @@ class _Bucket:
     run_options: ort.RunOptions
 
 
-class CudaGraphBuckets:
+class _SessionThread:
+    """The one thread that calls a CUDA-graph session (ORT keeps captured graphs per calling thread): work
+    submitted to `thread` runs there, and `_on_thread` calls straight in when already there."""
+
+    def __init__(self) -> None:
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")
+        self._thread_id = self._thread.submit(threading.get_ident).result()
+
+    @property
+    def thread(self) -> Executor:
+        """The session's own thread: work submitted here replays without a hop to it."""
+        return self._thread
+
+    @property
+    def thread_id(self) -> int:
+        """The ident of that thread (OrtEngine finds the lane a batch runs on by it)."""
+        return self._thread_id
+
+    def _on_thread(self, fn, *args):
+        """fn(*args) on the session's thread: called straight when this is it, else handed to it and waited for."""
+        if threading.get_ident() == self._thread_id:
+            return fn(*args)
+        return self._thread.submit(fn, *args).result()
+
+
+class CudaGraphBuckets(_SessionThread):
     """`session` over a padded graph (created with the CUDA provider's enable_cuda_graph), over fixed-shape
     (rows, length) buckets. `run` takes the batch's padded int64 arrays and answers float32 outputs cut back to the
     batch's own rows and length. One batch at a time, on the buckets' own thread."""
@@ -116,12 +141,11 @@ class CudaGraphBuckets:
     def __init__(self, session: ort.InferenceSession, device: str, device_id: int, max_length: int, pad_id: int,
                  max_rows: int = MAX_ROWS, lengths: tuple[int, ...] | None = None,
                  replay_cost_tokens: int = REPLAY_COST_TOKENS):
+        super().__init__()
         self.session, self.device, self.device_id, self.pad_id = session, device, device_id, pad_id
         self.rows = rows_up_to(max_rows)
         self.lengths = tuple(sorted({min(n, max_length) for n in lengths or LENGTHS}))
         self.planner = ReplayPlanner(self.rows, self.lengths, replay_cost_tokens)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
-        self._thread_id = self._thread.submit(threading.get_ident).result()
         self._buckets: dict[tuple[int, int], _Bucket] = {}
         for r in self.rows:
             for n in self.lengths:
@@ -150,22 +174,15 @@ class CudaGraphBuckets:
         for bucket in self._buckets.values():
             ids = np.full((bucket.rows, bucket.length), self.pad_id, np.int64)
             for _ in range(_RUNS_TO_CAPTURE):
-                self._thread.submit(self._run, bucket, ids, np.ones_like(ids), np.zeros_like(ids), ()).result()
+                self._on_thread(self._run, bucket, ids, np.ones_like(ids), np.zeros_like(ids), ())
 
     def fits(self, rows: int, length: int) -> bool:
         return rows <= self.rows[-1] and length <= self.lengths[-1]
 
-    @property
-    def thread(self) -> Executor:
-        """The buckets' own thread: work submitted here replays without a hop to it (`run` calls straight in)."""
-        return self._thread
-
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
             outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         replays = self.planner.plan(attention_mask.sum(1))
-        if threading.get_ident() == self._thread_id:
-            return self._replay(replays, input_ids, attention_mask, token_type_ids, outputs)
-        return self._thread.submit(self._replay, replays, input_ids, attention_mask, token_type_ids, outputs).result()
+        return self._on_thread(self._replay, replays, input_ids, attention_mask, token_type_ids, outputs)
 
     def _replay(self, replays: list[tuple[np.ndarray, int, int]], input_ids: np.ndarray, attention_mask: np.ndarray,
                 token_type_ids: np.ndarray, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -199,8 +216,6 @@ class CudaGraphBuckets:
         return {name: bucket.outputs[name].numpy() for name in outputs}  # copies to the host
 
 
-
-
 # Host-packed graphs (artifact/host_packing.py): a batch's real tokens one after another, so a bucket is
 # (rows, tokens) and a replay computes only its bucket's filler beyond the batch's own tokens.
 PACKED_ROWS = (4, 16, 64, 256)
@@ -231,7 +246,7 @@ def packed_buckets(max_rows: int, max_tokens: int, width: int) -> list[tuple[int
     return buckets
 
 
-class PackedGraphBuckets:
+class PackedGraphBuckets(_SessionThread):
     """`session` over a host-packed graph (created with the CUDA provider's enable_cuda_graph), captured at
     start-up for every (rows, tokens) bucket of `packed_buckets`. `run` packs a batch's tokens on the host
     into the smallest bucket that holds them and answers its per-row outputs (float32). One batch at a
@@ -239,12 +254,11 @@ class PackedGraphBuckets:
 
     def __init__(self, session: ort.InferenceSession, device_id: int, width: int, pad_id: int, max_rows: int,
                  max_tokens: int):
+        super().__init__()
         self.session, self.device_id, self.pad_id = session, device_id, pad_id
         self.width = width  # token_offset's width: the longest row (the model's max length)
         self.outputs = frozenset(o.name for o in session.get_outputs())
         self.buckets = packed_buckets(max_rows, max_tokens, width)
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="cuda-graphs")  # the only caller of the session
-        self._thread_id = self._thread.submit(threading.get_ident).result()
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
@@ -265,21 +279,11 @@ class PackedGraphBuckets:
         run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
         return _Bucket(rows, tokens, binding, inputs, outputs, run_options)
 
-    @property
-    def thread(self) -> Executor:
-        """The buckets' own thread: work submitted here replays without a hop to it (`run` calls straight in)."""
-        return self._thread
-
     def claim(self) -> Executor:
         """The thread, counting one more batch for it until its replay ends (see `claims`)."""
         with self._claims_lock:
             self._claims += 1
         return self._thread
-
-    @property
-    def thread_id(self) -> int:
-        """The ident of the buckets' own thread (OrtEngine finds the lane a batch runs on by it)."""
-        return self._thread_id
 
     @property
     def claims(self) -> int:
@@ -299,7 +303,7 @@ class PackedGraphBuckets:
             used = min(rows, tokens)  # rows of [PAD] tokens filling the bucket as far as the width allows
             lengths = np.full(used, min(self.width, tokens // used), np.int64)
             for _ in range(_RUNS_TO_CAPTURE):
-                self._thread.submit(self._replay, (rows, tokens), lengths, None, None, ()).result()
+                self._on_thread(self._replay, (rows, tokens), lengths, None, None, ())
 
     def run(self, lengths: np.ndarray, ids: np.ndarray, type_ids: np.ndarray,
             outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -307,13 +311,13 @@ class PackedGraphBuckets:
         key = self.bucket(len(lengths), int(lengths.sum()))
         if key is None:
             raise ValueError(f"{len(lengths)} rows of {int(lengths.sum())} tokens fit no captured bucket")
-        if threading.get_ident() != self._thread_id:
-            return self._thread.submit(self._replay, key, lengths, ids, type_ids, outputs).result()
+        claimed = threading.get_ident() == self._thread_id  # the batcher ran it here, by `claim`
         try:
-            return self._replay(key, lengths, ids, type_ids, outputs)
+            return self._on_thread(self._replay, key, lengths, ids, type_ids, outputs)
         finally:
-            with self._claims_lock:
-                self._claims = max(0, self._claims - 1)
+            if claimed:
+                with self._claims_lock:
+                    self._claims = max(0, self._claims - 1)
 
     def _replay(self, key: tuple[int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
                 outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

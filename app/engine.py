@@ -210,8 +210,8 @@ class OrtEngine:
 
     def _packed_lane(self) -> PackedGraphBuckets:
         """The lane whose thread this is (the batcher ran the batch there), else the least claimed one."""
-        here = threading.current_thread()
-        return next((lane for lane in self.packed_lanes if lane.thread_id == here.ident),
+        here = threading.get_ident()
+        return next((lane for lane in self.packed_lanes if lane.thread_id == here),
                     min(self.packed_lanes, key=lambda lane: lane.claims))
 
     def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:
@@ -241,8 +241,8 @@ class OrtEngine:
         input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
         probe = Batch(input_ids, mask, types, tuple(sorted(self.outputs)))
         runs = [self._run_session(probe)] + ([self.run(probe)] if self.graph_buckets is not None else [])
+        probe_ids, probe_types, lengths = probe.unpadded()
         for lane in self.packed_lanes:  # each session's replay, with the outputs it has
-            probe_ids, probe_types, lengths = Batch(input_ids, mask, types, ()).unpadded()
             runs.append(lane.run(lengths, probe_ids, probe_types, tuple(sorted(lane.outputs))))
         for name, value in (item for out in runs for item in out.items()):
             if value.shape[0] != 2 or not np.isfinite(value).all():
