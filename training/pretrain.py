@@ -412,6 +412,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     resume_from = existing[-1] if args.resume and existing else None
     resume_state = _paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
+    named = None  # with it: the one --vocab-file or --init-from gives; None: one trained on the corpus
     if resume_state is not None:
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         changes = check_resume(resume_from, resume_state, flags)
@@ -421,8 +422,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             print(changes, flush=True)
         if "tokenizer" in resume_state:
             trained_with = Tokenizer.from_str(resume_state["tokenizer"])
-            named = named_tokenizer(dcfgs[0])  # a changed --vocab-file or --init-from: refused before the data
-            if named is not None:
+            named = named_tokenizer(dcfgs[0])
+            if named is not None:  # a changed --vocab-file or --init-from: refused before the data is prepared
                 check_tokenizer(resume_from, trained_with, named, dcfgs[0])
 
     started = time.perf_counter()
@@ -434,7 +435,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                                                                 trained=trained_with))
                     for c in dcfgs]
     prepare_s = time.perf_counter() - started
-    if trained_with is not None:
+    if trained_with is not None and named is None:  # a cache another run prepared with a tokenizer of its own
         check_tokenizer(resume_from, trained_with, prepared[0].tokenizer, dcfgs[0], prepared[0].stats["cache"])
     vocab_size = prepared[0].tokenizer.get_vocab_size()
     if len(prepared) > 1 and prepared[1].tokenizer.get_vocab() != prepared[0].tokenizer.get_vocab():
