@@ -30,6 +30,7 @@ from app.tokenization import TextTokenizer  # noqa: E402
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING,  # noqa: E402
                                TOKENIZER_FILE, read_manifest)
 from artifact.session import open_session  # noqa: E402
+from bench.engine_throughput import fixed_batch  # noqa: E402
 from bench.http_load import make_texts  # noqa: E402
 
 def gpu_memory_mib() -> int:
@@ -51,16 +52,11 @@ def median_ms(fn, iters: int) -> float:
 
 def text_batch(tokenizer: TextTokenizer, texts: list[str], pad_id: int, outputs: frozenset) -> Batch:
     encoded = tokenizer.encode(texts, truncate=True)
-    ids = np.concatenate([e.ids for e in encoded])
-    types = np.concatenate([e.type_ids for e in encoded])
-    lengths = np.array([len(e.ids) for e in encoded], np.int64)
-    return collate(Sequences(ids, types, lengths), pad_id, outputs)
+    return collate(Sequences.concat([e.ids for e in encoded], [e.type_ids for e in encoded]), pad_id, outputs)
 
 
 def full_batch(rows: int, length: int, vocab: int, outputs: frozenset) -> Batch:
-    rng = np.random.default_rng(0)
-    ids = rng.integers(min(1000, vocab // 2), vocab, (rows, length)).astype(np.int64)
-    return Batch(ids, np.ones_like(ids), np.zeros_like(ids), tuple(sorted(outputs)))
+    return Batch(**fixed_batch(rows, length, np.random.default_rng(0), vocab), outputs=tuple(sorted(outputs)))
 
 
 def main() -> int:
@@ -161,17 +157,12 @@ def host_stages(replays, batch: Batch, iters: int) -> dict[str, float]:
     def copy_in():
         for name, value in zip(HOST_PACKED_INPUTS, feeds):
             bucket.inputs[name].update_inplace(value)
-    return {"collate": median_ms(lambda: text_batch_like(batch), iters),
+    return {"collate": median_ms(lambda: collate(Sequences(ids, types, lengths), 0, frozenset(batch.outputs)), iters),
             "pack": median_ms(lambda: pack_on_host(lengths, ids, types, bucket.rows, bucket.length, replays.width,
                                                    replays.pad_id), iters),
             "copy_in": median_ms(copy_in, iters),
             "replay": median_ms(lambda: replays.session.run_with_iobinding(bucket.binding, bucket.run_options), iters),
             "copy_out_cls": median_ms(lambda: bucket.outputs[CLS_EMBEDDING].numpy(), iters)}
-
-
-def text_batch_like(batch: Batch) -> Batch:
-    ids, types, lengths = batch.unpadded()
-    return collate(Sequences(ids, types, lengths), 0, frozenset(batch.outputs))
 
 
 def device_ms(session, batch: Batch, iters: int) -> float:
