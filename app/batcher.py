@@ -161,11 +161,15 @@ class DynamicBatcher:
                  packed: bool = False, max_padding: float = 1.0, max_queue_ms: float | None = None,
                  overlap_min_tokens: int | None = None, metrics: Metrics | None = None,
                  on_engine_lost: Callable[[], None] | None = None,
-                 replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None):
+                 replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None,
+                 replay_busy: Callable[[int, frozenset[str]], bool] | None = None):
         self._run = run
         # (rows, longest, tokens, outputs, alone) -> the thread a batch should run on instead of an inference
         # thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
         self._replay_thread = replay_thread
+        # (queued tokens, the oldest's outputs) -> whether such a batch would replay but wait for a busy lane
+        # (OrtEngine.replay_busy): the work then stays queued and joins the next, larger batch.
+        self._replay_busy = replay_busy
         self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -411,10 +415,14 @@ class DynamicBatcher:
 
     def _holds_back(self) -> bool:
         """Whether queued work waits for a running batch to finish instead of starting beside it: with
-        overlap_min_tokens, until that many tokens are queued. Several small batches side by side run fewer
-        texts a second on a GPU than fewer, larger ones."""
-        return (self.overlap_min_tokens is not None and self._running_batches > 0
-                and self._queued_tokens < self.overlap_min_tokens)
+        overlap_min_tokens, until that many tokens are queued; and while it would replay a CUDA graph whose
+        every lane is busy (it would only wait on the lane's thread, as a batch too small). Several small
+        batches side by side run fewer texts a second on a GPU than fewer, larger ones."""
+        if self._running_batches == 0:
+            return False
+        if self.overlap_min_tokens is not None and self._queued_tokens < self.overlap_min_tokens:
+            return True
+        return self._replay_busy is not None and self._replay_busy(self._queued_tokens, self._queue[0].group.outputs)
 
     async def _gather_more(self) -> None:
         while not self._is_full():

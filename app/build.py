@@ -95,7 +95,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_queued=settings.max_queued_sequences, inference_workers=workers,
                              packed=engine.packed, max_padding=padding_limit(settings, device),
                              max_queue_ms=settings.max_queue_ms, overlap_min_tokens=settings.overlap_min_tokens,
-                             metrics=metrics, on_engine_lost=on_engine_lost, replay_thread=engine.replay_thread)
+                             metrics=metrics, on_engine_lost=on_engine_lost, replay_thread=engine.replay_thread,
+                             replay_busy=engine.replay_busy)
     _measure_speed(engine, batcher, probe.ids, manifest.max_length)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)
     return engine, batcher

@@ -259,6 +259,7 @@ class PackedGraphBuckets(_SessionThread):
         self.width = width  # token_offset's width: the longest row (the model's max length)
         self.outputs = frozenset(o.name for o in session.get_outputs())
         self.buckets = packed_buckets(max_rows, max_tokens, width)
+        self.max_tokens = self.buckets[-1][1]  # the largest batch it replays, in tokens
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()

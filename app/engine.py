@@ -175,6 +175,13 @@ class OrtEngine:
             return self.graph_buckets.thread
         return None
 
+    def replay_busy(self, tokens: int, outputs: Iterable[str]) -> bool:
+        """Whether work of `tokens` tokens that wants `outputs` would replay, but every replaying session has
+        a batch already: it would only wait on a lane's thread, so the batcher keeps it queued, where more
+        work joins it, until a lane is free (DynamicBatcher's replay_busy)."""
+        return (bool(self.packed_lanes) and tokens <= self.packed_lanes[0].max_tokens
+                and self.packed_lanes[0].outputs.issuperset(outputs) and all(lane.claims for lane in self.packed_lanes))
+
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A batch replays a CUDA graph of the host-packed variant when it fits its buckets and wants no
         token vectors; of a padded graph, when it is small and the only batch on the GPU (a padded replay's

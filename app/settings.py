@@ -30,7 +30,8 @@ class Settings(BaseSettings):
     cuda_device_id: int = Field(0, ge=0, description="which GPU (CUDA's numbering) holds the session")
     cuda_device_ids: str | None = Field(None, pattern=r"^\d+(,\d+)*$", description="several GPUs, e.g. 0,1: one "
                                         "engine process per GPU, the HTTP workers shared out among them (needs "
-                                        "workers > 1: at least one per GPU). Empty: cuda_device_id alone")
+                                        "workers > 1: at least one per GPU); a GPU named twice (0,0) gets two "
+                                        "engine processes. Empty: cuda_device_id alone")
     custom_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: run the artifact's fp16 graph on our fused GEMM + bias + GELU operator "
         "(custom_kernels/; its speed-up: BENCHMARKS.md). auto: when the artifact has "

@@ -1023,6 +1023,58 @@ def test_work_waits_for_the_running_batch_below_overlap_min_tokens(overlap_min_t
     assert most_at_once[0] == 2
 
 
+def test_work_that_would_wait_for_a_busy_replay_lane_stays_queued():
+    """replay_busy (OrtEngine.replay_busy): while it says queued work would replay on a busy lane, the work
+    stays queued and goes as one batch once the running one finishes; work it would not replay (more
+    tokens, or token vectors) starts beside the running batch at once."""
+    running, sizes, asked = [0], [], []
+    lock = threading.Lock()
+
+    def engine(batch):
+        with lock:
+            running[0] += 1
+        sizes.append(len(batch.input_ids))
+        time.sleep(0.3)
+        with lock:
+            running[0] -= 1
+        return {name: np.zeros((len(batch.input_ids), 4), np.float32) for name in batch.outputs}
+
+    def replay_busy(tokens, outputs):
+        asked.append((tokens, sorted(outputs)))
+        return running[0] > 0 and tokens < 30 and "token_embeddings" not in outputs
+
+    cls, tokens = frozenset({"cls_embedding"}), frozenset({"token_embeddings"})
+
+    async def go():
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                           max_queued=1000, inference_workers=2, packed=True, replay_busy=replay_busy)
+        b.start()
+        first = b.submit_group(_zeros([4]), cls)
+        await asyncio.sleep(0.06)  # the first batch is running
+        small = [b.submit_group(_zeros([4]), cls) for _ in range(3)]
+        await asyncio.sleep(0.06)
+        small_started = len(sizes)
+        await asyncio.gather(first, *small)
+        vectors = b.submit_group(_zeros([4]), cls)
+        await asyncio.sleep(0.06)  # running; a request for token vectors comes
+        wants_tokens = b.submit_group(_zeros([4, 4]), tokens)
+        await asyncio.sleep(0.06)
+        beside_tokens = running[0]
+        await asyncio.gather(vectors, wants_tokens)
+        lone = b.submit_group(_zeros([4]), cls)
+        await asyncio.sleep(0.06)
+        more = b.submit_group(_zeros([4] * 8), cls)  # 32 tokens: more than would replay
+        await asyncio.sleep(0.06)
+        beside_large = running[0]
+        await asyncio.gather(lone, more)
+        await b.stop()
+        return small_started, beside_tokens, beside_large
+    small_started, beside_tokens, beside_large = run(go())
+    assert small_started == 1 and sizes[:2] == [1, 3]  # they waited, then went as one batch
+    assert beside_tokens == 2 and beside_large == 2
+    assert (12, ["cls_embedding"]) in asked and (8, ["token_embeddings"]) in asked
+
+
 def test_a_batch_runs_on_the_thread_the_engine_names():
     """replay_thread (OrtEngine.replay_thread: where a CUDA graph replays) is asked for every batch, with
     its rows, longest and total tokens, outputs and whether it finds no other batch running; a batch it

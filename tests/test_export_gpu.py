@@ -364,6 +364,19 @@ def test_two_sessions_replay_side_by_side_and_answer_as_the_packed_graph(tiny_mo
     for rows in (1, 2, 5, 9, 16, 30):
         feed = padded_feed([tok.encode(" ".join(["word"] * (1 + (i * 7) % 40))) for i in range(rows)])
         batches.append(Batch(*(feed[k] for k in INPUT_NAMES), (CLS_EMBEDDING, POOLED_EMBEDDING)))
+    # replay_busy: work that would replay waits in the batcher's queue only while every lane has a batch
+    one, _, lengths = batches[0].unpadded()
+    small = (len(lengths), int(lengths.max()), len(one), batches[0].outputs, False)
+    assert not engine.replay_busy(len(one), {CLS_EMBEDDING})
+    first = engine.replay_thread(*small)
+    assert not engine.replay_busy(len(one), {CLS_EMBEDDING})  # the other lane is free
+    second = engine.replay_thread(*small)
+    assert engine.replay_busy(len(one), {CLS_EMBEDDING})
+    assert not engine.replay_busy(engine.packed_lanes[0].max_tokens + 1, {CLS_EMBEDDING})  # not a replay's
+    assert not engine.replay_busy(len(one), {TOKEN_EMBEDDINGS})
+    for lane in (first, second):
+        lane.submit(engine.run, batches[0]).result(30)
+    assert not engine.replay_busy(len(one), {CLS_EMBEDDING})
     work = []
     for batch in batches * 6:
         ids, _, lengths = batch.unpadded()
