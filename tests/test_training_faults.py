@@ -178,3 +178,28 @@ def test_a_restart_does_not_repeat_metrics(corpus, cache_dir, tmp_path):
     assert main([*args, "--resume"]) == 0  # from step 2
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
     assert [r["step"] for r in read_metrics(run_dir, "start")] == [0, 2]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one, on purpose
+def test_ctrl_c_interrupts_at_once_and_one_python_drops_still_stops_the_run():
+    """Ctrl-C raises KeyboardInterrupt at once. Python drops one raised inside a __del__ (a data loader's
+    clean-up of its workers at a phase's start runs there), and training used to go on: it must still ask
+    the run to stop, at its step's end (trainer: stop_requested)."""
+    from training.stop_signals import sigterm_stops_between_steps, stop_requested
+
+    with pytest.raises(KeyboardInterrupt), sigterm_stops_between_steps():
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(5)  # not reached
+
+    class CleansUpWhenDeleted:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+            for _ in range(10_000):  # the handler runs here, inside __del__, and its exception is dropped
+                pass
+
+    with sigterm_stops_between_steps():
+        assert not stop_requested()
+        loader = CleansUpWhenDeleted()
+        del loader
+        assert stop_requested()
+    assert not stop_requested() and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -10,16 +10,20 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def _on_sigterm(handler) -> Iterator[None]:
-    """`handler` for SIGTERM within the block; only the main thread may set one (elsewhere: no change)."""
+def _on_signal(signum: int, handler) -> Iterator[None]:
+    """`handler` for `signum` within the block; only the main thread may set one (elsewhere: no change)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = signal.signal(signum, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signum, previous)
+
+
+def _on_sigterm(handler):
+    return _on_signal(signal.SIGTERM, handler)
 
 
 def _interrupt(signum, frame):
@@ -40,14 +44,23 @@ def _request_stop(signum, frame):
     _stop.set()
 
 
+def _interrupt_or_stop(signum, frame):
+    # Python drops an exception raised where it cannot propagate (inside a __del__, such as a data loader's
+    # clean-up of its workers at a phase's start): should it drop this one, the run still stops, at the
+    # step's end.
+    _stop.set()
+    raise KeyboardInterrupt
+
+
 @contextmanager
 def sigterm_stops_between_steps() -> Iterator[None]:
     """Within the block, SIGTERM asks a training run to stop after its current step (`stop_requested`),
     where nothing is half done (raising in the middle of a step can land inside a data loader's start);
-    a second SIGTERM interrupts at once."""
+    a second SIGTERM interrupts at once. Ctrl-C (SIGINT) interrupts at once, and also asks for that stop,
+    in case the interruption is lost."""
     _stop.clear()
     try:
-        with _on_sigterm(_request_stop):
+        with _on_sigterm(_request_stop), _on_signal(signal.SIGINT, _interrupt_or_stop):
             yield
     finally:
         _stop.clear()

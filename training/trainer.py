@@ -479,7 +479,7 @@ def train(
                     if ((cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end
                             or stop_requested()):
                         _checkpoint(learner, state, run_dir, dist, checkpoint_meta, cfg.keep_checkpoints)
-                    if stop_requested():  # SIGTERM: ends as Ctrl-C does, but with this step's checkpoint
+                    if stop_requested():  # SIGTERM (or a lost Ctrl-C): ends as Ctrl-C does, with this step's checkpoint
                         raise KeyboardInterrupt
                     if state.step % GC_EVERY_STEPS == 0:
                         gc.collect(1)
