@@ -603,7 +603,9 @@ def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
     had_set, now_set = set(had), set(now)
     new, gone = [f for f in now if f not in had_set], [f for f in had if f not in now_set]
     if not new and not gone:
-        how = f"the same {len(now)} files in another order"
+        # a shell sorts an unquoted glob by its locale; a quoted one is expanded here, sorted the same everywhere
+        how = (f"the same {len(now)} files in another order (quote a glob, --corpus 'data/*.txt', to have it "
+               f"read in one order)")
     else:
         how = f"{_files_in_words(now)} now against its {_files_in_words(had)}"
         for what, files in (("new", new), ("not given", gone)):
