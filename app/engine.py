@@ -179,8 +179,9 @@ class OrtEngine:
         """Whether work of `tokens` tokens that wants `outputs` would replay, but every replaying session has
         a batch already: it would only wait on a lane's thread, so the batcher keeps it queued, where more
         work joins it, until a lane is free (DynamicBatcher's replay_busy)."""
-        return (bool(self.packed_lanes) and tokens <= self.packed_lanes[0].max_tokens
-                and self.packed_lanes[0].outputs.issuperset(outputs) and all(lane.claims for lane in self.packed_lanes))
+        lanes = self.packed_lanes
+        return (bool(lanes) and tokens <= lanes[0].max_tokens and lanes[0].outputs.issuperset(outputs)
+                and all(lane.claims for lane in lanes))
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A batch replays a CUDA graph of the host-packed variant when it fits its buckets and wants no

@@ -170,7 +170,8 @@ def test_resume_takes_a_corpus_however_it_is_spelt_and_refuses_other_files(tmp_p
     capsys.readouterr()
     fails_in_one_line(capsys, [*spelt(a), "--resume"], "another --corpus: 1 file now against its 2 files",
                       f"not given: {b}")
-    fails_in_one_line(capsys, [*spelt(b, a), "--resume"], "another --corpus: the same 2 files in another order (quote a glob")
+    fails_in_one_line(capsys, [*spelt(b, a), "--resume"],
+                      "another --corpus: the same 2 files in another order (quote a glob")
 
 
 def _tokenizer_training_comes_out_otherwise(monkeypatch, tmp_path: Path) -> None:
