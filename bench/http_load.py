@@ -155,15 +155,16 @@ async def run_load(url: str, texts: list[str], concurrency: int, per_request: in
 
 
 @contextlib.contextmanager
-def serve(artifact: Path, **settings):
-    """`python -m app` on a free loopback port, as deployed; yields its URL once /ready answers."""
+def serve(artifact: Path, root: Path = ROOT, **settings):
+    """`python -m app` from the source tree `root` on a free loopback port, as deployed; yields its URL once
+    /ready answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
     env.update({f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()})
     proc = subprocess.Popen([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(port),
-                             "--log-level", "warning"], cwd=ROOT, env=env)
+                             "--log-level", "warning"], cwd=root, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -493,48 +494,63 @@ def serving(args) -> dict:
     results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}, "server_settings": args.set,
                "encoding_format": args.encoding_format}
     for workers in [int(x) for x in args.workers.split(",")]:
-        settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
-                    "workers": workers}
-        if args.inference_workers:
-            settings["inference_workers"] = args.inference_workers
-        settings.update(item.split("=", 1) for item in args.set)
-        runs = results["http"][f"workers{workers}"] = {}
-        with serve(args.artifact, **settings) as url:
-            engine_pid, worker_pids = _all_workers_up(url, workers)
-            server_pids = {engine_pid, *worker_pids}
-            for per_request in [int(x) for x in args.texts_per_request.split(",")]:
-                # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
-                connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
-                runs_of = collections.Counter()  # client -> its runs so far at this request size
-                for client in args.clients.split(","):
-                    before = _server_totals(url)
-                    units = "threads" if client == "wrk" else "processes"
-                    print(f"HTTP, {workers} server process(es): {client}, {args.processes} {units} x {connections} "
-                          f"connections, {per_request} text(s) per request ...", file=sys.stderr)
-                    if client == "wrk":
-                        run = wrk_load(url, texts, per_request, args.processes, connections, args.duration,
-                                       args.encoding_format, (engine_pid, server_pids), args.seed)
-                    else:
-                        run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
-                                                args.encoding_format, (engine_pid, server_pids))
-                    run.update(_server_means(before, _server_totals(url)))
-                    run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
-                    print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
-                          f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
-                          f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
-                          f"{run['mean_batch_size']}" + (
-                              f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
-                              f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
-                              if workers > 1 else ""), file=sys.stderr)
-                    run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
-                    runs_of[client] += 1  # x1, x1-wrk, then x1-2, x1-wrk-2 for a client's second run
-                    runs[f"x{per_request}" + ("" if client == "python" else f"-{client}")
-                         + (f"-{runs_of[client]}" if runs_of[client] > 1 else "")] = run
-            print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
-            one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
-            one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
-            runs["c1_short"] = one
+        results["http"][f"workers{workers}"] = serve_and_load(args, workers, texts, engine)
     return results
+
+
+def server_settings(args, workers: int) -> dict:
+    """The BERTSERVE_* settings of a server under load: device, precision, workers, then each --set."""
+    settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
+                "workers": workers}
+    if args.inference_workers:
+        settings["inference_workers"] = args.inference_workers
+    settings.update(item.split("=", 1) for item in args.set)
+    return settings
+
+
+def serve_and_load(args, workers: int, texts: list[str], engine: dict | None, root: Path = ROOT) -> dict:
+    """One server (`python -m app` from the source tree `root`, server_settings) loaded at every request
+    size by every client in turn, then one short text at concurrency 1: its runs, keyed x{size}[-client][-n]
+    and c1_short. `engine` (engine_reference), when given, scales them (x_engine, over_engine_ms)."""
+    runs = {}
+    with serve(args.artifact, root=root, **server_settings(args, workers)) as url:
+        engine_pid, worker_pids = _all_workers_up(url, workers)
+        server_pids = {engine_pid, *worker_pids}
+        for per_request in [int(x) for x in args.texts_per_request.split(",")]:
+            # Fewer connections for larger requests: about max_inflight_texts in flight in every run.
+            connections = max(1, min(args.connections, args.max_inflight_texts // (per_request * args.processes)))
+            runs_of = collections.Counter()  # client -> its runs so far at this request size
+            for client in args.clients.split(","):
+                before = _server_totals(url)
+                units = "threads" if client == "wrk" else "processes"
+                print(f"HTTP, {workers} server process(es): {client}, {args.processes} {units} x {connections} "
+                      f"connections, {per_request} text(s) per request ...", file=sys.stderr)
+                if client == "wrk":
+                    run = wrk_load(url, texts, per_request, args.processes, connections, args.duration,
+                                   args.encoding_format, (engine_pid, server_pids), args.seed)
+                else:
+                    run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
+                                            args.encoding_format, (engine_pid, server_pids))
+                run.update(_server_means(before, _server_totals(url)))
+                run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
+                print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
+                      f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
+                      f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
+                      f"{run['mean_batch_size']}" + (
+                          f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
+                          f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
+                          if workers > 1 else ""), file=sys.stderr)
+                if engine is not None:
+                    run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
+                runs_of[client] += 1  # x1, x1-wrk, then x1-2, x1-wrk-2 for a client's second run
+                runs[f"x{per_request}" + ("" if client == "python" else f"-{client}")
+                     + (f"-{runs_of[client]}" if runs_of[client] > 1 else "")] = run
+        print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
+        one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
+        if engine is not None:
+            one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
+        runs["c1_short"] = one
+    return runs
 
 
 def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int, set[int]]:

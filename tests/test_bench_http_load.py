@@ -57,3 +57,38 @@ def test_serving_under_wrk_counts_answers_and_latency_from_wrk(tiny_artifact_dir
         assert 0 < wrk["p50_ms"] <= wrk["p99_ms"] <= wrk["max_ms"], wrk
         assert wrk["mean_batch_size"] >= 1 and wrk["server_request_ms"] > 0, wrk
     assert "wrk, 1 threads x 4 connections" in done.stderr
+
+
+@pytest.mark.slow  # four server starts and a second of load each
+def test_ab_takes_turns_in_alternating_order_and_gives_each_variant_its_settings(tiny_artifact_dir, tmp_path):
+    """bench/http_ab.py: every variant's server is loaded once per repeat, in the order A B then B A, with
+    the variant's own settings (here a batch cap of 1, which shows in the batches it formed from requests
+    of 4 texts); the summary has each variant's median over its runs."""
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, "bench/http_ab.py", "--artifact", str(tiny_artifact_dir), "--device", "cpu",
+           "--precision", "fp32", "--workers", "2", "--processes", "1", "--connections", "4", "--duration", "1",
+           "--clients", "python", "--texts-per-request", "4", "--latency-requests", "10", "--repeats", "2",
+           "--variant", "plain", ".", "--variant", "one-row", ".", "max_batch_size=1", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    turns = [line.split(" (")[0] for line in done.stderr.splitlines() if line.startswith("== ")]
+    assert turns == ["== plain", "== one-row", "== one-row", "== plain"]
+    result = json.loads(out.read_text())
+    assert [len(result["runs"][name]) for name in ("plain", "one-row")] == [2, 2]
+    assert all(run["x4"]["mean_batch_size"] == 1 for run in result["runs"]["one-row"])
+    assert all(run["x4"]["mean_batch_size"] > 1 for run in result["runs"]["plain"])  # 4 texts come at once
+    for name in ("plain", "one-row"):
+        s = result["summary"][name]["x4"]
+        low, high = s["requests_per_s_range"]
+        assert s["runs"] == 2 and 0 < low <= s["requests_per_s"] <= high, s
+        assert result["summary"][name]["c1_short"]["p50_ms"] > 0
+    assert "one-row" in done.stdout and "requests/s (median, range)" in done.stdout
+
+
+def test_ab_refuses_a_variant_that_is_not_a_checkout(tmp_path):
+    done = subprocess.run([sys.executable, "bench/http_ab.py", "--artifact", str(tmp_path), "--variant", "a", ".",
+                           "--variant", "b", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (f"--variant b: {tmp_path} is not a checkout of this project "
+                                                     f"(no app/__main__.py)")
