@@ -93,7 +93,8 @@ class Settings(BaseSettings):
                                            "starts beside a running one only once this many tokens are queued, else "
                                            "the work waits for the running batch and joins the next, larger one "
                                            "(on a GPU small batches side by side run fewer texts a second). Empty: "
-                                           "queued work starts in any free slot at once")
+                                           "queued work starts in any free slot at once, but work that would "
+                                           "replay a CUDA graph waits for a free replaying session")
     max_queued_sequences: int = Field(4096, ge=1, description="queue limit: beyond it requests get 429")
     max_queue_ms: float | None = Field(2000.0, gt=0, description="a request is admitted only while the queued "
                                        "work would start within this (estimated from the engine's measured speed, "
