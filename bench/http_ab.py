@@ -116,18 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     require_fast_protocols(args.allow_slow_protocols)
     texts = make_texts(args.texts, args.seed)
     shared = list(args.set)
+    out = args.out or (Path(os.environ["OUT"]) / "http_ab.json" if os.environ.get("OUT") else None)
     runs: dict[str, list[dict]] = {v["name"]: [] for v in variants}
+
+    def write(summary: dict | None) -> None:  # after every run: a lease that ends early keeps what it measured
+        if out:
+            out.write_text(json.dumps({"variants": variants, "shared_settings": shared, "cpu_count": os.cpu_count(),
+                                       "summary": summary, "runs": runs}, indent=1))
+
     for repeat in range(args.repeats):
         for variant in order(variants, repeat):
             print(f"== {variant['name']} (repeat {repeat + 1} of {args.repeats})", file=sys.stderr)
             args.set = shared + variant["set"]
             runs[variant["name"]].append(serve_and_load(args, args.workers, texts, None, root=Path(variant["tree"])))
+            write(None)
     summary = summarise(runs)
     print_summary(summary)
-    out = args.out or (Path(os.environ["OUT"]) / "http_ab.json" if os.environ.get("OUT") else None)
+    write(summary)
     if out:
-        out.write_text(json.dumps({"variants": variants, "shared_settings": shared, "cpu_count": os.cpu_count(),
-                                   "summary": summary, "runs": runs}, indent=1))
         print(f"wrote {out}", file=sys.stderr)
     return 0
 
