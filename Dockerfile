@@ -11,7 +11,7 @@
 # every stage up to the target, so `--target cpu` stops before the GPU stages; BuildKit and podman build
 # only the stages the target uses.
 # Settings come from BERTSERVE_* variables (`docker run -e BERTSERVE_MAX_BATCH_TOKENS=32768 ...`).
-# On a GPU host add `-e BERTSERVE_WORKERS=8` (about half the cores): HTTP worker processes around one
+# On a GPU host add `-e BERTSERVE_WORKERS=12` (about 3/4 of the cores): HTTP worker processes around one
 # engine process; one Python process alone cannot keep the GPU busy (README, BENCHMARKS.md). Several GPUs:
 # `--gpus all -e BERTSERVE_CUDA_DEVICE_IDS=0,1 -e BERTSERVE_WORKERS=16`, one engine process per GPU (or
 # one container per GPU with `--gpus device=N`: both measured 1.97-2.02x one GPU on two H100s).
