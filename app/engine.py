@@ -159,18 +159,19 @@ class OrtEngine:
         if packed:
             self.packed_lanes = tuple(captured)
             log.info("batches of up to %d texts and %d tokens replay CUDA graphs of %s (%d buckets, %d session(s))",
-                     batch_limits[0], buckets.buckets[-1][1], path.name, len(buckets.buckets), lanes)
+                     batch_limits[0], buckets.max_tokens, path.name, len(buckets.buckets), lanes)
         else:
             self.graph_buckets = buckets
             log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
                      buckets.lengths[-1], path.name)
 
-    def replay_thread(self, rows: int, longest: int, tokens: int, outputs: Iterable[str], alone: bool) -> Executor | None:
+    def replay_thread(self, rows: int, longest: int, tokens: int, outputs: Iterable[str],
+                      alone: bool) -> Executor | None:
         """Where to run a batch of `rows` sequences, the longest of `longest` tokens, `tokens` in all, that
         wants `outputs` (`alone`: no other batch is running): the CUDA graphs' own thread when it will
         replay one there (`run` there replays without a hop to that thread and back), else None (any thread)."""
         if self.packed_lanes and self.packed_lanes[0].fits(rows, longest, tokens, outputs):
-            return min(self.packed_lanes, key=lambda lane: lane.claims).claim()
+            return self._least_claimed_lane().claim()
         if alone and self.graph_buckets is not None and self.graph_buckets.fits(rows, longest):
             return self.graph_buckets.thread
         return None
@@ -219,8 +220,10 @@ class OrtEngine:
     def _packed_lane(self) -> PackedGraphBuckets:
         """The lane whose thread this is (the batcher ran the batch there), else the least claimed one."""
         here = threading.get_ident()
-        return next((lane for lane in self.packed_lanes if lane.thread_id == here),
-                    min(self.packed_lanes, key=lambda lane: lane.claims))
+        return next((lane for lane in self.packed_lanes if lane.thread_id == here), None) or self._least_claimed_lane()
+
+    def _least_claimed_lane(self) -> PackedGraphBuckets:
+        return min(self.packed_lanes, key=lambda lane: lane.claims)
 
     def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
