@@ -40,10 +40,6 @@ KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
 # (artifact/host_packing.py) can, per (rows, tokens) bucket (app/cuda_graphs.py). With our operators too:
 HOST_PACKED_GRAPH_FILE = "model_fp16_host_packed.onnx"
 HOST_PACKED_KERNELS_GRAPH_FILE = "model_fp16_host_packed_kernels.onnx"
-# Artifacts exported before the host-packed variants gave a packed graph a padded twin for CUDA graphs
-# instead (PaddedGraph); the server still replays it for small batches.
-PADDED_GRAPH_FILE = "model_fp16_padded.onnx"
-PADDED_KERNELS_GRAPH_FILE = "model_fp16_padded_kernels.onnx"
 # A sentence-transformers checkpoint's Dense modules, applied after its own pooling (numpy .npz: arrays
 # "<i>.weight" [out, in] and "<i>.bias" [out], float32), each followed by its activation.
 DENSE_FILE = "sentence_dense.npz"
@@ -113,14 +109,12 @@ class GraphInfo:
         def kernels(k: dict | None) -> CustomKernelsGraph | None:
             return CustomKernelsGraph(**k) if k else None
 
-        padded = d.get("padded")
-        if padded:
-            padded = PaddedGraph(**{**padded, "custom_kernels": kernels(padded.get("custom_kernels"))})
-        host_packed = d.get("host_packed")
-        if host_packed:
-            host_packed = HostPackedGraph(**{**host_packed, "custom_kernels": kernels(host_packed.get("custom_kernels"))})
-        return cls(**{**d, "custom_kernels": kernels(d.get("custom_kernels")), "padded": padded or None,
-                      "host_packed": host_packed or None})
+        def variant(kind: type, v: dict | None):
+            return kind(**{**v, "custom_kernels": kernels(v.get("custom_kernels"))}) if v else None
+
+        return cls(**{**d, "custom_kernels": kernels(d.get("custom_kernels")),
+                      "padded": variant(PaddedGraph, d.get("padded")),
+                      "host_packed": variant(HostPackedGraph, d.get("host_packed"))})
 
 
 @dataclass
