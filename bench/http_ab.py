@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.http_load import make_texts, require_fast_protocols, serve_and_load  # noqa: E402
+from bench.http_load import make_texts, require_fast_protocols, serve_and_load, server_settings  # noqa: E402
 
 
 def parse_variant(words: list[str]) -> dict:
@@ -115,20 +115,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--repeats must be at least 1")
     require_fast_protocols(args.allow_slow_protocols)
     texts = make_texts(args.texts, args.seed)
-    shared = list(args.set)
     out = args.out or (Path(os.environ["OUT"]) / "http_ab.json" if os.environ.get("OUT") else None)
     runs: dict[str, list[dict]] = {v["name"]: [] for v in variants}
 
     def write(summary: dict | None) -> None:  # after every run: a lease that ends early keeps what it measured
         if out:
-            out.write_text(json.dumps({"variants": variants, "shared_settings": shared, "cpu_count": os.cpu_count(),
-                                       "summary": summary, "runs": runs}, indent=1))
+            out.write_text(json.dumps({"variants": variants, "shared_settings": args.set,
+                                       "cpu_count": os.cpu_count(), "summary": summary, "runs": runs}, indent=1))
 
     for repeat in range(args.repeats):
         for variant in order(variants, repeat):
             print(f"== {variant['name']} (repeat {repeat + 1} of {args.repeats})", file=sys.stderr)
-            args.set = shared + variant["set"]
-            runs[variant["name"]].append(serve_and_load(args, args.workers, texts, None, root=Path(variant["tree"])))
+            settings = server_settings(args, args.workers, variant["set"])
+            runs[variant["name"]].append(serve_and_load(args, settings, texts, None, root=Path(variant["tree"])))
             write(None)
     summary = summarise(runs)
     print_summary(summary)

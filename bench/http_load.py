@@ -494,26 +494,27 @@ def serving(args) -> dict:
     results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}, "server_settings": args.set,
                "encoding_format": args.encoding_format}
     for workers in [int(x) for x in args.workers.split(",")]:
-        results["http"][f"workers{workers}"] = serve_and_load(args, workers, texts, engine)
+        results["http"][f"workers{workers}"] = serve_and_load(args, server_settings(args, workers), texts, engine)
     return results
 
 
-def server_settings(args, workers: int) -> dict:
-    """The BERTSERVE_* settings of a server under load: device, precision, workers, then each --set."""
+def server_settings(args, workers: int, extra: list[str] = ()) -> dict:
+    """The BERTSERVE_* settings of a server under load: device, precision, workers, then each --set, then
+    each NAME=VALUE of `extra`."""
     settings = {"device": args.device, "precision": args.precision, "max_wait_ms": args.max_wait_ms,
                 "workers": workers}
     if args.inference_workers:
         settings["inference_workers"] = args.inference_workers
-    settings.update(item.split("=", 1) for item in args.set)
+    settings.update(item.split("=", 1) for item in [*args.set, *extra])
     return settings
 
 
-def serve_and_load(args, workers: int, texts: list[str], engine: dict | None, root: Path = ROOT) -> dict:
-    """One server (`python -m app` from the source tree `root`, server_settings) loaded at every request
+def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, root: Path = ROOT) -> dict:
+    """One server (`python -m app` from the source tree `root`, with `settings`) loaded at every request
     size by every client in turn, then one short text at concurrency 1: its runs, keyed x{size}[-client][-n]
     and c1_short. `engine` (engine_reference), when given, scales them (x_engine, over_engine_ms)."""
-    runs = {}
-    with serve(args.artifact, root=root, **server_settings(args, workers)) as url:
+    runs, workers = {}, int(settings["workers"])
+    with serve(args.artifact, root=root, **settings) as url:
         engine_pid, worker_pids = _all_workers_up(url, workers)
         server_pids = {engine_pid, *worker_pids}
         for per_request in [int(x) for x in args.texts_per_request.split(",")]:
