@@ -111,7 +111,8 @@ def _figure(train: list[dict], evals: list[dict], title: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.report", description=__doc__.split("\n\n")[0])  # the first paragraph
+    parser = argparse.ArgumentParser(prog="python -m training.report",
+                                     description=__doc__.split("\n\n")[0])  # the first paragraph
     parser.add_argument("run_dir", type=Path, help="a run folder (it holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, help=f"the PNG to write (default RUN_DIR/{PLOT_FILE})")
     args = parser.parse_args(argv)
