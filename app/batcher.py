@@ -12,6 +12,10 @@ A padded graph (the CPU) costs batch size x longest: there each sequence is its 
 is built around the oldest waiting entry (so nothing starves) from the waiting entries closest to it in
 length (so padding stays small), up to `max_batch_tokens` counted padded and `max_padding`.
 
+On a CUDA-graph session's thread (OrtEngine.replay_next) the batcher takes that session's next batch
+itself, right after a replay, when the whole queue replays there: the session then does not wait for a
+turn of the event loop between batches.
+
 Either way a group's rows are copied into one [n, ...] array per output as its batches finish, and its
 future resolves when the last row is in. Groups whose future was cancelled (the client went away) are
 dropped before they cost inference.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -162,7 +167,8 @@ class DynamicBatcher:
                  overlap_min_tokens: int | None = None, metrics: Metrics | None = None,
                  on_engine_lost: Callable[[], None] | None = None,
                  replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None,
-                 replay_busy: Callable[[int, frozenset[str]], bool] | None = None):
+                 replay_busy: Callable[[int, frozenset[str]], bool] | None = None,
+                 replay_next: Callable[[Callable[[int, int, frozenset[str]], list | None]], list | None] | None = None):
         self._run = run
         # (rows, longest, tokens, outputs, alone) -> the thread a batch should run on instead of an inference
         # thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
@@ -170,6 +176,9 @@ class DynamicBatcher:
         # (queued tokens, the oldest's outputs) -> whether such a batch would replay but wait for a busy lane
         # (OrtEngine.replay_busy): the work then stays queued and joins the next, larger batch.
         self._replay_busy = replay_busy
+        # (take) -> the batch take(rows, tokens, outputs) chose for the replaying session whose thread calls it,
+        # that session kept claimed for it (OrtEngine.replay_next): a session goes on to queued work itself.
+        self._replay_next = replay_next
         self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -181,6 +190,8 @@ class DynamicBatcher:
         self.overlap_min_tokens = overlap_min_tokens
         self._metrics = metrics
         self._queue: list[Entry] = []  # FIFO
+        # The queue and its counts: the loop, and a replaying session's thread taking its next batch.
+        self._queue_lock = threading.Lock()
         self._queued_rows = 0  # sequences in _queue
         self._queued_tokens = 0  # their real tokens
         self.max_queue_s = None if max_queue_ms is None else max_queue_ms / 1000
@@ -211,11 +222,12 @@ class DynamicBatcher:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         if self._running:
             await asyncio.gather(*self._running, return_exceptions=True)
-        for entry in self._queue:
+        with self._queue_lock:
+            left, self._queue = self._queue, []
+            self._set_depth(0, 0)
+        for entry in left:
             if not entry.group.future.done():
                 entry.group.future.set_exception(NotReady("the server is shutting down"))
-        self._queue.clear()
-        self._set_depth(0, 0)
         if self._executor:
             self._executor.shutdown(wait=True)
 
@@ -258,12 +270,14 @@ class DynamicBatcher:
         group.future.add_done_callback(self._note_cancel)
         ids, type_ids, lengths = sequences.ids, sequences.type_ids, sequences.lengths
         if self.packed:
-            self._queue.append(Entry(ids, type_ids, lengths, group, 0, len(ids)))
+            entries = [Entry(ids, type_ids, lengths, group, 0, len(ids))]
         else:
-            for i, (start, length) in enumerate(zip(sequences.starts.tolist(), lengths.tolist())):
-                end = start + length
-                self._queue.append(Entry(ids[start:end], type_ids[start:end], lengths[i:i + 1], group, i, length))
-        self._set_depth(self._queued_rows + n, self._queued_tokens + len(ids))
+            spans = enumerate(zip(sequences.starts.tolist(), lengths.tolist()))
+            entries = [Entry(ids[start: start + length], type_ids[start: start + length], lengths[i:i + 1], group, i,
+                             length) for i, (start, length) in spans]
+        with self._queue_lock:
+            self._queue += entries
+            self._set_depth(self._queued_rows + n, self._queued_tokens + len(ids))
         self._wakeup.set()
         return group.future
 
@@ -283,14 +297,16 @@ class DynamicBatcher:
         if not self._cancelled:
             return
         self._cancelled = False
-        alive = [e for e in self._queue if not e.group.future.done()]
-        if len(alive) < len(self._queue):
+        with self._queue_lock:
+            alive = [e for e in self._queue if not e.group.future.done()]
+            if len(alive) == len(self._queue):
+                return
             rows = sum(e.count for e in alive)
             dropped = self._queued_rows - rows
             self._queue = alive
             self._set_depth(rows, sum(e.tokens for e in alive))
-            if self._metrics:
-                self._metrics.dropped_sequences.inc(dropped)
+        if self._metrics:
+            self._metrics.dropped_sequences.inc(dropped)
 
     def _is_full(self) -> bool:
         if self._queued_rows >= self.max_batch_size:
@@ -379,7 +395,9 @@ class DynamicBatcher:
             except BaseException:
                 self._slots.release()
                 raise
-            batch = self._live(self._take_batch())
+            with self._queue_lock:  # a replaying session may have taken the work meanwhile
+                batch = self._take_batch() if self._queue else []
+            batch = self._live(batch)
             if batch:
                 self._launch(batch)
             else:
@@ -420,9 +438,13 @@ class DynamicBatcher:
         batches side by side run fewer texts a second on a GPU than fewer, larger ones."""
         if self._running_batches == 0:
             return False
+        with self._queue_lock:
+            if not self._queue:  # a replaying session took it
+                return True
+            oldest = self._queue[0].group.outputs
         if self.overlap_min_tokens is not None and self._queued_tokens < self.overlap_min_tokens:
             return True
-        return self._replay_busy is not None and self._replay_busy(self._queued_tokens, self._queue[0].group.outputs)
+        return self._replay_busy is not None and self._replay_busy(self._queued_tokens, oldest)
 
     async def _gather_more(self) -> None:
         while not self._is_full():
@@ -450,26 +472,54 @@ class DynamicBatcher:
         executor.submit(self._work, entries, outputs, time.perf_counter(), done)
 
     def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
-        """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call."""
-        try:
-            batch = collate(Sequences.joined(entries), self.pad_id, outputs)
-            outcome: dict[str, np.ndarray] | Exception = self._run(batch)
-            tokens = batch.input_ids.size
-        except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
-            outcome, tokens = e, 0
-        self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done)
+        """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call. On a
+        replaying session's thread, then the queued work that replays there, in the same slot, until none is
+        left: the session would otherwise wait for the loop's next turn between its batches."""
+        while True:
+            try:
+                batch = collate(Sequences.joined(entries), self.pad_id, outputs)
+                outcome: dict[str, np.ndarray] | Exception = self._run(batch)
+                tokens = batch.input_ids.size
+            except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
+                outcome, tokens = e, 0
+            following = None
+            if self._replay_next is not None and not isinstance(outcome, Exception):
+                following = self._replay_next(self._take_replayable)
+            self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done,
+                                                following is not None)
+            if following is None:
+                return
+            entries, started = following, time.perf_counter()
+            outputs = frozenset().union(*{e.group.outputs for e in entries})
+
+    def _take_replayable(self, rows: int, tokens: int, outputs: frozenset[str]) -> list[Entry] | None:
+        """A replaying session's thread: the whole queue when it is the batch the loop would take and replay
+        there (within `rows` and `tokens`, wanting only `outputs`), else None: more work than that goes
+        as one larger batch on the packed graph, from the loop."""
+        if not self.packed:
+            return None
+        with self._queue_lock:
+            if (self._closed or not self._queue or self._queued_rows > min(rows, self.max_batch_size)
+                    or self._queued_tokens > min(tokens, self.max_batch_tokens)
+                    or not all(e.group.outputs <= outputs for e in self._queue)):
+                return None
+            chosen, self._queue = self._queue, []
+            self._set_depth(0, 0)
+        return self._live(chosen) or None
 
     def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
-                started: float, done: asyncio.Future) -> None:
+                started: float, done: asyncio.Future, goes_on: bool = False) -> None:
+        """A batch's outcome, on the loop. `goes_on`: its thread went on to another batch in the same slot."""
         now = time.perf_counter()
         if not isinstance(outcome, Exception):
             self.speed.batch_finished(sum(e.tokens for e in entries), now - max(started, self._last_finish))
-        self._running_batches -= 1
         self._last_finish = now
-        self._slots.release()
-        self._wakeup.set()
-        self._running.discard(done)
-        done.set_result(None)
+        self._wakeup.set()  # what is left queued may now start (another slot, the packed graph)
+        if not goes_on:
+            self._running_batches -= 1
+            self._slots.release()
+            self._running.discard(done)
+            done.set_result(None)
         if isinstance(outcome, Exception):
             log.error("inference failed on a batch of %d entries", len(entries), exc_info=outcome)
             for entry in entries:

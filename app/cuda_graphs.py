@@ -260,6 +260,7 @@ class PackedGraphBuckets(_SessionThread):
         self.outputs = frozenset(o.name for o in session.get_outputs())
         self.buckets = packed_buckets(max_rows, max_tokens, width)
         self.max_tokens = self.buckets[-1][1]  # the largest batch it replays, in tokens
+        self.max_rows = self.buckets[-1][0]  # and in rows
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
@@ -285,6 +286,11 @@ class PackedGraphBuckets(_SessionThread):
         with self._claims_lock:
             self._claims += 1
         return self._thread
+
+    def release(self) -> None:
+        """One claimed batch fewer: its replay ended, or the claim found no batch (OrtEngine.replay_next)."""
+        with self._claims_lock:
+            self._claims = max(0, self._claims - 1)
 
     @property
     def claims(self) -> int:
@@ -317,8 +323,7 @@ class PackedGraphBuckets(_SessionThread):
             return self._on_thread(self._replay, key, lengths, ids, type_ids, outputs)
         finally:
             if claimed:
-                with self._claims_lock:
-                    self._claims = max(0, self._claims - 1)
+                self.release()
 
     def _replay(self, key: tuple[int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
                 outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -23,6 +24,7 @@ from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOK
 from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
 log = logging.getLogger("app.engine")
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -184,6 +186,23 @@ class OrtEngine:
         return (bool(lanes) and tokens <= lanes[0].max_tokens and lanes[0].outputs.issuperset(outputs)
                 and all(lane.claims for lane in lanes))
 
+    def replay_next(self, take: Callable[[int, int, frozenset[str]], T | None]) -> T | None:
+        """On a replaying session's thread, just after its batch: `take(rows, tokens, outputs)` picks the next
+        batch within what replays there, and the session stays claimed for it (so `replay_busy` holds other
+        work back meanwhile). The batcher calls this so that a session goes on to the queued work at once,
+        not a turn of its event loop later. None (nothing taken) on any other thread."""
+        lane = self._lane_here()
+        if lane is None:
+            return None
+        lane.claim()
+        taken = None
+        try:
+            taken = take(lane.max_rows, lane.max_tokens, lane.outputs)
+        finally:
+            if not taken:
+                lane.release()
+        return taken or None
+
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A batch replays a CUDA graph of the host-packed variant when it fits its buckets and wants no
         token vectors; of a padded graph, when it is small and the only batch on the GPU (a padded replay's
@@ -219,8 +238,11 @@ class OrtEngine:
 
     def _packed_lane(self) -> PackedGraphBuckets:
         """The lane whose thread this is (the batcher ran the batch there), else the least claimed one."""
+        return self._lane_here() or self._least_claimed_lane()
+
+    def _lane_here(self) -> PackedGraphBuckets | None:
         here = threading.get_ident()
-        return next((lane for lane in self.packed_lanes if lane.thread_id == here), None) or self._least_claimed_lane()
+        return next((lane for lane in self.packed_lanes if lane.thread_id == here), None)
 
     def _least_claimed_lane(self) -> PackedGraphBuckets:
         return min(self.packed_lanes, key=lambda lane: lane.claims)

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.http_load import make_texts, require_fast_protocols, serve_and_load, server_settings  # noqa: E402
+from bench.http_load import (engine_reference, make_texts, require_fast_protocols, serve_and_load,  # noqa: E402
+                             server_settings)
 
 
 def parse_variant(words: list[str]) -> dict:
@@ -56,7 +57,8 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
         for key in repeats[0]:
             values = [r[key] for r in repeats if key in r]
             if key == "c1_short":
-                out[name][key] = {f: round(statistics.median(v[f] for v in values), 3) for f in ("p50_ms", "p99_ms")}
+                out[name][key] = {f: round(statistics.median(v[f] for v in values), 3)
+                                  for f in ("p50_ms", "p99_ms", "over_engine_ms") if f in values[0]}
                 continue
             rates = [v["requests_per_s"] for v in values]
             out[name][key] = {"requests_per_s": round(statistics.median(rates)),
@@ -64,21 +66,29 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
                               "texts_per_s": round(statistics.median(v["texts_per_s"] for v in values)),
                               "p99_ms": round(statistics.median(v["p99_ms"] for v in values), 2),
                               "mean_batch_size": round(statistics.median(v["mean_batch_size"] for v in values), 1),
-                              "runs": len(values)}
+                              "errors": sum(v["errors"] for v in values), "runs": len(values)}
+            if "x_engine" in values[0]:
+                out[name][key]["x_engine"] = round(statistics.median(v["x_engine"] for v in values), 3)
     return out
 
 
 def print_summary(summary: dict) -> None:
-    print(f"{'variant':<20}{'load':<14}{'requests/s (median, range)':>32}{'texts/s':>10}{'p99 ms':>9}{'batch':>7}")
+    print(f"{'variant':<20}{'load':<14}{'requests/s (median, range)':>32}{'texts/s':>10}{'x engine':>9}{'p99 ms':>9}"
+          f"{'batch':>7}{'errors':>8}")
     for name, keys in summary.items():
         for key, s in keys.items():
             if key == "c1_short":
-                cell = f"p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms"
+                cell = f"p50 {s['p50_ms']} ms, p99 {s['p99_ms']} ms" + (
+                    f", engine + {s['over_engine_ms']} ms" if "over_engine_ms" in s else "")
                 print(f"{name:<20}{'one short text':<14}{cell:>32}")
                 continue
             low, high = s["requests_per_s_range"]
             cell = f"{s['requests_per_s']:,} ({low:,}-{high:,}, {s['runs']} runs)"
-            print(f"{name:<20}{key:<14}{cell:>32}{s['texts_per_s']:>10,}{s['p99_ms']:>9}{s['mean_batch_size']:>7}")
+            print(f"{name:<20}{key:<14}{cell:>32}{s['texts_per_s']:>10,}{s.get('x_engine', ''):>9}{s['p99_ms']:>9}"
+                  f"{s['mean_batch_size']:>7}{s['errors']:>8}")
+    if any(s.get("errors") for keys in summary.values() for s in keys.values()):
+        print("some requests failed (errors: non-200 answers, 429 past the queue limit among them): their runs "
+              "measure refusals too; lower --max-inflight-texts or --connections", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="client processes (python) or threads (wrk)")
     parser.add_argument("--connections", type=int, default=32, help="per client process or thread")
-    parser.add_argument("--max-inflight-texts", type=int, default=8192, help="texts in flight over all connections")
+    parser.add_argument("--max-inflight-texts", type=int, default=2048,
+                        help="texts in flight over all connections (keep it under the servers' max_queued_sequences)")
+    parser.add_argument("--engine-batches", default="",
+                        help="batch sizes of the engine alone, measured once first in this process (e.g. 1,256): "
+                             "each load's x engine, and the short text's time over the engine's batch-1 time")
+    parser.add_argument("--engine-seconds", type=float, default=1.0)
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per load")
     parser.add_argument("--latency-requests", type=int, default=300, help="one short text at concurrency 1")
     parser.add_argument("--max-wait-ms", type=float, default=0.0)
@@ -117,17 +132,22 @@ def main(argv: list[str] | None = None) -> int:
     texts = make_texts(args.texts, args.seed)
     out = args.out or (Path(os.environ["OUT"]) / "http_ab.json" if os.environ.get("OUT") else None)
     runs: dict[str, list[dict]] = {v["name"]: [] for v in variants}
+    engine = None
+    if args.engine_batches:
+        print("engine alone ...", file=sys.stderr)
+        engine = engine_reference(args.artifact, texts, [int(x) for x in args.engine_batches.split(",")],
+                                  args.device, args.precision, args.engine_seconds)
 
     def write(summary: dict | None) -> None:  # after every run: a lease that ends early keeps what it measured
         if out:
-            out.write_text(json.dumps({"variants": variants, "shared_settings": args.set,
+            out.write_text(json.dumps({"variants": variants, "shared_settings": args.set, "engine": engine,
                                        "cpu_count": os.cpu_count(), "summary": summary, "runs": runs}, indent=1))
 
     for repeat in range(args.repeats):
         for variant in order(variants, repeat):
             print(f"== {variant['name']} (repeat {repeat + 1} of {args.repeats})", file=sys.stderr)
             settings = server_settings(args, args.workers, variant["set"])
-            runs[variant["name"]].append(serve_and_load(args, settings, texts, None, root=Path(variant["tree"])))
+            runs[variant["name"]].append(serve_and_load(args, settings, texts, engine, root=Path(variant["tree"])))
             write(None)
     summary = summarise(runs)
     print_summary(summary)

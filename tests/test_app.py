@@ -1075,6 +1075,84 @@ def test_work_that_would_wait_for_a_busy_replay_lane_stays_queued():
     assert (12, ["cls_embedding"]) in asked and (8, ["token_embeddings"]) in asked
 
 
+def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy():
+    """replay_next (OrtEngine.replay_next): after a batch on the replaying thread, that thread takes the
+    queued work and runs it at once, even while the event loop is busy, when the whole queue is a batch
+    that replays there (its rows, tokens and outputs); more work, or work for other outputs, goes as one
+    batch from the loop, on an inference thread. Every request gets its own rows; the claims end balanced."""
+    lane = ThreadPoolExecutor(1, thread_name_prefix="replay-lane")
+    claims, ran = [0], []
+    cls, tokens = frozenset({"cls_embedding"}), frozenset({"token_embeddings"})
+
+    def on_lane() -> bool:
+        return threading.current_thread().name.startswith("replay-lane")
+
+    def replays(rows, tokens_, outputs):
+        return rows <= 3 and tokens_ <= 12 and "token_embeddings" not in outputs
+
+    def replay_thread(rows, longest, tokens_, outputs, alone):
+        if replays(rows, tokens_, outputs):
+            claims[0] += 1
+            return lane
+        return None
+
+    def replay_busy(tokens_, outputs):
+        return claims[0] > 0 and replays(1, tokens_, outputs)
+
+    def replay_next(take):
+        if not on_lane():
+            return None
+        claims[0] += 1
+        taken = take(3, 12, cls)
+        if not taken:
+            claims[0] -= 1
+        return taken
+
+    def engine(batch):
+        ran.append((batch.input_ids[:, 0].tolist(), on_lane(), time.perf_counter()))
+        time.sleep(0.15)
+        if on_lane():
+            claims[0] -= 1
+        out = {name: np.repeat(batch.input_ids[:, :1].astype(np.float32), 4, 1) for name in batch.outputs}
+        if "token_embeddings" in batch.outputs:
+            out["token_embeddings"] = np.zeros((*batch.input_ids.shape, 4), np.float32)
+        return out
+
+    def request(first_id: int, lengths: list[int]) -> Sequences:
+        ids = [np.full(n, first_id + i, np.int64) for i, n in enumerate(lengths)]
+        return Sequences.concat(ids, [np.zeros(n, np.int64) for n in lengths])
+
+    async def go():
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                           max_queued=1000, inference_workers=2, packed=True, replay_thread=replay_thread,
+                           replay_busy=replay_busy, replay_next=replay_next)
+        b.start()
+        phases = []
+        for queued in ([(10, [4, 4], cls), (20, [4], cls)],  # 3 rows, 12 tokens: a replay's
+                       [(30, [4, 4], cls), (40, [4, 4], cls)],  # 4 rows: not
+                       [(50, [4], cls), (60, [4], tokens)]):  # token vectors: not
+            first = b.submit_group(request(1, [4]), cls)
+            await asyncio.sleep(0.05)  # on the lane
+            futures = [b.submit_group(request(at, lengths), outputs) for at, lengths, outputs in queued]
+            blocked_until = time.perf_counter() + 0.4
+            time.sleep(0.4)  # the loop is busy: only the lane's own thread can start the queued work
+            phases.append((blocked_until, await asyncio.gather(first, *futures)))
+        await b.stop()
+        return phases
+    phases = run(go())
+    lane.shutdown()
+    assert [(ids, on) for ids, on, _ in ran] == [
+        ([1], True), ([10, 11, 20], True),  # taken by the lane's thread
+        ([1], True), ([30, 31, 40, 41], False),  # from the loop, as one batch
+        ([1], True), ([50, 60], False)]
+    assert ran[1][2] < phases[0][0] and ran[3][2] > phases[1][0] and ran[5][2] > phases[2][0]
+    assert claims[0] == 0
+    got = [[r.outputs["cls_embedding"][:, 0].tolist() for r in results[1:] if "cls_embedding" in r.outputs]
+           for _, results in phases]
+    assert got == [[[10, 11], [20]], [[30, 31], [40, 41]], [[50]]]
+    assert phases[2][1][2].outputs["token_embeddings"][0].shape == (4, 4)
+
+
 def test_a_batch_runs_on_the_thread_the_engine_names():
     """replay_thread (OrtEngine.replay_thread: where a CUDA graph replays) is asked for every batch, with
     its rows, longest and total tokens, outputs and whether it finds no other batch running; a batch it

@@ -377,6 +377,17 @@ def test_two_sessions_replay_side_by_side_and_answer_as_the_packed_graph(tiny_mo
     for lane in (first, second):
         lane.submit(engine.run, batches[0]).result(30)
     assert not engine.replay_busy(len(one), {CLS_EMBEDDING})
+    # replay_next: on a lane's thread `take` gets that lane's limits, and the lane stays claimed when it took
+    asked = []
+    assert engine.replay_next(lambda *limits: asked.append(limits) or ["batch"]) is None and asked == []
+    lane = engine.packed_lanes[0]
+    assert lane.thread.submit(engine.replay_next, lambda *limits: asked.append(limits) or []).result(30) is None
+    assert lane.claims == 0
+    assert lane.thread.submit(engine.replay_next, lambda *limits: ["batch"]).result(30) == ["batch"]
+    assert asked == [(lane.max_rows, lane.max_tokens, lane.outputs)] and lane.claims == 1
+    assert not engine.replay_busy(len(one), {CLS_EMBEDDING})  # the other lane is free
+    lane.thread.submit(engine.run, batches[0]).result(30)  # the batch it took: its replay ends the claim
+    assert lane.claims == 0
     work = []
     for batch in batches * 6:
         ids, _, lengths = batch.unpadded()
