@@ -104,19 +104,34 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
 
 # Length of the start-up batch's sequences: a typical request's, not the longest the model takes.
 _WARM_UP_LENGTH = 128
+# Our operator times cuBLASLt's candidates the first time it meets a product of this many rows (tokens) or
+# more in each power of two of rows (kTuneMinRows, custom_kernels/src/matmul_epilogues.cc): 50-100 ms that,
+# met under load, held up every request in flight (a one-text p99 of 71 ms against 28-38 ms on an H100,
+# BENCHMARKS.md). Start-up pays it instead, with a batch in each such power of two the batcher can form.
+_TUNED_FROM_TOKENS = 4096
 
 
 def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, max_length: int) -> None:
     """Run one full batch of the kind the batcher forms before serving and time it: the speed the queue's
     admission by time (max_queue_ms) goes by until the first real batch finishes. Without it the admission
     knew no speed at start and refused a burst that came at once (41-101 requests answered 429 in
-    bench/replicas.py's first runs on H100s). On a GPU an untimed run goes first: it sets up the kernels for
-    the shape. Costs a batch's time at start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores)."""
+    bench/replicas.py's first runs on H100s). On a GPU untimed runs go first: one of every power of two of
+    tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them. Costs
+    a batch's time at start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores; on a GPU, 0.1-0.3 s more)."""
     length = min(_WARM_UP_LENGTH, max_length)
-    rows = max(1, min(batcher.max_batch_size, batcher.max_batch_tokens // length))
     row = np.resize(ids, length)  # the probe's tokens repeated: what they are does not change the time
-    batch = collate(Sequences(np.tile(row, rows), np.zeros(rows * length, dtype=np.int64),
-                              np.full(rows, length, dtype=np.int64)), engine.pad_id, frozenset({CLS_EMBEDDING}))
+
+    def batch_of(rows: int):
+        return collate(Sequences(np.tile(row, rows), np.zeros(rows * length, dtype=np.int64),
+                                 np.full(rows, length, dtype=np.int64)), engine.pad_id, frozenset({CLS_EMBEDDING}))
+
+    rows = max(1, min(batcher.max_batch_size, batcher.max_batch_tokens // length))
+    if engine.device == "cuda":
+        tokens = _TUNED_FROM_TOKENS
+        while tokens < rows * length:
+            engine.run(batch_of(tokens // length))
+            tokens *= 2
+    batch = batch_of(rows)
     if engine.device == "cuda":
         engine.run(batch)
     started = time.perf_counter()

@@ -1153,6 +1153,35 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
     assert phases[2][1][2].outputs["token_embeddings"][0].shape == (4, 4)
 
 
+def test_start_up_runs_a_batch_in_every_power_of_two_of_tokens_the_gpu_kernels_tune():
+    """On a GPU the engine's start-up runs, untimed, a batch of every power of two of tokens from 4,096 below
+    the full batch (our operator tunes its products there, once each), then the full batch untimed and
+    timed; on the CPU only the timed full batch. Batches the batcher cannot form are not run."""
+    from app.build import _measure_speed
+
+    class Engine:
+        pad_id = 0
+
+        def __init__(self, device):
+            self.device, self.tokens = device, []
+
+        def run(self, batch):
+            self.tokens.append(int(batch.attention_mask.sum()))
+            return {}
+
+    def start(device, max_batch_tokens, max_batch_size=256):
+        engine = Engine(device)
+        batcher = DynamicBatcher(engine.run, pad_id=0, max_batch_tokens=max_batch_tokens,
+                                 max_batch_size=max_batch_size, max_wait_ms=0, max_queued=10, packed=True)
+        _measure_speed(engine, batcher, np.arange(5, 25), 512)
+        assert batcher.speed.measured
+        return engine.tokens
+    assert start("cuda", 16384) == [4096, 8192, 16384, 16384]
+    assert start("cuda", 32768) == [4096, 8192, 16384, 32768, 32768]
+    assert start("cuda", 16384, max_batch_size=40) == [4096, 5120, 5120]
+    assert start("cpu", 512) == [512]
+
+
 def test_a_batch_runs_on_the_thread_the_engine_names():
     """replay_thread (OrtEngine.replay_thread: where a CUDA graph replays) is asked for every batch, with
     its rows, longest and total tokens, outputs and whether it finds no other batch running; a batch it

@@ -160,6 +160,50 @@ def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_giv
         assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999
 
 
+_START_AND_RUN = """
+import sys
+import numpy as np
+from app.batcher import Sequences, collate
+from app.build import build_engine, load_tokenizer
+from app.metrics import Metrics
+from app.settings import Settings
+settings = Settings(model_dir=sys.argv[1], device="cuda", custom_kernels="on")
+manifest, tokenizer = load_tokenizer(settings)
+engine, batcher = build_engine(settings, manifest, tokenizer, Metrics())
+print("STARTED", file=sys.stderr, flush=True)
+lengths = np.full(60, 80) - np.arange(60) % 7  # 4,620 tokens: the 4,096-8,191 power of two
+ids = np.full(int(lengths.sum()), 7, np.int64)
+out = engine.run(collate(Sequences(ids, np.zeros_like(ids), lengths), engine.pad_id, frozenset({"cls_embedding"})))
+assert np.isfinite(out["cls_embedding"]).all() and len(out["cls_embedding"]) == 60
+"""
+
+
+def test_start_up_tunes_the_kernels_for_every_large_batch_the_batcher_can_form(tiny_model_dir, tmp_path):
+    """The operator tunes cuBLASLt's algorithm the first time it meets a product of 4,096 rows or more in
+    each power of two of rows (50-100 ms on BERT-base): the engine's start-up runs a batch in each of them
+    up to the batch budget, so no request meets that pause. In a fresh process, with the tuning logged:
+    every tuning is done before the engine is ready, in each power of two from 4,096 to the budget's, and
+    a batch of 4,620 tokens afterwards tunes nothing."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]) == 0
+    env = {**os.environ, "BERTSERVE_KERNELS_AUTOTUNE_LOG": "1", "BERTSERVE_MAX_BATCH_TOKENS": "16384"}
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _START_AND_RUN, str(out)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    before, marker, after = done.stderr.partition("STARTED")
+    assert marker, done.stderr[-3000:]
+    tuned_rows = {int(m) for m in re.findall(r"bertserve autotune \S+ M=(\d+)", before)}
+    assert {rows.bit_length() - 1 for rows in tuned_rows} == {12, 13, 14}, before[-3000:]
+    assert "bertserve autotune" not in after, after
+
+
 def test_kernels_reuse_a_buckets_algorithm_for_new_token_counts(tiny_model_dir, tmp_path):
     """The packed graph's products have as many rows as the batch has real tokens, so most batches bring
     a row count the process has not met: the operator takes the algorithm chosen for its power of two of
