@@ -469,13 +469,15 @@ class DynamicBatcher:
             longest = max(int(e.lengths.max()) for e in entries)
             executor = self._replay_thread(rows, longest, tokens, outputs, self._running_batches == 0) or executor
         self._running_batches += 1
-        executor.submit(self._work, entries, outputs, time.perf_counter(), done)
+        executor.submit(self._work, entries, outputs, time.perf_counter(), done, executor is not self._executor)
 
-    def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future) -> None:
+    def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future,
+              replayed: bool) -> None:
         """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call. On a
         replaying session's thread, then the queued work that replays there, in the same slot, until none is
         left: the session would otherwise wait for the loop's next turn between its batches."""
         while True:
+            begun = time.perf_counter()
             try:
                 batch = collate(Sequences.joined(entries), self.pad_id, outputs)
                 outcome: dict[str, np.ndarray] | Exception = self._run(batch)
@@ -485,8 +487,9 @@ class DynamicBatcher:
             following = None
             if self._replay_next is not None and not isinstance(outcome, Exception):
                 following = self._replay_next(self._take_replayable)
+            busy = time.perf_counter() - begun
             self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done,
-                                                following is not None)
+                                                following is not None, (busy, replayed))
             if following is None:
                 return
             entries, started = following, time.perf_counter()
@@ -508,8 +511,9 @@ class DynamicBatcher:
         return self._live(chosen) or None
 
     def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
-                started: float, done: asyncio.Future, goes_on: bool = False) -> None:
-        """A batch's outcome, on the loop. `goes_on`: its thread went on to another batch in the same slot."""
+                started: float, done: asyncio.Future, goes_on: bool, busy: tuple[float, bool]) -> None:
+        """A batch's outcome, on the loop. `goes_on`: its thread went on to another batch in the same slot;
+        `busy`: its time on that thread, and whether it replayed a CUDA graph there."""
         now = time.perf_counter()
         if not isinstance(outcome, Exception):
             self.speed.batch_finished(sum(e.tokens for e in entries), now - max(started, self._last_finish))
@@ -531,7 +535,7 @@ class DynamicBatcher:
         inference_s = now - started
         size = sum(e.count for e in entries)
         if self._metrics:
-            self._metrics.observe_batch(size, tokens, inference_s)
+            self._metrics.observe_batch(size, tokens, inference_s, *busy)
         # Each group's entries with their first row in the batch; then one fill per group.
         parts: dict[Group, list[tuple[int, Entry]]] = {}
         row = 0

@@ -41,6 +41,12 @@ class Metrics:
                                        "batches (its longest-waiting sequence)", buckets=_LATENCY, registry=r)
         self.inference_seconds = Histogram("bertserve_inference_duration_seconds", "time per batch in the engine "
                                            "(collation and output copy included)", buckets=_LATENCY, registry=r)
+        self.engine_busy_seconds = Counter("bertserve_engine_busy_seconds", "time the engine's threads spent on "
+                                           "batches (collation, the run, its copies), by path: cuda_graph (on a "
+                                           "CUDA-graph session's thread, where batches replay) or session; its "
+                                           "rate is how busy that path is (summed over its threads: up to "
+                                           "cuda_graph_lanes, or inference_workers)", ["path"], registry=r)
+        self._busy_paths = {path: self.engine_busy_seconds.labels(path) for path in ("cuda_graph", "session")}
         self.link_seconds = Histogram("bertserve_engine_link_duration_seconds", "with HTTP workers, per group of "
                                       "requests a worker sent together: its time on the way to the engine process "
                                       "(to_engine), there, queue and batches included (in_engine), and back "
@@ -65,7 +71,11 @@ class Metrics:
         if self.multiprocess:
             multiprocess.mark_process_dead(os.getpid())
 
-    def observe_batch(self, size: int, padded_tokens: int, seconds: float) -> None:
+    def observe_batch(self, size: int, padded_tokens: int, seconds: float, busy_seconds: float = 0.0,
+                      replayed: bool = False) -> None:
+        """One batch: `seconds` from its hand-off to its answer on the event loop, `busy_seconds` of them on
+        its thread, replayed from a CUDA graph or not."""
+        self._busy_paths["cuda_graph" if replayed else "session"].inc(busy_seconds)
         self.batch_size.observe(size)
         self.batch_tokens.observe(padded_tokens)
         self.inference_seconds.observe(seconds)

@@ -443,6 +443,7 @@ _STAGES = {"request": "bertserve_request_duration_seconds", "tokenize": "bertser
            "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds",
            **{f"link_{way}": f"{_LINK}:{way}" for way in ("to_engine", "in_engine", "from_engine")}}
 _BATCH_SIZE = "bertserve_batch_size"
+_BUSY = "bertserve_engine_busy_seconds_total"  # by path (label): cuda_graph / session
 
 
 def _server_totals(url: str) -> dict[str, float]:
@@ -450,9 +451,12 @@ def _server_totals(url: str) -> dict[str, float]:
     by way, as NAME:WAY_sum): differences over a run give the mean batch size and where the server's
     time per request went."""
     wanted = {*(stage.split(":")[0] for stage in _STAGES.values()), _BATCH_SIZE}
-    totals: dict[str, float] = {}
+    totals: dict[str, float] = {"at": time.monotonic()}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == _BUSY and 'path="' in line:
+            totals["busy:" + line.split('path="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+            continue
         base, suffix = name.rsplit("_", 1) if "_" in name else (name, "")
         if suffix in ("sum", "count") and base in wanted:
             if base == _LINK and 'way="' in line:
@@ -463,14 +467,19 @@ def _server_totals(url: str) -> dict[str, float]:
 
 
 def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """Over a run: the mean batch size, and mean ms per request in the worker's handler (request), in
-    tokenising, waiting for its batch (queue), and per batch in the engine (inference)."""
+    """Over a run: the mean batch size, mean ms per request in the worker's handler (request), in
+    tokenising, waiting for its batch (queue), and per batch in the engine (inference); and how busy the
+    engine's threads were on batches, by path (seconds a second: 0.8 is one thread busy 80% of the run)."""
     def mean(metric: str) -> float:
         count = after.get(f"{metric}_count", 0.0) - before.get(f"{metric}_count", 0.0)
         return (after.get(f"{metric}_sum", 0.0) - before.get(f"{metric}_sum", 0.0)) / max(count, 1)
 
+    def rate(key: str) -> float:
+        return (after.get(key, 0.0) - before.get(key, 0.0)) / max(after["at"] - before["at"], 1e-9)
+
     return {"mean_batch_size": round(mean(_BATCH_SIZE), 1),
-            **{f"server_{stage}_ms": round(mean(metric) * 1e3, 3) for stage, metric in _STAGES.items()}}
+            **{f"server_{stage}_ms": round(mean(metric) * 1e3, 3) for stage, metric in _STAGES.items()},
+            **{f"engine_busy_{path}": round(rate(f"busy:{path}"), 2) for path in ("cuda_graph", "session")}}
 
 
 def require_fast_protocols(allow_slow: bool) -> None:
@@ -540,7 +549,8 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                       f"{run['mean_batch_size']}" + (
                           f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
                           f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
-                          if workers > 1 else ""), file=sys.stderr)
+                          if workers > 1 else "") + f"; engine threads busy on batches: CUDA graphs "
+                      f"{run['engine_busy_cuda_graph']}, session {run['engine_busy_session']} s/s", file=sys.stderr)
                 if engine is not None:
                     run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
                 runs_of[client] += 1  # x1, x1-wrk, then x1-2, x1-wrk-2 for a client's second run

@@ -874,6 +874,8 @@ def test_metrics_count_requests_failures_and_stages(artifact):
         assert _metric(m, name) >= 1, name
     assert 'bertserve_model_info{model="tiny",precision="fp32",provider="CPUExecutionProvider"} 1.0' in m
     assert _metric(m, 'bertserve_engine_link_duration_seconds_count{way="to_engine"}') == 0  # one process: no link
+    assert _metric(m, 'bertserve_engine_busy_seconds_total{path="session"}') > 0
+    assert _metric(m, 'bertserve_engine_busy_seconds_total{path="cuda_graph"}') == 0  # the CPU replays nothing
 
 
 def _metric(text: str, name: str) -> float:
@@ -1079,8 +1081,12 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
     """replay_next (OrtEngine.replay_next): after a batch on the replaying thread, that thread takes the
     queued work and runs it at once, even while the event loop is busy, when the whole queue is a batch
     that replays there (its rows, tokens and outputs); more work, or work for other outputs, goes as one
-    batch from the loop, on an inference thread. Every request gets its own rows; the claims end balanced."""
+    batch from the loop, on an inference thread. Every request gets its own rows; the claims end balanced;
+    each path's time on its threads is counted (bertserve_engine_busy_seconds)."""
+    from app.metrics import Metrics
+
     lane = ThreadPoolExecutor(1, thread_name_prefix="replay-lane")
+    metrics = Metrics()
     claims, ran = [0], []
     cls, tokens = frozenset({"cls_embedding"}), frozenset({"token_embeddings"})
 
@@ -1125,7 +1131,7 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
     async def go():
         b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
                            max_queued=1000, inference_workers=2, packed=True, replay_thread=replay_thread,
-                           replay_busy=replay_busy, replay_next=replay_next)
+                           replay_busy=replay_busy, replay_next=replay_next, metrics=metrics)
         b.start()
         phases = []
         for queued in ([(10, [4, 4], cls), (20, [4], cls)],  # 3 rows, 12 tokens: a replay's
@@ -1151,6 +1157,10 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
            for _, results in phases]
     assert got == [[[10, 11], [20]], [[30, 31], [40, 41]], [[50]]]
     assert phases[2][1][2].outputs["token_embeddings"][0].shape == (4, 4)
+    exposed = metrics.exposition().decode()
+    replayed = _metric(exposed, 'bertserve_engine_busy_seconds_total{path="cuda_graph"}')
+    session = _metric(exposed, 'bertserve_engine_busy_seconds_total{path="session"}')
+    assert 0.6 <= replayed < 0.9 and 0.3 <= session < 0.45  # four batches of 0.15 s on the lane, two beside
 
 
 def test_start_up_runs_a_batch_in_every_power_of_two_of_tokens_the_gpu_kernels_tune():

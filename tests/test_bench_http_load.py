@@ -33,6 +33,8 @@ def test_serving_reports_each_stage_of_a_requests_time(tiny_artifact_dir, tmp_pa
         assert 0 < run["server_queue_ms"] < run["server_request_ms"], run
         assert 0 < run["server_inference_ms"], run
         assert run["server_request_ms"] < run["mean_ms"] * 1.5, run
+        # The engine's threads on batches, in seconds a second: some, on the session (the CPU replays nothing)
+        assert 0 < run["engine_busy_session"] <= os.cpu_count() and run["engine_busy_cuda_graph"] == 0, run
     assert f"in the server: handler {runs['x1']['server_request_ms']} ms" in done.stderr
 
 
