@@ -117,7 +117,8 @@ def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, 
     knew no speed at start and refused a burst that came at once (41-101 requests answered 429 in
     bench/replicas.py's first runs on H100s). On a GPU untimed runs go first: one of every power of two of
     tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them. Costs
-    a batch's time at start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores; on a GPU, 0.1-0.3 s more)."""
+    a batch's time at start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores), on a GPU those runs too (two
+    with the default budget)."""
     length = min(_WARM_UP_LENGTH, max_length)
     row = np.resize(ids, length)  # the probe's tokens repeated: what they are does not change the time
 
