@@ -1163,6 +1163,99 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
     assert 0.6 <= replayed < 0.9 and 0.3 <= session < 0.45  # four batches of 0.15 s on the lane, two beside
 
 
+def test_replaying_threads_and_the_loop_share_the_queue_without_losing_or_mixing_rows():
+    """Two replaying threads taking their next batches (replay_next) while the loop forms its own, under
+    hundreds of requests of mixed sizes and outputs, a fifth of them cancelled by their clients: every
+    request that was not cancelled gets exactly its own rows, no request waits forever, the queue ends
+    empty and every lane's claims end at zero."""
+    lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"replay-lane-{i}") for i in range(2)]
+    claims = [0, 0]
+    claims_lock = threading.Lock()
+    cls, tokens = frozenset({"cls_embedding"}), frozenset({"cls_embedding", "token_embeddings"})
+
+    def lane_here() -> int | None:
+        name = threading.current_thread().name
+        return int(name.split("-")[2].split("_")[0]) if name.startswith("replay-lane") else None
+
+    def replays(tokens_, outputs) -> bool:
+        return tokens_ <= 40 and "token_embeddings" not in outputs
+
+    def replay_thread(rows, longest, tokens_, outputs, alone):
+        if not replays(tokens_, outputs):
+            return None
+        with claims_lock:
+            lane = min((0, 1), key=lambda i: claims[i])
+            claims[lane] += 1
+        return lanes[lane]
+
+    def replay_busy(tokens_, outputs):
+        return replays(tokens_, outputs) and all(claims)
+
+    def replay_next(take):
+        lane = lane_here()
+        if lane is None:
+            return None
+        with claims_lock:
+            claims[lane] += 1
+        taken = take(16, 40, cls)
+        if not taken:
+            with claims_lock:
+                claims[lane] -= 1
+        took.append(bool(taken))
+        return taken
+
+    def engine(batch):
+        time.sleep(0.001)
+        lane = lane_here()
+        ran_on.append(lane)
+        if lane is not None:
+            with claims_lock:
+                claims[lane] -= 1
+        first = batch.input_ids[:, :1].astype(np.float32)
+        out = {"cls_embedding": np.repeat(first, 4, 1)}
+        if "token_embeddings" in batch.outputs:
+            out["token_embeddings"] = np.repeat(batch.input_ids[:, :, None].astype(np.float32), 4, 2)
+        return out
+
+    rng = np.random.default_rng(7)
+    took, ran_on = [], []
+
+    async def go():
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=200, max_batch_size=32, max_wait_ms=0,
+                           max_queued=100_000, inference_workers=3, packed=True, replay_thread=replay_thread,
+                           replay_busy=replay_busy, replay_next=replay_next)
+        b.start()
+        sent = []
+        for i in range(600):
+            lengths = rng.integers(1, 9, rng.integers(1, 5)).tolist()
+            ids = [np.full(n, 1000 * i + k, np.int64) for k, n in enumerate(lengths)]
+            outputs = tokens if rng.random() < 0.15 else cls
+            future = b.submit_group(Sequences.concat(ids, [np.zeros(n, np.int64) for n in lengths]), outputs)
+            sent.append((i, lengths, outputs, future))
+            if rng.random() < 0.2:
+                future.cancel()
+            await asyncio.sleep(float(rng.choice([0, 0, 0.0005, 0.002])))  # bursts, and lulls for the lanes
+        results = await asyncio.wait_for(asyncio.gather(*(f for *_, f in sent), return_exceptions=True), 30)
+        queued = b.queued
+        await b.stop()
+        return sent, results, queued
+    sent, results, queued = run(go())
+    for lane in lanes:
+        lane.shutdown()
+    answered = 0
+    for (i, lengths, outputs, future), result in zip(sent, results):
+        if future.cancelled():
+            continue
+        answered += 1
+        assert result.outputs["cls_embedding"][:, 0].tolist() == [1000 * i + k for k in range(len(lengths))]
+        if "token_embeddings" in outputs:
+            assert [v.shape[0] for v in result.outputs["token_embeddings"]] == lengths
+            assert all((v == 1000 * i + k).all() for k, v in enumerate(result.outputs["token_embeddings"]))
+    assert answered > 400 and queued == 0 and claims == [0, 0]
+    # every way a batch starts happened: taken by a lane's thread, handed to a lane, run on the session
+    assert any(took) and ran_on.count(None) > 0 and ran_on.count(0) + ran_on.count(1) > took.count(True)
+
+
 def test_start_up_runs_a_batch_in_every_power_of_two_of_tokens_the_gpu_kernels_tune():
     """On a GPU the engine's start-up runs, untimed, a batch of every power of two of tokens from 4,096 below
     the full batch (our operator tunes its products there, once each), then the full batch untimed and
