@@ -4,11 +4,13 @@ One run of `bench/http_load.py serving` varies by about ±10% from the next on t
 most changes it should judge. Here each variant (a source tree and BERTSERVE_* settings) gets its own server,
 loaded at every request size as `serving` loads one (http_load.serve_and_load), and the variants take turns,
 `--repeats` times, in alternating order (A B C, C B A, ...), so that a host's drift reaches every variant
-alike. It prints, per variant and request size, the median requests/s with its range and the median p99,
-and writes every run and that summary as JSON (--out, or http_ab.json under $OUT).
+alike. It prints, per variant and request size, the median requests/s with its range, the median p99 and
+the failed requests (a 429 counts: keep --max-inflight-texts under the servers' queue limit), and with
+--engine-batches each over the engine alone, measured once first; it writes every run and that summary as
+JSON (--out, or http_ab.json under $OUT).
 
   python bench/http_ab.py --artifact ART --device cuda --precision fp16 --workers 12 --processes 8 \\
-      --connections 32 --clients wrk --texts-per-request 1,64 --repeats 3 \\
+      --connections 32 --clients wrk --texts-per-request 1,64 --repeats 3 --engine-batches 1,256 \\
       --variant before ab/before --variant after . --variant two-engines . cuda_device_ids=0,0
 
 A variant is NAME TREE [SETTING=VALUE ...]: TREE is a checkout (`git worktree add`, or `git archive REV |
