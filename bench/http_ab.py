@@ -15,7 +15,8 @@ JSON (--out, or http_ab.json under $OUT).
 
 A variant is NAME TREE [SETTING=VALUE ...]: TREE is a checkout (`git worktree add`, or `git archive REV |
 tar -x -C DIR`) whose app/ the server runs, with the artifact's custom-kernels library built in it or named
-by BERTSERVE_KERNELS_LIBRARY; the settings come after the shared ones (--set).
+by BERTSERVE_KERNELS_LIBRARY; the settings come after the shared ones (--set). `model_dir=PATH` serves
+another artifact than --artifact (two exports of one model, say; the engine alone is measured on --artifact).
 """
 from __future__ import annotations
 
@@ -42,6 +43,9 @@ def parse_variant(words: list[str]) -> dict:
         raise SystemExit(f"--variant {name}: {tree} is not a checkout of this project (no app/__main__.py)")
     if bad := [s for s in settings if "=" not in s]:
         raise SystemExit(f"--variant {name}: {bad[0]!r} is not SETTING=VALUE")
+    for value in (s.split("=", 1)[1] for s in settings if s.split("=", 1)[0] == "model_dir"):
+        if not (Path(value) / "manifest.json").is_file():
+            raise SystemExit(f"--variant {name}: model_dir {value} is not an artifact (no manifest.json)")
     return {"name": name, "tree": str(Path(tree).resolve()), "set": settings}
 
 

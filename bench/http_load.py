@@ -157,7 +157,8 @@ async def run_load(url: str, texts: list[str], concurrency: int, per_request: in
 @contextlib.contextmanager
 def serve(artifact: Path, root: Path = ROOT, **settings):
     """`python -m app` from the source tree `root` on a free loopback port, as deployed; yields its URL once
-    /ready answers."""
+    /ready answers. A `model_dir` setting serves that artifact instead of `artifact`."""
+    artifact = settings.pop("model_dir", artifact)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

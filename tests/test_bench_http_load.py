@@ -94,3 +94,25 @@ def test_ab_refuses_a_variant_that_is_not_a_checkout(tmp_path):
     assert done.returncode != 0
     assert done.stderr.strip().splitlines()[-1] == (f"--variant b: {tmp_path} is not a checkout of this project "
                                                      f"(no app/__main__.py)")
+    done = subprocess.run([sys.executable, "bench/http_ab.py", "--artifact", str(tmp_path), "--variant", "a", ".",
+                           "--variant", "b", ".", f"model_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (f"--variant b: model_dir {tmp_path} is not an artifact "
+                                                     f"(no manifest.json)")
+
+
+@pytest.mark.slow  # a server start
+def test_a_model_dir_setting_serves_that_artifact(tiny_artifact_dir, tmp_path):
+    """http_load.serve with model_dir=PATH (an http_ab variant's own artifact) serves PATH, not the artifact
+    it was given."""
+    import httpx
+
+    from bench.http_load import serve
+
+    other = shutil.copytree(tiny_artifact_dir, tmp_path / "other")
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["model_name"] = "the-other-one"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with serve(tiny_artifact_dir, device="cpu", model_dir=other) as url:
+        assert httpx.get(f"{url}/info").json()["model"] == "the-other-one"
