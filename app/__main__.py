@@ -113,4 +113,7 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except KeyboardInterrupt:  # Ctrl-C while the server was starting: nothing was serving yet
+        # A string exec clears CPython's mark of an interrupt that ended one (see
+        # training.stop_signals.forget_caught_interrupt), else `python -m app` dies of SIGINT, not 130.
+        exec("pass", {})
         sys.exit(130)

@@ -13,7 +13,7 @@ from artifact.manifest import ManifestError  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
-from training.stop_signals import sigterm_as_interrupt  # noqa: E402
+from training.stop_signals import forget_caught_interrupt, sigterm_as_interrupt  # noqa: E402
 from training.writes import write_failed  # noqa: E402
 
 
@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        forget_caught_interrupt()
         print(f"export interrupted; nothing was written to {args.out}", file=sys.stderr)
         return 130
     print(f"serves up to {manifest.max_length} tokens (of {manifest.max_position_embeddings} positions); default "

@@ -32,7 +32,8 @@ from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
-from training.writes import WriteError, check_writable, remove_stale_siblings, temporary_sibling
+from training.writes import (WriteError, check_writable, remove_stale_siblings, remove_unfinished,
+                             temporary_sibling)
 
 DEVICES = ("cpu", "cuda")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
@@ -106,8 +107,9 @@ def export_artifact(
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_siblings(out_dir)  # what a killed export left
-    tmp = temporary_sibling(out_dir, ".partial")
+    tmp = None
     try:
+        tmp = temporary_sibling(out_dir, ".partial")
         tmp.chmod(0o755)  # mkdtemp makes it private; the artifact is meant to be read by a server user
         traced = tmp / "traced.onnx"
         trace_to_onnx(graph, traced)
@@ -158,7 +160,7 @@ def export_artifact(
         (tmp / MANIFEST_FILE).write_text(manifest.to_json())
         _move_into_place(tmp, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_unfinished(out_dir, tmp, ".partial")
         raise
     return manifest
 

@@ -203,3 +203,39 @@ def test_ctrl_c_interrupts_at_once_and_one_python_drops_still_stops_the_run():
         del loader
         assert stop_requested()
     assert not stop_requested() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupt_caught_after_it_ended_a_string_exec_still_exits_with_the_programs_code(tmp_path):
+    """An interrupt that lands in code made by a string exec (every dataclass method, many made while torch
+    imports) is marked unhandled by CPython even when caught: under `python -m`, as export, pretrain and
+    the server run, the process then died of SIGINT instead of exiting 130. forget_caught_interrupt, which
+    those entry points call where they catch it, clears the mark."""
+    (tmp_path / "interrupted_in_exec.py").write_text(
+        "import sys\n"
+        "from training.stop_signals import forget_caught_interrupt\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt', {})\n"
+        "except KeyboardInterrupt:\n"
+        "    forget_caught_interrupt()\n"
+        "    sys.exit(130)\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    done = subprocess.run([sys.executable, "-m", "interrupted_in_exec"], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 130, done.stderr
+
+
+def test_an_interrupt_while_the_temporary_folder_is_made_leaves_none(tmp_path):
+    """remove_unfinished with no folder yet (the interrupt came as temporary_sibling made it) removes this
+    process's own unfinished sibling of the destination, and nothing else: another live writer's, or an
+    earlier artifact moved aside."""
+    from training.writes import remove_unfinished, temporary_sibling
+
+    dest = tmp_path / "art"
+    mine = temporary_sibling(dest, ".partial")
+    others = [tmp_path / f".art.{os.getppid()}.x.partial", tmp_path / f".art.{os.getpid()}.y.old"]
+    for path in others:
+        path.mkdir()
+    remove_unfinished(dest, None, ".partial")
+    assert not mine.exists() and all(path.exists() for path in others)
+    made = temporary_sibling(dest, ".partial")
+    remove_unfinished(dest, made, ".partial")
+    assert not made.exists() and all(path.exists() for path in others)

@@ -22,7 +22,7 @@ from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SENTENCE_BERT_CON
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
 from training import bert_family
 from training.model import BertConfig, BertForPreTraining
-from training.writes import remove_stale_siblings, temporary_sibling, write_failed
+from training.writes import remove_stale_siblings, remove_unfinished, temporary_sibling, write_failed
 
 WEIGHTS_FILE = "model.safetensors"
 TORCH_WEIGHTS_FILE = "pytorch_model.bin"
@@ -87,8 +87,9 @@ def save_model_folder(
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_siblings(out_dir)  # what a killed run left
-    tmp = temporary_sibling(out_dir)
+    tmp = None
     try:
+        tmp = temporary_sibling(out_dir)
         (tmp / CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
         state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items() if k not in _TIED_KEYS}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -116,7 +117,7 @@ def save_model_folder(
         _replace_dir(tmp, out_dir)
     except BaseException as e:
         failure = write_failed(out_dir, e) if isinstance(e, (OSError, RuntimeError, SafetensorError)) else None
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_unfinished(out_dir, tmp)
         if failure is not None:
             raise failure from e
         raise

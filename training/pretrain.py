@@ -30,7 +30,7 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
-from training.stop_signals import sigterm_as_interrupt, sigterm_stops_between_steps
+from training.stop_signals import forget_caught_interrupt, sigterm_as_interrupt, sigterm_stops_between_steps
 from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_writable
 
@@ -685,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}" if not dist.distributed else f"error (rank {dist.rank}): {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        forget_caught_interrupt()
         print("interrupted; continue with --resume", file=sys.stderr)
         return 130
     finally:

@@ -66,5 +66,13 @@ def sigterm_stops_between_steps() -> Iterator[None]:
         _stop.clear()
 
 
+def forget_caught_interrupt() -> None:
+    """Call where a KeyboardInterrupt was caught and the process then exits with its own code (130).
+    CPython marks an interrupt that ends a string exec or eval as unhandled even when a caller catches it
+    (dataclasses make their methods so, many while torch imports), and under `python -m` the process then
+    dies of SIGINT instead of exiting with its code. Each string exec clears the mark as it starts."""
+    exec("pass", {})
+
+
 def stop_requested() -> bool:
     return _stop.is_set()

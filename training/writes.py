@@ -90,6 +90,21 @@ def temporary_sibling(dest: Path, suffix: str = "") -> Path:
     return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=suffix, dir=dest.parent))
 
 
+def remove_unfinished(dest: Path, tmp: Path | None, suffix: str = "") -> None:
+    """After a failure or an interrupt while `dest` was built in `tmp` (temporary_sibling(dest, suffix)):
+    remove `tmp`; when the interrupt came as temporary_sibling made it (`tmp` still None), this process's
+    own such sibling, found by its name."""
+    if tmp is None:
+        prefix = f".{dest.name}.{os.getpid()}."
+        parent = dest.parent
+        own = [p for p in (parent.iterdir() if parent.is_dir() else [])
+               if p.name.startswith(prefix) and p.name.endswith(suffix) and p.is_dir()]
+    else:
+        own = [tmp]
+    for path in own:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def remove_stale_siblings(dest: Path) -> list[Path]:
     """Delete the temporary siblings of `dest` (.NAME.PID.*) that killed processes left, not a live one's."""
     pattern = re.compile(rf"^\.{re.escape(dest.name)}\.(\d+)\.")
