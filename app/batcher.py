@@ -460,7 +460,7 @@ class DynamicBatcher:
     # -- running -----------------------------------------------------------------------------------------
     def _launch(self, entries: list[Entry]) -> None:
         """Hand the batch to a worker thread; `_finish` runs back on the loop, once per batch."""
-        outputs = frozenset().union(*{e.group.outputs for e in entries})
+        outputs = _outputs_of(entries)
         done = self._loop_ref.create_future()
         self._running.add(done)
         executor = self._executor
@@ -493,7 +493,7 @@ class DynamicBatcher:
             if following is None:
                 return
             entries, started = following, time.perf_counter()
-            outputs = frozenset().union(*{e.group.outputs for e in entries})
+            outputs = _outputs_of(entries)
 
     def _take_replayable(self, rows: int, tokens: int, outputs: frozenset[str]) -> list[Entry] | None:
         """A replaying session's thread: the whole queue when it is the batch the loop would take and replay
@@ -549,6 +549,11 @@ class DynamicBatcher:
         for group, spans in parts.items():
             if not group.future.done():  # else cancelled while running
                 group.fill(outcome, spans, started, inference_s, size)
+
+
+def _outputs_of(entries: list[Entry]) -> frozenset[str]:
+    """The outputs a batch of these entries must answer: every one any of their requests wants."""
+    return frozenset().union(*{e.group.outputs for e in entries})
 
 
 def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch:

@@ -127,13 +127,12 @@ def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, 
                                  np.full(rows, length, dtype=np.int64)), engine.pad_id, frozenset({CLS_EMBEDDING}))
 
     rows = max(1, min(batcher.max_batch_size, batcher.max_batch_tokens // length))
+    batch = batch_of(rows)
     if engine.device == "cuda":
         tokens = _TUNED_FROM_TOKENS
         while tokens < rows * length:
             engine.run(batch_of(tokens // length))
             tokens *= 2
-    batch = batch_of(rows)
-    if engine.device == "cuda":
         engine.run(batch)
     started = time.perf_counter()
     engine.run(batch)

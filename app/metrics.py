@@ -71,8 +71,8 @@ class Metrics:
         if self.multiprocess:
             multiprocess.mark_process_dead(os.getpid())
 
-    def observe_batch(self, size: int, padded_tokens: int, seconds: float, busy_seconds: float = 0.0,
-                      replayed: bool = False) -> None:
+    def observe_batch(self, size: int, padded_tokens: int, seconds: float, busy_seconds: float,
+                      replayed: bool) -> None:
         """One batch: `seconds` from its hand-off to its answer on the event loop, `busy_seconds` of them on
         its thread, replayed from a CUDA graph or not."""
         self._busy_paths["cuda_graph" if replayed else "session"].inc(busy_seconds)
