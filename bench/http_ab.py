@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a server setting every variant gets (before the variant's own)")
     parser.add_argument("--texts", type=int, default=4096)
+    parser.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words (about 26 tokens "
+                        "a text by default with bench/make_base_model.py's vocabulary; 10 to 70 words give 42.6)")
+    parser.add_argument("--max-words", type=int, default=40)
     parser.add_argument("--texts-per-request", default="1,64", help="request sizes to load, in turn")
     parser.add_argument("--clients", default="wrk", help="load generators, in turn: python, wrk")
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be at least 1")
     require_fast_protocols(args.allow_slow_protocols)
-    texts = make_texts(args.texts, args.seed)
+    texts = make_texts(args.texts, args.seed, args.min_words, args.max_words)
     out = args.out or (Path(os.environ["OUT"]) / "http_ab.json" if os.environ.get("OUT") else None)
     runs: dict[str, list[dict]] = {v["name"]: [] for v in variants}
     engine = None

@@ -497,7 +497,7 @@ def require_fast_protocols(allow_slow: bool) -> None:
 
 def serving(args) -> dict:
     require_fast_protocols(args.allow_slow_protocols)
-    texts = make_texts(args.texts, args.seed)
+    texts = make_texts(args.texts, args.seed, args.min_words, args.max_words)
     batch_sizes = [int(x) for x in args.engine_batches.split(",")]
     print("raw engine ...", file=sys.stderr)
     engine = engine_reference(args.artifact, texts, batch_sizes, args.device, args.precision, args.engine_seconds)
@@ -671,6 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     srv.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8"], default="auto")
     srv.add_argument("--texts", type=int, default=4096)
+    srv.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words (about 26 tokens "
+                     "a text by default with bench/make_base_model.py's vocabulary; 10 to 70 words give 42.6)")
+    srv.add_argument("--max-words", type=int, default=40)
     srv.add_argument("--engine-batches", default="1,8,32,64,128,256", help="batch sizes for the raw engine")
     srv.add_argument("--workers", default="1,4", help="server process counts to load, one server each")
     srv.add_argument("--engine-seconds", type=float, default=3.0, help="per batch size")
