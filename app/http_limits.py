@@ -14,6 +14,7 @@ import logging
 import weakref
 from dataclasses import dataclass
 
+from app.coalesced_writes import CoalescedWrites
 from app.errors import error_response
 
 log = logging.getLogger("app")
@@ -27,15 +28,16 @@ class ConnectionLimits:
 
 
 def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with `limits`; uvicorn's h11 protocol when httptools is missing (h11
-    bounds the headers itself, `h11_max_incomplete_event_size`; the timeouts are then not enforced)."""
+    """uvicorn's httptools protocol with `limits`, its small writes coalesced (app/coalesced_writes.py);
+    uvicorn's h11 protocol when httptools is missing (h11 bounds the headers itself,
+    `h11_max_incomplete_event_size`; the timeouts are then not enforced)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _limits = limits
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
+            super().connection_made(CoalescedWrites(transport, self.loop))
             self._in_head = True  # the bytes arriving belong to a request line or headers
             self._head_bytes = 0
             self._started = False  # some byte of the current request arrived
