@@ -30,19 +30,25 @@ def pack_on_host(lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarr
     if n > rows or count > tokens or (n and int(lengths.max()) > width):
         raise ValueError(f"{n} rows of {count} tokens (longest {int(lengths.max()) if n else 0}) do not fit a "
                          f"bucket of {rows} rows, {tokens} tokens and width {width}")
-    starts = np.cumsum(lengths) - lengths  # each row's first token
+    # int32 throughout: np.repeat of int64 counts and values is several times slower
+    all_lengths = np.zeros(rows, np.int32)
+    all_lengths[:n] = lengths
+    cumulative = np.zeros(rows + 1, np.int32)
+    np.cumsum(all_lengths, out=cumulative[1:])
+    starts = cumulative[:-1]  # each row's first token
     packed = np.zeros((3, tokens), np.int32)
     packed[0] = pad_id
     if ids is not None:
         packed[0, :count], packed[1, :count] = ids, type_ids
-    packed[2, :count] = np.arange(count) - np.repeat(starts, lengths)
-    all_lengths = np.zeros(rows, np.int64)
-    all_lengths[:n] = lengths
+    real = all_lengths[:n]
+    packed[2, :count] = np.arange(count, dtype=np.int32) - np.repeat(starts[:n], real)
+    row_base = np.arange(rows, dtype=np.int32) * width  # each row's first place in the padding
     offset = np.empty(rows * width, np.int32)
-    offset[:count] = np.repeat(np.arange(n) * width, lengths) + packed[2, :count]
-    offset[count:] = np.flatnonzero(np.arange(width) >= all_lengths[:, None])
-    cumulative = np.zeros(rows + 1, np.int32)
-    cumulative[1:] = np.cumsum(all_lengths)
-    cls = np.zeros(rows, np.int32)
-    cls[:n] = starts
+    offset[:count] = np.repeat(row_base[:n], real) + packed[2, :count]
+    # the padding places, row after row: row b's run starts at b * width + its length
+    pads = width - all_lengths
+    runs = row_base + all_lengths - (np.cumsum(pads, dtype=np.int32) - pads)
+    offset[count:] = np.repeat(runs, pads) + np.arange(rows * width - count, dtype=np.int32)
+    cls = starts.copy()
+    cls[n:] = 0  # a filler row reads token 0
     return packed, offset.reshape(rows, width), cumulative, cls
