@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.http_load import (engine_reference, make_texts, require_fast_protocols, serve_and_load,  # noqa: E402
-                             server_settings)
+from bench.http_load import (add_text_length_arguments, engine_reference, make_texts,  # noqa: E402
+                             require_fast_protocols, serve_and_load, server_settings)
 
 
 def parse_variant(words: list[str]) -> dict:
@@ -109,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a server setting every variant gets (before the variant's own)")
     parser.add_argument("--texts", type=int, default=4096)
-    parser.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words (about 26 tokens "
-                        "a text by default with bench/make_base_model.py's vocabulary; 10 to 70 words give 42.6)")
-    parser.add_argument("--max-words", type=int, default=40)
+    add_text_length_arguments(parser)
     parser.add_argument("--texts-per-request", default="1,64", help="request sizes to load, in turn")
     parser.add_argument("--clients", default="wrk", help="load generators, in turn: python, wrk")
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),

@@ -50,6 +50,13 @@ _WORDS = ("the of and to in is was for on that with as by at from his it an were
           "training export graph runtime kernel attention layer normalisation dynamic budget latency").split()
 
 
+def add_text_length_arguments(parser: argparse.ArgumentParser) -> None:
+    """--min-words / --max-words: the lengths of make_texts' texts, as `args.min_words`, `args.max_words`."""
+    parser.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words (about 26 "
+                        "tokens a text by default with bench/make_base_model.py's vocabulary; 10 to 70 words give 42.6)")
+    parser.add_argument("--max-words", type=int, default=40)
+
+
 def make_texts(n: int, seed: int = 0, min_words: int = 6, max_words: int = 40) -> list[str]:
     """Deterministic sentences of varied length (about 8 to 60 tokens with a BERT vocabulary)."""
     rng = random.Random(seed)
@@ -655,8 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--model-dir", type=Path, required=True, help="the BERT model folder that was exported")
     cmp_.add_argument("--artifact", type=Path, required=True, help="its artifact folder (python -m export)")
     cmp_.add_argument("--texts", type=int, default=512)
-    cmp_.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words")
-    cmp_.add_argument("--max-words", type=int, default=40)
+    add_text_length_arguments(cmp_)
     cmp_.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' and the raw engine's")
     cmp_.add_argument("--concurrency", type=int, default=16)
     cmp_.add_argument("--duration", type=float, default=120)
@@ -671,9 +677,7 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     srv.add_argument("--precision", choices=["auto", "fp32", "fp16", "int8"], default="auto")
     srv.add_argument("--texts", type=int, default=4096)
-    srv.add_argument("--min-words", type=int, default=6, help="text lengths: uniform in words (about 26 tokens "
-                     "a text by default with bench/make_base_model.py's vocabulary; 10 to 70 words give 42.6)")
-    srv.add_argument("--max-words", type=int, default=40)
+    add_text_length_arguments(srv)
     srv.add_argument("--engine-batches", default="1,8,32,64,128,256", help="batch sizes for the raw engine")
     srv.add_argument("--workers", default="1,4", help="server process counts to load, one server each")
     srv.add_argument("--engine-seconds", type=float, default=3.0, help="per batch size")

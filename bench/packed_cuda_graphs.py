@@ -8,8 +8,8 @@ with --keep-padding --custom-kernels off --no-cuda-graphs (fused ORT's padded gr
 text and full-length batches: the largest difference between the two engines' outputs, and ms per batch
 end to end (OrtEngine.run: copies in, run, copies out; the replays called on their own thread, as the
 server does) and with inputs already on the device; a batch within the default replay limit replays on
-the server's default lanes, a larger one on lanes captured up to 32,768 tokens. Also the start-up time and GPU memory of capturing
-every bucket, for the default batch limits and for batches of up to 32,768 tokens.
+the server's default lanes, a larger one on lanes captured up to 32,768 tokens. Also the start-up time and
+GPU memory of capturing every bucket, for the default batch limits and for batches of up to 32,768 tokens.
 """
 from __future__ import annotations
 
@@ -96,17 +96,17 @@ def main() -> int:
     cases["256 x 128"] = full_batch(256, 128, manifest.vocab_size, outputs)
     rows = []
     for name, batch in cases.items():
+        lengths = batch.unpadded()[2]
+        tokens = int(lengths.sum())
         # the server's default lanes where the batch fits them, else lanes captured up to 32,768 tokens
-        small = int(batch.unpadded()[2].sum()) <= PACKED_MAX_TOKENS
-        served = engines[PACKED_MAX_TOKENS if small else 32768]
+        limit = PACKED_MAX_TOKENS if tokens <= PACKED_MAX_TOKENS else 32768
+        served = engines[limit]
         replays = served.packed_lanes[0]
         want, got = packed.run(batch), served.run(batch)
         a, b = got[CLS_EMBEDDING], want[CLS_EMBEDDING]
-        ids, types, lengths = batch.unpadded()
-        key = replays.bucket(len(lengths), int(lengths.sum()))
+        key = replays.bucket(len(lengths), tokens)
         bucket = replays._graphs[key]
-        row = {"case": name, "rows": len(lengths), "tokens": int(lengths.sum()), "bucket": key,
-               "cuda_graph_tokens": PACKED_MAX_TOKENS if small else 32768,
+        row = {"case": name, "rows": len(lengths), "tokens": tokens, "bucket": key, "cuda_graph_tokens": limit,
                "max_abs_diff": max(float(np.abs(got[k] - want[k]).max()) for k in batch.outputs),
                "min_cos_cls": float((np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min()),
                "packed_ms": median_ms(lambda: packed.run(batch), args.iters),
