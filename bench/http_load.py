@@ -42,6 +42,9 @@ import orjson
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/http_load.py` from a checkout: app/ is importable
     sys.path.insert(0, str(ROOT))
+
+from bench.gpu_busy import gpu_busy  # noqa: E402
+
 _WORDS = ("the of and to in is was for on that with as by at from his it an were are which this be or "
           "has had not but first one their its new after who they have her she two been other when there "
           "all during into school time may years more most only over city some world would where later up "
@@ -543,12 +546,10 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                 units = "threads" if client == "wrk" else "processes"
                 print(f"HTTP, {workers} server process(es): {client}, {args.processes} {units} x {connections} "
                       f"connections, {per_request} text(s) per request ...", file=sys.stderr)
-                if client == "wrk":
-                    run = wrk_load(url, texts, per_request, args.processes, connections, args.duration,
-                                   args.encoding_format, (engine_pid, server_pids), args.seed)
-                else:
-                    run = multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
-                                            args.encoding_format, (engine_pid, server_pids))
+                with gpu_busy(int(settings.get("cuda_device_id", 0))) if settings.get("device") == "cuda" \
+                        else contextlib.nullcontext({}) as busy:
+                    run = _one_load(args, client, url, texts, per_request, connections, engine_pid, server_pids)
+                run.update(busy)
                 run.update(_server_means(before, _server_totals(url)))
                 run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
                 print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
@@ -558,7 +559,8 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                           f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
                           f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
                           if workers > 1 else "") + f"; engine threads busy on batches: CUDA graphs "
-                      f"{run['engine_busy_cuda_graph']}, session {run['engine_busy_session']} s/s", file=sys.stderr)
+                      f"{run['engine_busy_cuda_graph']}, session {run['engine_busy_session']} s/s" + (
+                          f"; GPU busy {run['gpu_busy_percent']}%" if "gpu_busy_percent" in run else ""), file=sys.stderr)
                 if engine is not None:
                     run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
                 runs_of[client] += 1  # x1, x1-wrk, then x1-2, x1-wrk-2 for a client's second run
@@ -570,6 +572,15 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
             one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
         runs["c1_short"] = one
     return runs
+
+
+def _one_load(args, client: str, url: str, texts: list[str], per_request: int, connections: int, engine_pid: int,
+              server_pids: set[int]) -> dict:
+    if client == "wrk":
+        return wrk_load(url, texts, per_request, args.processes, connections, args.duration, args.encoding_format,
+                        (engine_pid, server_pids), args.seed)
+    return multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
+                             args.encoding_format, (engine_pid, server_pids))
 
 
 def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int, set[int]]:
