@@ -24,6 +24,7 @@ import typing
 from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
+from app.heap import keep_freed_memory
 from app.settings import ENV_PREFIX, Settings, configure_logging, shown_default
 
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bad settings (flags or BERTSERVE_* variables):\n" + "\n".join(lines), file=sys.stderr)
         return 2
     configure_logging(settings)
+    keep_freed_memory()  # before the model's arrays: the launcher, or the whole server in one process
 
     import uvicorn
 

@@ -481,7 +481,7 @@ class DynamicBatcher:
             try:
                 batch = collate(Sequences.joined(entries), self.pad_id, outputs)
                 outcome: dict[str, np.ndarray] | Exception = self._run(batch)
-                tokens = batch.input_ids.size
+                tokens = batch.padded_tokens
             except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
                 outcome, tokens = e, 0
             following = None
@@ -557,12 +557,5 @@ def _outputs_of(entries: list[Entry]) -> frozenset[str]:
 
 
 def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch:
-    """Pad the sequences to the longest with a few whole-array operations (not three per row)."""
-    lengths = sequences.lengths
-    real = np.arange(lengths.max()) < lengths[:, None]  # [B, S] True on real tokens; filled row-major
-    input_ids = np.full(real.shape, pad_id, dtype=np.int64)
-    input_ids[real] = sequences.ids
-    token_type_ids = np.zeros(real.shape, dtype=np.int64)
-    token_type_ids[real] = sequences.type_ids
-    return Batch(input_ids, real.astype(np.int64), token_type_ids, tuple(sorted(outputs)),
-                 (sequences.ids, sequences.type_ids, lengths))
+    """The batch of these sequences; padded only if the graph that runs it asks for that form."""
+    return Batch.of_rows(sequences.ids, sequences.type_ids, sequences.lengths, pad_id, tuple(sorted(outputs)))

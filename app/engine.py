@@ -10,7 +10,6 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -31,21 +30,65 @@ class EngineError(RuntimeError):
     """The engine cannot start as configured; the message says what to change."""
 
 
-@dataclass(frozen=True, slots=True)
 class Batch:
-    input_ids: np.ndarray  # [B, S] int64, padded with [PAD] to the longest in the batch
-    attention_mask: np.ndarray  # [B, S] int64, 1 on real tokens
-    token_type_ids: np.ndarray  # [B, S] int64
-    outputs: tuple[str, ...]  # graph outputs wanted by at least one entry
-    # The same tokens unpadded, one row after another: (ids, type_ids, lengths), int64, as the batcher has
-    # them (host-packed graphs take that); None: taken from the padded arrays when needed.
-    packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    """The texts of one run, padded ([B, S] int64 arrays: input_ids padded with [PAD] to the longest,
+    attention_mask 1 on real tokens, token_type_ids) or unpadded (ids, type_ids, lengths: the real tokens
+    one row after another, as the batcher has them and host-packed graphs take them). Either form is made
+    from the other when first asked for: a replayed CUDA graph never needs the padded one."""
+
+    __slots__ = ("outputs", "_padded", "_unpadded", "_pad_id")
+
+    def __init__(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
+                 outputs: tuple[str, ...]):
+        self.outputs = outputs  # graph outputs wanted by at least one entry
+        self._padded = (input_ids, attention_mask, token_type_ids)
+        self._unpadded: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    @classmethod
+    def of_rows(cls, ids: np.ndarray, type_ids: np.ndarray, lengths: np.ndarray, pad_id: int,
+                outputs: tuple[str, ...]) -> Batch:
+        batch = cls.__new__(cls)
+        batch.outputs, batch._padded, batch._unpadded, batch._pad_id = outputs, None, (ids, type_ids, lengths), pad_id
+        return batch
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return self._padded_form()[0]
+
+    @property
+    def attention_mask(self) -> np.ndarray:
+        return self._padded_form()[1]
+
+    @property
+    def token_type_ids(self) -> np.ndarray:
+        return self._padded_form()[2]
+
+    @property
+    def padded_tokens(self) -> int:
+        """rows x the longest row: what a padded graph computes."""
+        if self._padded is not None:
+            return self._padded[0].size
+        lengths = self._unpadded[2]
+        return len(lengths) * int(lengths.max())
 
     def unpadded(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self.packed is not None:
-            return self.packed
-        real = self.attention_mask.astype(bool)
-        return self.input_ids[real], self.token_type_ids[real], real.sum(1)
+        if self._unpadded is None:
+            input_ids, mask, type_ids = self._padded
+            real = mask.astype(bool)
+            self._unpadded = input_ids[real], type_ids[real], real.sum(1)
+        return self._unpadded
+
+    def _padded_form(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Padded with a few whole-array operations (not three per row)."""
+        if self._padded is None:
+            ids, type_ids, lengths = self._unpadded
+            real = np.arange(lengths.max()) < lengths[:, None]  # [B, S] True on real tokens; filled row-major
+            input_ids = np.full(real.shape, self._pad_id, dtype=np.int64)
+            input_ids[real] = ids
+            token_type_ids = np.zeros(real.shape, dtype=np.int64)
+            token_type_ids[real] = type_ids
+            self._padded = (input_ids, real.astype(np.int64), token_type_ids)
+        return self._padded
 
 
 # CUDA's "sticky" errors: after one, every later call in the process's CUDA context fails too

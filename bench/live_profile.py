@@ -11,6 +11,7 @@ Needs py-spy (pip install py-spy) and wrk (bench/wrk_load.py) on PATH or in $WRK
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import shutil
 import subprocess
@@ -37,11 +38,14 @@ def main() -> None:
     parser.add_argument("--texts-per-request", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=8, help="sampled, after 4 s of load")
     parser.add_argument("--rate", type=int, default=250, help="samples a second")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a server setting")
+    parser.add_argument("--top", type=int, default=20, help="functions listed per engine thread")
     args = parser.parse_args()
     spy = shutil.which("py-spy") or sys.exit("py-spy is not on PATH (pip install py-spy)")
     args.out.mkdir(parents=True, exist_ok=True)
     texts = make_texts(4096, 0)
-    with serve(args.artifact, device=args.device, workers=args.workers, max_wait_ms=0.0) as url:
+    settings = dict(item.split("=", 1) for item in args.set)
+    with serve(args.artifact, device=args.device, workers=args.workers, max_wait_ms=0.0, **settings) as url:
         engine_pid, workers = _all_workers_up(url, args.workers)
         result: dict = {}
         load = threading.Thread(target=lambda: result.update(wrk_load(
@@ -59,6 +63,28 @@ def main() -> None:
         load.join()
     print(json.dumps({k: result.get(k) for k in ("requests_per_s", "p99_ms", "server_cpu")}))
     print(f"wrote {args.out}/worker.raw and {args.out}/engine.raw", file=sys.stderr)
+    for line in thread_summary(args.out / "engine.raw", args.top):
+        print(line)
+
+
+def thread_summary(raw: Path, top: int) -> list[str]:
+    """Per thread of a `py-spy record --threads --idle --format raw` file: its samples, and the functions
+    (inclusive: a function counts in every sample it is on the stack of) that took most of them."""
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    totals: collections.Counter = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        thread = frames[0].split(":", 1)[-1].strip()
+        totals[thread] += int(count)
+        for name in {f.split(" (")[0] + " (" + f.split(" (")[-1].split(":")[0] + ")" for f in frames[1:]}:
+            threads[thread][name] += int(count)
+    lines = []
+    for thread, samples in totals.most_common():
+        lines.append(f"{thread}: {samples} samples")
+        shares = [(name, n) for name, n in threads[thread].most_common() if n < samples]  # not the thread's base
+        lines += [f"  {100 * n / samples:5.1f}%  {name}" for name, n in shares[:top]]
+    return lines
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 
 from app.backend import EngineInfo
 from app.build import build_engine, load_tokenizer
+from app.heap import keep_freed_memory
 from app.metrics import Metrics
 from app.multiprocess.engine_link import serve_workers
 from app.multiprocess.held_signals import release_stop_signals
@@ -30,6 +31,7 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # until the event loop handles it
     release_stop_signals()
     end_with_parent(launcher_pid)
+    keep_freed_memory()
     settings = Settings(cuda_device_id=cuda_device_id)
     configure_logging(settings)
     with contextlib.suppress(ImportError):

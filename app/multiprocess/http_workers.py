@@ -27,6 +27,7 @@ import time
 import uvicorn
 
 from app.front import ServingFront
+from app.heap import keep_freed_memory
 from app.main import create_app
 from app.multiprocess.engine_link import connect_to_engine
 from app.multiprocess.held_signals import release_stop_signals, start_with_stop_signals_held
@@ -186,6 +187,7 @@ def create_worker_app(index: int = 0) -> ServingFront:
 def run_worker(channel: socket.socket, launcher_pid: int, index: int) -> None:
     # A worker notices its launcher's end on its channel and drains; this covers the time before its loop runs.
     end_with_parent(launcher_pid)
+    keep_freed_memory()
     front = create_worker_app(index)
     config = uvicorn.Config(front, **uvicorn_options(front.state.settings))
     # uvicorn raises SIGTERM / SIGINT again after its shutdown: the drain was the orderly end.
