@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from artifact.host_packing import HOST_PACKED_INPUTS, pack_on_host
+from artifact.host_packing import HOST_PACKED_INPUTS, HostPacker
 from artifact.manifest import INPUT_NAMES
 
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
@@ -262,6 +262,7 @@ class PackedGraphBuckets(_SessionThread):
         self.max_tokens = self.buckets[-1][1]  # the largest batch it replays, in tokens
         self.max_rows = self.buckets[-1][0]  # and in rows
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
+        self._packers = {rows: HostPacker(rows, width) for rows, _ in self.buckets}  # used on this thread only
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
 
@@ -328,7 +329,7 @@ class PackedGraphBuckets(_SessionThread):
     def _replay(self, key: tuple[int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
                 outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         bucket = self._graphs[key]
-        feeds = pack_on_host(lengths, ids, type_ids, bucket.rows, bucket.length, self.width, self.pad_id)
+        feeds = self._packers[bucket.rows].pack(lengths, ids, type_ids, bucket.length, self.pad_id)
         for name, value in zip(HOST_PACKED_INPUTS, feeds):
             bucket.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)

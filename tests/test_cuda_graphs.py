@@ -9,7 +9,7 @@ import pytest
 
 from app.cuda_graphs import PACKED_ROWS, CudaGraphBuckets, ReplayPlanner, packed_buckets, rows_up_to
 from app.engine import EngineError, OrtEngine
-from artifact.host_packing import pack_on_host
+from artifact.host_packing import HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
 
 
@@ -154,6 +154,24 @@ def test_host_packing_gives_what_ort_packs_on_the_gpu_with_filler_rows_and_token
     assert tokens[1, :count].tolist() == types.tolist() and (tokens[1:, count:] == 0).all()
     assert tokens[2, :count].tolist() == [p for n in lengths for p in range(n)]  # positions restart per row
     assert cls.tolist() == want_cumulative[:rows] + [0] * (bucket_rows - rows)  # filler rows read token 0
+
+
+def test_a_reused_packer_gives_each_batch_what_a_fresh_one_does():
+    """Batches of more rows, then fewer, then none, then more again, through one packer's arrays: the
+    offsets the last batch wrote past this one's rows are filler's again."""
+    rng = np.random.default_rng(7)
+    rows, width, tokens = 16, 24, 200
+    packer = HostPacker(rows, width)
+    for n in (12, 3, 16, 0, 1, 9, 9, 2):
+        lengths = rng.integers(1, width + 1, n)
+        while lengths.sum() > tokens:
+            lengths = lengths // 2 + 1
+        ids, types = rng.integers(5, 100, lengths.sum()), rng.integers(0, 2, lengths.sum())
+        got = packer.pack(lengths, ids, types, tokens, pad_id=3)
+        want = pack_on_host(lengths, ids, types, rows, tokens, width, pad_id=3)
+        for name, a, b in zip(("tokens", "token_offset", "cumulative", "cls"), got, want):
+            assert a.shape == b.shape and a.tolist() == b.tolist(), (n, name)
+        assert got[1].ravel().tolist() == ort_token_offset(list(lengths) + [0] * (rows - n), width)[0]
 
 
 def test_host_packing_refuses_a_batch_its_bucket_cannot_hold():
