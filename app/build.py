@@ -79,7 +79,8 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     try:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
                            settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows,
-                           settings.max_batch_size, replayed_tokens, settings.cuda_graph_lanes)
+                           settings.max_batch_size, replayed_tokens, settings.cuda_graph_lanes,
+                           settings.replay_short_lengths)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise

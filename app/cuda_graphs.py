@@ -106,6 +106,7 @@ class _Bucket:
     inputs: dict[str, ort.OrtValue]
     outputs: dict[str, ort.OrtValue]
     run_options: ort.RunOptions
+    width: int = 0  # host-packed buckets: token_offset's width, the longest row it holds
 
 
 class _SessionThread:
@@ -246,29 +247,45 @@ def packed_buckets(max_rows: int, max_tokens: int, width: int) -> list[tuple[int
     return buckets
 
 
+def packed_width_buckets(max_rows: int, max_tokens: int, widths: Iterable[int]) -> list[tuple[int, int, int]]:
+    """(rows, tokens, width) buckets: `packed_buckets` at each width, narrowest width first (see
+    `bucket_for`)."""
+    return [(r, t, w) for w in sorted(set(widths)) for r, t in packed_buckets(max_rows, max_tokens, w)]
+
+
+def bucket_for(buckets: list[tuple[int, int, int]], rows: int, tokens: int, longest: int) -> tuple[int, int, int] | None:
+    """The bucket of `packed_width_buckets` a batch replays: the first that holds its rows, its tokens and
+    its longest row, so of the narrowest width that has room, the smallest; None when none does."""
+    return next(((r, t, w) for r, t, w in buckets if r >= rows and t >= tokens and w >= longest), None)
+
+
 class PackedGraphBuckets(_SessionThread):
     """`session` over a host-packed graph (created with the CUDA provider's enable_cuda_graph), captured at
-    start-up for every (rows, tokens) bucket of `packed_buckets`. `run` packs a batch's tokens on the host
-    into the smallest bucket that holds them and answers its per-row outputs (float32). One batch at a
-    time, on the buckets' own thread, like CudaGraphBuckets; the bucket's device buffers are reused."""
+    start-up for every (rows, tokens) bucket of `packed_buckets`, at the model's maximum length and at each
+    of `short_widths` (token_offset's width, which ORT's attention takes for the sequence length: a batch of
+    short texts replays a graph whose attention spans only them, and packs and copies fewer offsets). `run`
+    packs a batch's tokens on the host into the smallest bucket that holds them and answers its per-row
+    outputs (float32). One batch at a time, on the buckets' own thread, like CudaGraphBuckets; the
+    bucket's device buffers are reused."""
 
     def __init__(self, session: ort.InferenceSession, device_id: int, width: int, pad_id: int, max_rows: int,
-                 max_tokens: int):
+                 max_tokens: int, short_widths: Iterable[int] = ()):
         super().__init__()
         self.session, self.device_id, self.pad_id = session, device_id, pad_id
-        self.width = width  # token_offset's width: the longest row (the model's max length)
+        self.width = width  # the longest row: the model's max length
+        self.widths = tuple(sorted({w for w in short_widths if 0 < w < width} | {width}))
         self.outputs = frozenset(o.name for o in session.get_outputs())
-        self.buckets = packed_buckets(max_rows, max_tokens, width)
-        self.max_tokens = self.buckets[-1][1]  # the largest batch it replays, in tokens
-        self.max_rows = self.buckets[-1][0]  # and in rows
+        self.buckets = packed_width_buckets(max_rows, max_tokens, self.widths)
+        self.max_tokens = max(t for _, t, _ in self.buckets)  # the largest batch it replays, in tokens
+        self.max_rows = max(r for r, _, _ in self.buckets)  # and in rows
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
-        self._packers = {rows: HostPacker(rows, width) for rows, _ in self.buckets}  # used on this thread only
+        self._packers = {(r, w): HostPacker(r, w) for r, _, w in self.buckets}  # used on this thread only
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
 
-    def _make(self, rows: int, tokens: int, graph_id: int) -> _Bucket:
+    def _make(self, rows: int, tokens: int, width: int, graph_id: int) -> _Bucket:
         binding = self.session.io_binding()
-        shapes = dict(zip(HOST_PACKED_INPUTS, [(3, tokens), (rows, self.width), (rows + 1,), (rows,)]))
+        shapes = dict(zip(HOST_PACKED_INPUTS, [(3, tokens), (rows, width), (rows + 1,), (rows,)]))
         inputs = {}
         for name, shape in shapes.items():
             inputs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.int32), "cuda", self.device_id)
@@ -280,7 +297,7 @@ class PackedGraphBuckets(_SessionThread):
             binding.bind_ortvalue_output(o.name, outputs[o.name])
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
-        return _Bucket(rows, tokens, binding, inputs, outputs, run_options)
+        return _Bucket(rows, tokens, binding, inputs, outputs, run_options, width)
 
     def claim(self) -> Executor:
         """The thread, counting one more batch for it until its replay ends (see `claims`)."""
@@ -298,27 +315,28 @@ class PackedGraphBuckets(_SessionThread):
         """Batches claimed and not finished: where several sessions replay, the least claimed takes the next."""
         return self._claims
 
-    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
-        """The smallest (rows, tokens) bucket that holds such a batch, else None."""
-        return next(((r, t) for r, t in self.buckets if r >= rows and t >= tokens), None)
+    def bucket(self, rows: int, tokens: int, longest: int) -> tuple[int, int, int] | None:
+        """The (rows, tokens, width) bucket such a batch replays (`bucket_for`), else None."""
+        return bucket_for(self.buckets, rows, tokens, longest)
 
     def fits(self, rows: int, longest: int, tokens: int, outputs: Iterable[str]) -> bool:
-        return longest <= self.width and self.outputs.issuperset(outputs) and self.bucket(rows, tokens) is not None
+        return self.outputs.issuperset(outputs) and self.bucket(rows, tokens, longest) is not None
 
     def capture(self) -> None:
         """Run every bucket until ORT has captured its graph (start-up: later runs only replay)."""
-        for rows, tokens in self.buckets:
+        for rows, tokens, width in self.buckets:
             used = min(rows, tokens)  # rows of [PAD] tokens filling the bucket as far as the width allows
-            lengths = np.full(used, min(self.width, tokens // used), np.int64)
+            lengths = np.full(used, min(width, tokens // used), np.int64)
             for _ in range(_RUNS_TO_CAPTURE):
-                self._on_thread(self._replay, (rows, tokens), lengths, None, None, ())
+                self._on_thread(self._replay, (rows, tokens, width), lengths, None, None, ())
 
     def run(self, lengths: np.ndarray, ids: np.ndarray, type_ids: np.ndarray,
             outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Rows of these `lengths` whose tokens, one row after another, are `ids` / `type_ids`."""
-        key = self.bucket(len(lengths), int(lengths.sum()))
+        key = self.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
         if key is None:
-            raise ValueError(f"{len(lengths)} rows of {int(lengths.sum())} tokens fit no captured bucket")
+            raise ValueError(f"{len(lengths)} rows of {int(lengths.sum())} tokens (longest {int(lengths.max())}) fit "
+                             f"no captured bucket")
         claimed = threading.get_ident() == self._thread_id  # the batcher ran it here, by `claim`
         try:
             return self._on_thread(self._replay, key, lengths, ids, type_ids, outputs)
@@ -326,10 +344,10 @@ class PackedGraphBuckets(_SessionThread):
             if claimed:
                 self.release()
 
-    def _replay(self, key: tuple[int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
+    def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
                 outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         bucket = self._graphs[key]
-        feeds = self._packers[bucket.rows].pack(lengths, ids, type_ids, bucket.length, self.pad_id)
+        feeds = self._packers[bucket.rows, bucket.width].pack(lengths, ids, type_ids, bucket.length, self.pad_id)
         for name, value in zip(HOST_PACKED_INPUTS, feeds):
             bucket.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)

@@ -131,7 +131,8 @@ class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
                  cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS, max_batch_size: int = 256,
-                 cuda_graph_tokens: int = PACKED_MAX_TOKENS, cuda_graph_lanes: int = 1):
+                 cuda_graph_tokens: int = PACKED_MAX_TOKENS, cuda_graph_lanes: int = 1,
+                 cuda_graph_short_lengths: tuple[int, ...] = ()):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
@@ -159,7 +160,7 @@ class OrtEngine:
         self.packed_lanes: tuple[PackedGraphBuckets, ...] = ()
         self._open_cuda_graphs(folder, graph, library if self.custom_kernels else None, cuda_graphs,
                                manifest.max_length, cuda_graph_rows, (max_batch_size, cuda_graph_tokens),
-                               cuda_graph_lanes)
+                               cuda_graph_lanes, cuda_graph_short_lengths)
         self._running = 0  # batches on the GPU now, from any inference thread
         self._running_lock = threading.Lock()
 
@@ -168,10 +169,11 @@ class OrtEngine:
         return self.graph_buckets is not None or bool(self.packed_lanes)
 
     def _open_cuda_graphs(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str, max_length: int,
-                          max_rows: int, batch_limits: tuple[int, int], lanes: int) -> None:
+                          max_rows: int, batch_limits: tuple[int, int], lanes: int,
+                          short_lengths: tuple[int, ...] = ()) -> None:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
         host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
-        in `lanes` sessions that replay side by side, or a padded graph for batches of up to `max_rows` rows
+        in `lanes` sessions that replay side by side (each also at `short_lengths`), or a padded graph for batches of up to `max_rows` rows
         that find the GPU idle. choice "auto": when on CUDA and the artifact has them; "on": both required;
         "off": never. With the custom kernels running (`library`), their variant."""
         if choice not in ("auto", "on", "off"):
@@ -190,7 +192,8 @@ class OrtEngine:
                                            kernels_required=library is not None, device_id=self.cuda_device_id,
                                            cuda_graph=True, intra_op_threads=self.intra_op_threads)
                 if packed:
-                    buckets = PackedGraphBuckets(session, self.cuda_device_id, max_length, self.pad_id, *batch_limits)
+                    buckets = PackedGraphBuckets(session, self.cuda_device_id, max_length, self.pad_id, *batch_limits,
+                                                 short_widths=short_lengths)
                 else:
                     buckets = CudaGraphBuckets(session, self.device, self.cuda_device_id, max_length, self.pad_id,
                                                max_rows=max_rows)

@@ -49,6 +49,11 @@ class Settings(BaseSettings):
                                    "bucket up to it, about 1.25x apart. More tokens: more GPU memory (10-20 MB a "
                                    "captured graph for BERT-base), and above about 2,048 tokens a batch runs as "
                                    "fast or faster on the packed graph (BENCHMARKS.md)")
+    cuda_graph_short_lengths: str | None = Field(
+        None, pattern=r"^\d+(,\d+)*$", description="CUDA, packed graphs: text lengths in tokens, e.g. 64,128, "
+        "that get captured graphs of their own besides the model's longest: a batch whose longest text fits one "
+        "replays a graph whose attention spans only that length, and packs and copies fewer offsets. Each adds "
+        "about 45 graphs (10-20 MB of GPU memory each for BERT-base). Empty: the model's longest only")
     cuda_graph_lanes: int = Field(1, ge=1, le=4, description="CUDA, packed graphs: sessions that replay CUDA "
                                   "graphs side by side, each on its own thread with its own copy of the graph and "
                                   "of every captured bucket in GPU memory. Two replayed 30% more 40-text batches "
@@ -131,7 +136,8 @@ class Settings(BaseSettings):
         "info", description="critical, error, warning, info or debug")
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 
-    @field_validator("api_key", "model_name", "max_queue_ms", "cuda_device_ids", mode="before")
+    @field_validator("api_key", "model_name", "max_queue_ms", "cuda_device_ids", "cuda_graph_short_lengths",
+                     mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
@@ -160,6 +166,11 @@ class Settings(BaseSettings):
         if self.device == "cpu" and self.cuda_device_ids:
             raise ValueError("cuda_device_ids needs device cuda (or auto)")
         return self
+
+    @property
+    def replay_short_lengths(self) -> tuple[int, ...]:
+        """cuda_graph_short_lengths as numbers (none when unset)."""
+        return tuple(int(n) for n in self.cuda_graph_short_lengths.split(",")) if self.cuda_graph_short_lengths else ()
 
     @property
     def engine_devices(self) -> list[int]:

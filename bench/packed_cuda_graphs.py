@@ -66,7 +66,9 @@ def main() -> int:
     parser.add_argument("--padded-artifact", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--short-lengths", default="", help="the server's cuda_graph_short_lengths, e.g. 64,128")
     args = parser.parse_args()
+    short = tuple(int(n) for n in args.short_lengths.split(",") if n)
     import onnxruntime as ort
 
     ort.preload_dlls()
@@ -81,7 +83,8 @@ def main() -> int:
     engines = {}
     for tokens in (PACKED_MAX_TOKENS, 32768):  # the server's default, and room for 256 x 128
         before, t = gpu_memory_mib(), time.perf_counter()
-        engines[tokens] = OrtEngine(art, manifest, "cuda", "fp16", cuda_graphs="on", cuda_graph_tokens=tokens)
+        engines[tokens] = OrtEngine(art, manifest, "cuda", "fp16", cuda_graphs="on", cuda_graph_tokens=tokens,
+                                    cuda_graph_short_lengths=short)
         capture = {"cuda_graph_tokens": tokens, "buckets": len(engines[tokens].packed_lanes[0].buckets),
                    "seconds": round(time.perf_counter() - t, 2), "gpu_mib_added": gpu_memory_mib() - before}
         result["capture"].append(capture)
@@ -104,7 +107,7 @@ def main() -> int:
         replays = served.packed_lanes[0]
         want, got = packed.run(batch), served.run(batch)
         a, b = got[CLS_EMBEDDING], want[CLS_EMBEDDING]
-        key = replays.bucket(len(lengths), tokens)
+        key = replays.bucket(len(lengths), tokens, int(lengths.max()))
         bucket = replays._graphs[key]
         row = {"case": name, "rows": len(lengths), "tokens": tokens, "bucket": key, "cuda_graph_tokens": limit,
                "max_abs_diff": max(float(np.abs(got[k] - want[k]).max()) for k in batch.outputs),
@@ -156,9 +159,9 @@ def host_stages(replays, batch: Batch, iters: int) -> dict[str, float]:
     from artifact.host_packing import HOST_PACKED_INPUTS, HostPacker
 
     ids, types, lengths = batch.unpadded()
-    key = replays.bucket(len(lengths), int(lengths.sum()))
+    key = replays.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
     bucket = replays._graphs[key]
-    packer = HostPacker(bucket.rows, replays.width)  # as the lane packs: into arrays reused batch to batch
+    packer = HostPacker(bucket.rows, bucket.width)  # as the lane packs: into arrays reused batch to batch
     feeds = packer.pack(lengths, ids, types, bucket.length, replays.pad_id)
 
     def copy_in():

@@ -7,7 +7,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from app.cuda_graphs import PACKED_ROWS, CudaGraphBuckets, ReplayPlanner, packed_buckets, rows_up_to
+from app.cuda_graphs import (PACKED_ROWS, CudaGraphBuckets, ReplayPlanner, bucket_for, packed_buckets,
+                              packed_width_buckets, rows_up_to)
 from app.engine import EngineError, OrtEngine
 from artifact.host_packing import HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
@@ -195,3 +196,26 @@ def test_packed_buckets_hold_every_batch_within_the_limits_in_the_smallest_that_
     assert packed_buckets(8, 1000, 512)[-1] == (8, 1000)  # limits set by the server's batch limits
     assert packed_buckets(256, 10, 512) == [(4, 10), (16, 10)]  # a budget of fewer tokens than rows
     assert packed_buckets(2, 100, 8) == [(2, 64)]  # 2 rows of at most 8 tokens fit the first
+
+
+def test_a_batch_replays_the_narrowest_width_with_room_and_there_the_smallest_bucket():
+    widths, max_rows, max_tokens = (32, 128, 512), 256, 2048
+    buckets = packed_width_buckets(max_rows, max_tokens, widths)
+    for w in widths:  # at each width the buckets a server without short widths has at its own
+        assert [(r, t) for r, t, w_ in buckets if w_ == w] == packed_buckets(max_rows, max_tokens, w)
+    assert bucket_for(buckets, 1, 9, 9) == (4, 64, 32)
+    assert bucket_for(buckets, 40, 1000, 30) == (64, 1024, 32)
+    assert bucket_for(buckets, 40, 1000, 33) == (64, 1024, 128)
+    assert bucket_for(buckets, 3, 600, 200) == (4, 640, 512)
+    assert bucket_for(buckets, 8, 250, 32) == (16, 256, 32)
+    assert bucket_for(buckets, 80, 2048, 31) == (256, 2048, 32)
+    assert bucket_for(buckets, 80, 2049, 31) is None  # past the replay limit: the packed graph runs it
+    assert bucket_for(buckets, 257, 300, 2) is None
+    rng = np.random.default_rng(5)
+    for _ in range(300):  # every batch within the limits lands where its rows, tokens and longest row fit
+        rows, longest = int(rng.integers(1, 80)), int(rng.integers(1, 513))
+        lengths = rng.integers(1, longest + 1, rows)
+        lengths[0] = longest
+        r, t, w = bucket_for(buckets, rows, int(lengths.sum()), longest) or (0, 0, 0)
+        if lengths.sum() <= max_tokens:
+            assert r >= rows and t >= lengths.sum() and w == min(w for w in widths if w >= longest)

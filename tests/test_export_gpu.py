@@ -390,6 +390,41 @@ def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_di
     assert all(cosine(g, want).min() >= 0.9999 for g in got)
 
 
+def test_short_texts_replay_graphs_as_wide_as_their_longest_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
+    """cuda_graph_short_lengths 16,32: a batch whose longest text has at most 16 tokens replays a graph
+    whose token offsets are 16 wide, up to 32 one 32 wide, a longer one the model's full width; each
+    answers what the packed graph answers, on reused packing arrays, in any order of widths and sizes."""
+    from app.engine import Batch, OrtEngine
+
+    out = tmp_path / "art"
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda"]) == 0
+    m = read_manifest(out)
+    engine = OrtEngine(out, m, "cuda", "fp16", cuda_graph_short_lengths=(16, 32))
+    packed = OrtEngine(out, m, "cuda", "fp16", cuda_graphs="off")
+    lane = engine.packed_lanes[0]
+    assert lane.widths == (16, 32, m.max_length)
+    replayed_widths = []
+    replay = lane._replay  # called with each batch's (rows, tokens, width) bucket
+    lane._replay = lambda key, *a: replayed_widths.append(key[2]) or replay(key, *a)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    rng = np.random.default_rng(3)
+    want_widths = []
+    for rows, longest in [(1, 5), (7, 16), (3, 30), (20, 14), (2, 100), (40, 12), (1, 17), (9, 32), (5, 33), (30, 8)]:
+        texts = [tok.encode(" ".join(["word"] * 300)) for _ in range(rows)]  # truncated below
+        lengths = rng.integers(3, longest + 1, rows)
+        lengths[rng.integers(rows)] = longest
+        for text, n in zip(texts, lengths):
+            text.truncate(int(n))
+        feed = padded_feed(texts)
+        real_longest = int(feed["attention_mask"].sum(1).max())
+        want_widths.append(next(w for w in (16, 32, m.max_length) if w >= real_longest))
+        batch = Batch(*(feed[k] for k in INPUT_NAMES), (CLS_EMBEDDING, POOLED_EMBEDDING))
+        got, want = engine.run(batch), packed.run(batch)
+        for name in batch.outputs:
+            assert cosine(got[name], want[name]).min() >= 0.9999, (rows, longest, name)
+    assert replayed_widths == want_widths and {16, 32, m.max_length} <= set(want_widths)
+
+
 def test_two_sessions_replay_side_by_side_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
     """cuda_graph_lanes 2: batches handed to the thread replay_thread names go to both sessions (the least
     claimed takes the next), and every answer is the packed graph's."""
