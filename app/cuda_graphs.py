@@ -253,7 +253,8 @@ def packed_width_buckets(max_rows: int, max_tokens: int, widths: Iterable[int]) 
     return [(r, t, w) for w in sorted(set(widths)) for r, t in packed_buckets(max_rows, max_tokens, w)]
 
 
-def bucket_for(buckets: list[tuple[int, int, int]], rows: int, tokens: int, longest: int) -> tuple[int, int, int] | None:
+def bucket_for(buckets: list[tuple[int, int, int]], rows: int, tokens: int,
+               longest: int) -> tuple[int, int, int] | None:
     """The bucket of `packed_width_buckets` a batch replays: the first that holds its rows, its tokens and
     its longest row, so of the narrowest width that has room, the smallest; None when none does."""
     return next(((r, t, w) for r, t, w in buckets if r >= rows and t >= tokens and w >= longest), None)
@@ -344,8 +345,8 @@ class PackedGraphBuckets(_SessionThread):
             if claimed:
                 self.release()
 
-    def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None,
-                outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None,
+                type_ids: np.ndarray | None, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         bucket = self._graphs[key]
         feeds = self._packers[bucket.rows, bucket.width].pack(lengths, ids, type_ids, bucket.length, self.pad_id)
         for name, value in zip(HOST_PACKED_INPUTS, feeds):

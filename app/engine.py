@@ -43,6 +43,7 @@ class Batch:
         self.outputs = outputs  # graph outputs wanted by at least one entry
         self._padded = (input_ids, attention_mask, token_type_ids)
         self._unpadded: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._pad_id = None  # only a batch made of_rows pads
 
     @classmethod
     def of_rows(cls, ids: np.ndarray, type_ids: np.ndarray, lengths: np.ndarray, pad_id: int,
@@ -173,9 +174,9 @@ class OrtEngine:
                           short_lengths: tuple[int, ...] = ()) -> None:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
         host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
-        in `lanes` sessions that replay side by side (each also at `short_lengths`), or a padded graph for batches of up to `max_rows` rows
-        that find the GPU idle. choice "auto": when on CUDA and the artifact has them; "on": both required;
-        "off": never. With the custom kernels running (`library`), their variant."""
+        in `lanes` sessions that replay side by side (each also at `short_lengths`), or a padded graph for
+        batches of up to `max_rows` rows that find the GPU idle. choice "auto": when on CUDA and the artifact
+        has them; "on": both required; "off": never. With the custom kernels running (`library`), their variant."""
         if choice not in ("auto", "on", "off"):
             raise EngineError(f"cuda_graphs must be auto, on or off, not {choice!r}")
         variant = graph.host_packed or graph.padded

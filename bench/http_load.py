@@ -560,7 +560,8 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                           f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
                           if workers > 1 else "") + f"; engine threads busy on batches: CUDA graphs "
                       f"{run['engine_busy_cuda_graph']}, session {run['engine_busy_session']} s/s" + (
-                          f"; GPU busy {run['gpu_busy_percent']}%" if "gpu_busy_percent" in run else ""), file=sys.stderr)
+                          f"; GPU busy {run['gpu_busy_percent']}%" if "gpu_busy_percent" in run else ""),
+                      file=sys.stderr)
                 if engine is not None:
                     run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
                 runs_of[client] += 1  # x1, x1-wrk, then x1-2, x1-wrk-2 for a client's second run
