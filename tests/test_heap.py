@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +37,9 @@ print(tuned, mapped, kept)
 
 
 def probe(tune: bool) -> tuple[bool, int, int]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}  # glibc's own defaults
     out = subprocess.run([sys.executable, "-c", PROBE.format(root=str(ROOT), tune=tune)], capture_output=True,
-                         text=True, check=True).stdout.split()
+                         text=True, check=True, env=env).stdout.split()
     return out[0] == "True", int(out[1]), int(out[2])
 
 
