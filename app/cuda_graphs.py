@@ -106,7 +106,6 @@ class _Bucket:
     inputs: dict[str, ort.OrtValue]
     outputs: dict[str, ort.OrtValue]
     run_options: ort.RunOptions
-    width: int = 0  # host-packed buckets: token_offset's width, the longest row it holds
 
 
 class _SessionThread:
@@ -298,7 +297,7 @@ class PackedGraphBuckets(_SessionThread):
             binding.bind_ortvalue_output(o.name, outputs[o.name])
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
-        return _Bucket(rows, tokens, binding, inputs, outputs, run_options, width)
+        return _Bucket(rows, tokens, binding, inputs, outputs, run_options)
 
     def claim(self) -> Executor:
         """The thread, counting one more batch for it until its replay ends (see `claims`)."""
@@ -347,8 +346,9 @@ class PackedGraphBuckets(_SessionThread):
 
     def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None,
                 type_ids: np.ndarray | None, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        rows, tokens, width = key
         bucket = self._graphs[key]
-        feeds = self._packers[bucket.rows, bucket.width].pack(lengths, ids, type_ids, bucket.length, self.pad_id)
+        feeds = self._packers[rows, width].pack(lengths, ids, type_ids, tokens, self.pad_id)
         for name, value in zip(HOST_PACKED_INPUTS, feeds):
             bucket.inputs[name].update_inplace(value)
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)

@@ -170,12 +170,12 @@ class Settings(BaseSettings):
     @property
     def replay_short_lengths(self) -> tuple[int, ...]:
         """cuda_graph_short_lengths as numbers (none when unset)."""
-        return tuple(int(n) for n in self.cuda_graph_short_lengths.split(",")) if self.cuda_graph_short_lengths else ()
+        return tuple(_numbers(self.cuda_graph_short_lengths))
 
     @property
     def engine_devices(self) -> list[int]:
         """The GPUs that get an engine process each (cuda_device_ids, else cuda_device_id)."""
-        return [int(i) for i in self.cuda_device_ids.split(",")] if self.cuda_device_ids else [self.cuda_device_id]
+        return _numbers(self.cuda_device_ids) or [self.cuda_device_id]
 
 
 def shown_default(value: object) -> str:
@@ -187,3 +187,8 @@ def shown_default(value: object) -> str:
 def configure_logging(settings: Settings) -> None:
     """The log format and level of every server process (the launcher, HTTP workers, the engine)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _numbers(text: str | None) -> list[int]:
+    """A setting of comma-separated numbers (cuda_device_ids, cuda_graph_short_lengths) as them; none when unset."""
+    return [int(n) for n in text.split(",")] if text else []

@@ -161,7 +161,8 @@ def host_stages(replays, batch: Batch, iters: int) -> dict[str, float]:
     ids, types, lengths = batch.unpadded()
     key = replays.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
     bucket = replays._graphs[key]
-    packer = HostPacker(bucket.rows, bucket.width)  # as the lane packs: into arrays reused batch to batch
+    rows, _, width = key
+    packer = HostPacker(rows, width)  # as the lane packs: into arrays reused batch to batch
     feeds = packer.pack(lengths, ids, types, bucket.length, replays.pad_id)
 
     def copy_in():

@@ -87,7 +87,12 @@ def process_alive(pid: int) -> bool:
 def temporary_sibling(dest: Path, suffix: str = "") -> Path:
     """A new folder beside `dest` (.NAME.PID.XXXX + suffix) in which `dest` is built before it is renamed
     into place; named for this process, so that a later run can tell it from a live one's."""
-    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{os.getpid()}.", suffix=suffix, dir=dest.parent))
+    return Path(tempfile.mkdtemp(prefix=_own_prefix(dest), suffix=suffix, dir=dest.parent))
+
+
+def _own_prefix(dest: Path) -> str:
+    """The name every temporary sibling of `dest` that this process makes starts with."""
+    return f".{dest.name}.{os.getpid()}."
 
 
 def remove_unfinished(dest: Path, tmp: Path | None, suffix: str = "") -> None:
@@ -95,7 +100,7 @@ def remove_unfinished(dest: Path, tmp: Path | None, suffix: str = "") -> None:
     remove `tmp`; when the interrupt came as temporary_sibling made it (`tmp` still None), this process's
     own such sibling, found by its name."""
     if tmp is None:
-        prefix = f".{dest.name}.{os.getpid()}."
+        prefix = _own_prefix(dest)
         parent = dest.parent
         own = [p for p in (parent.iterdir() if parent.is_dir() else [])
                if p.name.startswith(prefix) and p.name.endswith(suffix) and p.is_dir()]
