@@ -16,7 +16,7 @@ from typing import TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from app.cuda_graphs import MAX_ROWS, PACKED_MAX_TOKENS, CudaGraphBuckets, PackedGraphBuckets
+from app.cuda_graphs import MAX_ROWS, PACKED_MAX_TOKENS, PACKED_SHORT_WIDTHS, CudaGraphBuckets, PackedGraphBuckets
 from app.errors import EngineLost
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo,
                                HostPackedGraph, Manifest)
@@ -133,7 +133,7 @@ class OrtEngine:
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
                  cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS, max_batch_size: int = 256,
                  cuda_graph_tokens: int = PACKED_MAX_TOKENS, cuda_graph_lanes: int = 1,
-                 cuda_graph_short_lengths: tuple[int, ...] = ()):
+                 cuda_graph_short_lengths: tuple[int, ...] = PACKED_SHORT_WIDTHS):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from a checkout
 
 from app.batcher import Sequences, collate  # noqa: E402
-from app.cuda_graphs import PACKED_MAX_TOKENS  # noqa: E402
+from app.cuda_graphs import PACKED_MAX_TOKENS, PACKED_SHORT_WIDTHS  # noqa: E402
 from app.engine import Batch, OrtEngine  # noqa: E402
 from app.tokenization import TextTokenizer  # noqa: E402
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING,  # noqa: E402
@@ -66,7 +66,8 @@ def main() -> int:
     parser.add_argument("--padded-artifact", type=Path)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--iters", type=int, default=50)
-    parser.add_argument("--short-lengths", default="", help="the server's cuda_graph_short_lengths, e.g. 64,128")
+    parser.add_argument("--short-lengths", default=",".join(map(str, PACKED_SHORT_WIDTHS)),
+                        help="the server's cuda_graph_short_lengths (default: its default); '' for none")
     args = parser.parse_args()
     short = tuple(int(n) for n in args.short_lengths.split(",") if n)
     import onnxruntime as ort
