@@ -76,12 +76,14 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             for figure, digits in (("x_engine", 3), ("gpu_busy_percent", 1)):
                 if all(figure in v for v in values):
                     out[name][key][figure] = round(statistics.median(v[figure] for v in values), digits)
+            if all("host_cores" in v.get("server_cpu", {}) for v in values):
+                out[name][key]["host_cores"] = round(statistics.median(v["server_cpu"]["host_cores"] for v in values), 1)
     return out
 
 
 def print_summary(summary: dict) -> None:
     print(f"{'variant':<20}{'load':<14}{'requests/s (median, range)':>32}{'texts/s':>10}{'x engine':>9}{'p99 ms':>9}"
-          f"{'batch':>7}{'errors':>8}{'GPU %':>7}")
+          f"{'batch':>7}{'errors':>8}{'GPU %':>7}{'host cores':>11}")
     for name, keys in summary.items():
         for key, s in keys.items():
             if key == "c1_short":
@@ -92,7 +94,8 @@ def print_summary(summary: dict) -> None:
             low, high = s["requests_per_s_range"]
             cell = f"{s['requests_per_s']:,} ({low:,}-{high:,}, {s['runs']} runs)"
             print(f"{name:<20}{key:<14}{cell:>32}{s['texts_per_s']:>10,}{s.get('x_engine', ''):>9}{s['p99_ms']:>9}"
-                  f"{s['mean_batch_size']:>7}{s['errors']:>8}{s.get('gpu_busy_percent', ''):>7}")
+                  f"{s['mean_batch_size']:>7}{s['errors']:>8}{s.get('gpu_busy_percent', ''):>7}"
+                  f"{s.get('host_cores', ''):>11}")
     if any(s.get("errors") for keys in summary.values() for s in keys.values()):
         print("some requests failed (errors: non-200 answers, 429 past the queue limit among them): their runs "
               "measure refusals too; lower --max-inflight-texts or --connections", file=sys.stderr)

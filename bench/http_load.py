@@ -418,10 +418,12 @@ def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connect
     server_cpu = None
     if server is not None:
         time.sleep(duration_s * 0.05)  # wrk connected
-        server_cpu = _server_cpu_over(server, duration_s * 0.9)
+        server_cpu = _server_cpu_over(server, duration_s * 0.9, client_pid=process.pid)
     run = wrk_result(process, folder, per_request, threads * connections)
-    return {**run, "processes": threads, "client_cpu_us_per_request": float("nan"), "client_cpu_share": float("nan"),
-            **({"server_cpu": server_cpu} if server_cpu else {})}
+    client_cores = (server_cpu or {}).get("client_cores", float("nan"))
+    return {**run, "processes": threads,
+            "client_cpu_us_per_request": round(client_cores / max(run["requests_per_s"], 1e-9) * 1e6, 1),
+            "client_cpu_share": round(client_cores / threads, 2), **({"server_cpu": server_cpu} if server_cpu else {})}
 
 
 def _sequential_latency(url: str, text: str, requests: int) -> dict:
@@ -560,7 +562,8 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                           f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
                           if workers > 1 else "") + f"; engine threads busy on batches: CUDA graphs "
                       f"{run['engine_busy_cuda_graph']}, session {run['engine_busy_session']} s/s" + (
-                          f"; GPU busy {run['gpu_busy_percent']}%" if "gpu_busy_percent" in run else ""),
+                          f"; GPU busy {run['gpu_busy_percent']}%" if "gpu_busy_percent" in run else "") + (
+                          _cpu_line(run["server_cpu"]) if "server_cpu" in run else ""),
                       file=sys.stderr)
                 if engine is not None:
                     run["x_engine"] = round(run["texts_per_s"] / engine["best_texts_per_s"], 3)
@@ -598,11 +601,14 @@ def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int
     return infos[0]["engine_pid"], pids
 
 
-def _cpu_seconds(engine_pid: int, pids: set[int]) -> dict[str, float]:
-    """User + system CPU seconds so far of each server process ("p PID", all its threads) and of each
-    thread of the engine process ("t TID") (Linux /proc; {} elsewhere)."""
+def _cpu_seconds(engine_pid: int, pids: set[int], client_pid: int | None = None) -> dict[str, float]:
+    """User + system CPU seconds so far of each server process ("p PID", all its threads), of each thread
+    of the engine process ("t TID"), of the load's client process ("client") and of the whole host ("host":
+    every core's busy time from /proc/stat) (Linux /proc; {} elsewhere)."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     files = {f"p {pid}": Path(f"/proc/{pid}/stat") for pid in pids}
+    if client_pid is not None:
+        files["client"] = Path(f"/proc/{client_pid}/stat")
     with contextlib.suppress(OSError):
         files.update({f"t {t.name}": t / "stat" for t in Path(f"/proc/{engine_pid}/task").iterdir()})
     out = {}
@@ -610,25 +616,39 @@ def _cpu_seconds(engine_pid: int, pids: set[int]) -> dict[str, float]:
         with contextlib.suppress(OSError):
             fields = path.read_text().rsplit(")", 1)[1].split()
             out[key] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    with contextlib.suppress(OSError):
+        # cpu user nice system idle iowait irq softirq steal ...: busy is all but idle and iowait
+        times = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        out["host"] = (sum(times) - times[3] - times[4]) / ticks
     return out
 
 
-def _server_cpu_over(server: tuple[int, set[int]], seconds: float) -> dict:
+def _server_cpu_over(server: tuple[int, set[int]], seconds: float, client_pid: int | None = None) -> dict:
     """_server_cpu over the next `seconds` (this thread sleeps meanwhile); `server`: (engine pid, all pids)."""
-    cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
+    cpu0, t0 = _cpu_seconds(*server, client_pid), time.perf_counter()
     time.sleep(seconds)
-    return _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
+    return _server_cpu(cpu0, _cpu_seconds(*server, client_pid), server[0], time.perf_counter() - t0)
 
 
 def _server_cpu(before: dict[str, float], after: dict[str, float], engine_pid: int, seconds: float) -> dict:
     """Cores kept busy over a run: the engine process and its busiest thread, the HTTP workers together,
-    and the busiest worker (near 1.0: that process, or that thread, is the limit)."""
+    and the busiest worker (near 1.0: that process, or that thread, is the limit); where measured, the
+    load's client process and the whole host (near os.cpu_count(): the host itself is the limit)."""
     busy = {key: (after[key] - before[key]) / seconds for key in after if key in before}
     workers = [v for key, v in busy.items() if key.startswith("p ") and key != f"p {engine_pid}"]
     threads = [v for key, v in busy.items() if key.startswith("t ")]
     return {"engine_cores": round(busy.get(f"p {engine_pid}", float("nan")), 2),
             "engine_busiest_thread": round(max(threads, default=float("nan")), 2),
-            "workers_cores": round(sum(workers), 2), "busiest_worker": round(max(workers, default=float("nan")), 2)}
+            "workers_cores": round(sum(workers), 2), "busiest_worker": round(max(workers, default=float("nan")), 2),
+            **{f"{key}_cores": round(busy[key], 2) for key in ("client", "host") if key in busy}}
+
+
+def _cpu_line(c: dict) -> str:
+    """Where the host's cores went during a run, for the per-run line."""
+    return (f"; cores busy: engine {c['engine_cores']} (busiest thread {c['engine_busiest_thread']}), workers "
+            f"{c['workers_cores']} (busiest {c['busiest_worker']})"
+            + (f", client {c['client_cores']}" if "client_cores" in c else "")
+            + (f", host {c['host_cores']} of {os.cpu_count()}" if "host_cores" in c else ""))
 
 
 def _cores(c: dict | None) -> str:

@@ -35,7 +35,11 @@ def test_serving_reports_each_stage_of_a_requests_time(tiny_artifact_dir, tmp_pa
         assert run["server_request_ms"] < run["mean_ms"] * 1.5, run
         # The engine's threads on batches, in seconds a second: some, on the session (the CPU replays nothing)
         assert 0 < run["engine_busy_session"] <= os.cpu_count() and run["engine_busy_cuda_graph"] == 0, run
+        # The whole host's busy cores hold the server's own (sampled over the same window) and fit the host
+        cpu = run["server_cpu"]
+        assert 0.8 * (cpu["engine_cores"] + cpu["workers_cores"]) <= cpu["host_cores"] <= os.cpu_count() + 0.1, cpu
     assert f"in the server: handler {runs['x1']['server_request_ms']} ms" in done.stderr
+    assert f"host {runs['x1']['server_cpu']['host_cores']} of {os.cpu_count()}" in done.stderr
 
 
 @pytest.mark.slow  # a server start and a few seconds of load
@@ -58,6 +62,9 @@ def test_serving_under_wrk_counts_answers_and_latency_from_wrk(tiny_artifact_dir
         assert wrk["texts_per_s"] == pytest.approx(wrk["requests_per_s"] * size, rel=1e-3)
         assert 0 < wrk["p50_ms"] <= wrk["p99_ms"] <= wrk["max_ms"], wrk
         assert wrk["mean_batch_size"] >= 1 and wrk["server_request_ms"] > 0, wrk
+        # wrk's own CPU, from its process over the same window as the server's
+        assert 0 < wrk["server_cpu"]["client_cores"] <= wrk["server_cpu"]["host_cores"], wrk["server_cpu"]
+        assert 0 < wrk["client_cpu_us_per_request"] and 0 < wrk["client_cpu_share"] <= 1.05, wrk
     assert "wrk, 1 threads x 4 connections" in done.stderr
 
 
