@@ -171,7 +171,7 @@ class OrtEngine:
 
     def _open_cuda_graphs(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str, max_length: int,
                           max_rows: int, batch_limits: tuple[int, int], lanes: int,
-                          short_lengths: tuple[int, ...] = ()) -> None:
+                          short_lengths: tuple[int, ...]) -> None:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
         host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
         in `lanes` sessions that replay side by side (each also at `short_lengths`), or a padded graph for

@@ -7,9 +7,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from app.cuda_graphs import (PACKED_ROWS, CudaGraphBuckets, ReplayPlanner, bucket_for, packed_buckets,
-                              packed_width_buckets, rows_up_to)
+from app.cuda_graphs import (MAX_ROWS, PACKED_MAX_TOKENS, PACKED_ROWS, PACKED_SHORT_WIDTHS, CudaGraphBuckets,
+                              ReplayPlanner, bucket_for, packed_buckets, packed_width_buckets, rows_up_to)
 from app.engine import EngineError, OrtEngine
+from app.settings import Settings
 from artifact.host_packing import HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
 
@@ -219,3 +220,12 @@ def test_a_batch_replays_the_narrowest_width_with_room_and_there_the_smallest_bu
         r, t, w = bucket_for(buckets, rows, int(lengths.sum()), longest) or (0, 0, 0)
         if lengths.sum() <= max_tokens:
             assert r >= rows and t >= lengths.sum() and w == min(w for w in widths if w >= longest)
+
+
+def test_the_servers_cuda_graph_defaults_are_the_engines(tmp_path):
+    """The settings spell their defaults as literals (they load without onnxruntime); OrtEngine's come from
+    app/cuda_graphs.py. A change to one must be made to the other."""
+    settings = Settings(model_dir=tmp_path)
+    assert settings.cuda_graph_rows == MAX_ROWS
+    assert settings.cuda_graph_tokens == PACKED_MAX_TOKENS
+    assert settings.replay_short_lengths == PACKED_SHORT_WIDTHS
