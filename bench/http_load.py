@@ -495,6 +495,16 @@ def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str
             **{f"engine_busy_{path}": round(rate(f"busy:{path}"), 2) for path in ("cuda_graph", "session")}}
 
 
+def _stages_line(means: dict, workers: int) -> str:
+    """Where a request's time went in the server (`_server_means`), in words."""
+    return (f"handler {means['server_request_ms']} ms (tokenising {means['server_tokenize_ms']}, waiting for its "
+            f"batch {means['server_queue_ms']}), {means['server_inference_ms']} ms per batch of "
+            f"{means['mean_batch_size']}" + (
+                f"; engine link: to {means['server_link_to_engine_ms']}, in the engine process "
+                f"{means['server_link_in_engine_ms']}, back {means['server_link_from_engine_ms']} ms"
+                if workers > 1 else ""))
+
+
 def require_fast_protocols(allow_slow: bool) -> None:
     """The server runs on this interpreter: without uvloop and httptools (uvicorn[standard]) it serves on
     asyncio's loop and the pure-Python h11 parser, about 15% fewer one-text requests/s on an H100 host
@@ -555,12 +565,7 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                 run.update(_server_means(before, _server_totals(url)))
                 run["mean_ms"] = round(1e3 * run["clients"] / max(run["requests_per_s"], 1e-9), 2)  # Little's law
                 print(f"  {run['requests_per_s']:,.0f} requests/s, {run['mean_ms']} ms a request at the client; in the "
-                      f"server: handler {run['server_request_ms']} ms (tokenising {run['server_tokenize_ms']}, waiting "
-                      f"for its batch {run['server_queue_ms']}), {run['server_inference_ms']} ms per batch of "
-                      f"{run['mean_batch_size']}" + (
-                          f"; engine link: to {run['server_link_to_engine_ms']}, in the engine process "
-                          f"{run['server_link_in_engine_ms']}, back {run['server_link_from_engine_ms']} ms"
-                          if workers > 1 else "") + f"; engine threads busy on batches: CUDA graphs "
+                      f"server: " + _stages_line(run, workers) + f"; engine threads busy on batches: CUDA graphs "
                       f"{run['engine_busy_cuda_graph']}, session {run['engine_busy_session']} s/s" + (
                           f"; GPU busy {run['gpu_busy_percent']}%" if "gpu_busy_percent" in run else "") + (
                           _cpu_line(run["server_cpu"]) if "server_cpu" in run else ""),
@@ -571,7 +576,10 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                 runs[f"x{per_request}" + ("" if client == "python" else f"-{client}")
                      + (f"-{runs_of[client]}" if runs_of[client] > 1 else "")] = run
         print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
+        before = _server_totals(url)
         one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
+        one["server"] = _server_means(before, _server_totals(url))  # its warm-up requests included
+        print(f"  p50 {one['p50_ms']} ms; in the server: " + _stages_line(one["server"], workers), file=sys.stderr)
         if engine is not None:
             one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
         runs["c1_short"] = one

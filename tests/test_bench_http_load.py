@@ -40,6 +40,13 @@ def test_serving_reports_each_stage_of_a_requests_time(tiny_artifact_dir, tmp_pa
         assert 0.8 * (cpu["engine_cores"] + cpu["workers_cores"]) <= cpu["host_cores"] <= os.cpu_count() + 0.1, cpu
     assert f"in the server: handler {runs['x1']['server_request_ms']} ms" in done.stderr
     assert f"host {runs['x1']['server_cpu']['host_cores']} of {os.cpu_count()}" in done.stderr
+    # The lone short text's split too: each of its requests a batch of one, its link hops within its handler
+    lone = runs["c1_short"]["server"]
+    assert lone["mean_batch_size"] == 1, lone
+    hops = lone["server_link_to_engine_ms"] + lone["server_link_in_engine_ms"] + lone["server_link_from_engine_ms"]
+    assert 0 < lone["server_inference_ms"] < lone["server_link_in_engine_ms"] and hops < lone["server_request_ms"], lone
+    assert lone["server_request_ms"] < runs["c1_short"]["p50_ms"] * 1.5, lone
+    assert f"in the server: handler {lone['server_request_ms']} ms" in done.stderr
 
 
 @pytest.mark.slow  # a server start and a few seconds of load
