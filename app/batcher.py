@@ -168,8 +168,7 @@ class DynamicBatcher:
                  on_engine_lost: Callable[[], None] | None = None,
                  replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None,
                  replay_busy: Callable[[int, frozenset[str]], bool] | None = None,
-                 replay_next: Callable[[Callable[[int, int, frozenset[str]], list | None], Callable[[], None]],
-                                       list | None] | None = None):
+                 replay_next: Callable[[Callable[[int, int, frozenset[str]], list | None]], list | None] | None = None):
         self._run = run
         # (rows, longest, tokens, outputs, alone) -> the thread a batch should run on instead of an inference
         # thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
@@ -177,10 +176,8 @@ class DynamicBatcher:
         # (queued tokens, the oldest's outputs) -> whether such a batch would replay but wait for a busy lane
         # (OrtEngine.replay_busy): the work then stays queued and joins the next, larger batch.
         self._replay_busy = replay_busy
-        # (take, finished) -> the batch take(rows, tokens, outputs) chose for the replaying session whose thread
-        # calls it, that session kept claimed for it (OrtEngine.replay_next): a session goes on to queued work
-        # itself. It calls finished() first, on a session's thread only: the last batch's outcome goes to the
-        # loop before the session waits for its next (lanes taking turns wait for the running replay).
+        # (take) -> the batch take(rows, tokens, outputs) chose for the replaying session whose thread calls it,
+        # that session kept claimed for it (OrtEngine.replay_next): a session goes on to queued work itself.
         self._replay_next = replay_next
         self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
@@ -487,24 +484,13 @@ class DynamicBatcher:
                 tokens = batch.padded_tokens
             except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
                 outcome, tokens = e, 0
-            busy = time.perf_counter() - begun
-            posted = False
-
-            def finished(goes_on: bool = True) -> None:
-                """The batch's outcome to the loop; `goes_on`: this thread keeps the slot for another batch."""
-                nonlocal posted
-                posted = True
-                self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done, goes_on,
-                                                    (busy, replayed))
-
             following = None
             if self._replay_next is not None and not isinstance(outcome, Exception):
-                following = self._replay_next(self._take_replayable, finished)
+                following = self._replay_next(self._take_replayable)
+            busy = time.perf_counter() - begun
+            self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done,
+                                                following is not None, (busy, replayed))
             if following is None:
-                if posted:  # the outcome went to the loop before the replaying thread looked for more work
-                    self._loop_ref.call_soon_threadsafe(self._end_slot, done)
-                else:
-                    finished(goes_on=False)
                 return
             entries, started = following, time.perf_counter()
             outputs = _outputs_of(entries)
@@ -524,14 +510,6 @@ class DynamicBatcher:
             self._set_depth(0, 0)
         return self._live(chosen) or None
 
-    def _end_slot(self, done: asyncio.Future) -> None:
-        """A worker thread stopped taking batches, on the loop: its slot is free for the next one."""
-        self._running_batches -= 1
-        self._slots.release()
-        self._running.discard(done)
-        done.set_result(None)
-        self._wakeup.set()
-
     def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
                 started: float, done: asyncio.Future, goes_on: bool, busy: tuple[float, bool]) -> None:
         """A batch's outcome, on the loop. `goes_on`: its thread went on to another batch in the same slot;
@@ -542,7 +520,10 @@ class DynamicBatcher:
         self._last_finish = now
         self._wakeup.set()  # what is left queued may now start (another slot, the packed graph)
         if not goes_on:
-            self._end_slot(done)
+            self._running_batches -= 1
+            self._slots.release()
+            self._running.discard(done)
+            done.set_result(None)
         if isinstance(outcome, Exception):
             log.error("inference failed on a batch of %d entries", len(entries), exc_info=outcome)
             for entry in entries:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from app.replay_turns import ReplayTurns
 from artifact.host_packing import HOST_PACKED_INPUTS, HostPacker
 from artifact.manifest import INPUT_NAMES
 
@@ -288,7 +287,6 @@ class PackedGraphBuckets(_SessionThread):
         self._packers = {(r, w): HostPacker(r, w) for r, _, w in self.buckets}  # used on this thread only
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
-        self.turns: ReplayTurns | None = None  # shared with the engine's other lanes: one replays at a time
 
     def _make(self, rows: int, tokens: int, width: int, graph_id: int) -> _Bucket:
         binding = self.session.io_binding()
@@ -358,9 +356,5 @@ class PackedGraphBuckets(_SessionThread):
         feeds = self._packers[rows, width].pack(lengths, ids, type_ids, tokens, self.pad_id)
         for name, value in zip(HOST_PACKED_INPUTS, feeds):
             bucket.inputs[name].update_inplace(value)
-        if self.turns is None:
-            self.session.run_with_iobinding(bucket.binding, bucket.run_options)
-        else:
-            with self.turns.turn(key):
-                self.session.run_with_iobinding(bucket.binding, bucket.run_options)
+        self.session.run_with_iobinding(bucket.binding, bucket.run_options)
         return {name: bucket.outputs[name].numpy()[:len(lengths)] for name in outputs}  # copies to the host

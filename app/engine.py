@@ -18,7 +18,6 @@ import onnxruntime as ort
 
 from app.cuda_graphs import MAX_ROWS, PACKED_MAX_TOKENS, PACKED_SHORT_WIDTHS, CudaGraphBuckets, PackedGraphBuckets
 from app.errors import EngineLost
-from app.replay_turns import ReplayTurns
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo,
                                HostPackedGraph, Manifest)
 from artifact.session import CUDA, SessionError, kernels_library, open_graph
@@ -208,10 +207,6 @@ class OrtEngine:
             return
         if packed:
             self.packed_lanes = tuple(captured)
-            if lanes > 1:  # after the capture, whose first runs are not replays
-                turns = ReplayTurns()
-                for lane in self.packed_lanes:
-                    lane.turns = turns
             log.info("batches of up to %d texts and %d tokens replay CUDA graphs of %s (%d buckets, %d session(s))",
                      batch_limits[0], buckets.max_tokens, path.name, len(buckets.buckets), lanes)
         else:
@@ -238,29 +233,21 @@ class OrtEngine:
         return (bool(lanes) and tokens <= lanes[0].max_tokens and lanes[0].outputs.issuperset(outputs)
                 and all(lane.claims for lane in lanes))
 
-    def replay_next(self, take: Callable[[int, int, frozenset[str]], T | None],
-                    finished: Callable[[], None]) -> T | None:
-        """On a replaying session's thread, just after its batch: claims the session, calls `finished()` (the
-        batcher hands that batch's outcome to its loop), then `take(rows, tokens, outputs)` picks the next
+    def replay_next(self, take: Callable[[int, int, frozenset[str]], T | None]) -> T | None:
+        """On a replaying session's thread, just after its batch: `take(rows, tokens, outputs)` picks the next
         batch within what replays there, and the session stays claimed for it (so `replay_busy` holds other
         work back meanwhile). The batcher calls this so that a session goes on to the queued work at once,
-        not a turn of its event loop later; where lanes take turns (app/replay_turns.py), once the running
-        replay nears its end. None (nothing taken, `finished` not called) on any other thread."""
+        not a turn of its event loop later. None (nothing taken) on any other thread."""
         lane = self._lane_here()
         if lane is None:
             return None
         lane.claim()
         taken = None
         try:
-            finished()
-            if lane.turns is not None:  # lanes take turns: take the batch when the running replay nears its end
-                lane.turns.wait_to_take()
             taken = take(lane.max_rows, lane.max_tokens, lane.outputs)
         finally:
             if not taken:
                 lane.release()
-                if lane.turns is not None:
-                    lane.turns.not_taken()
         return taken or None
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:

@@ -1105,11 +1105,10 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
     def replay_busy(tokens_, outputs):
         return claims[0] > 0 and replays(1, tokens_, outputs)
 
-    def replay_next(take, finished):
+    def replay_next(take):
         if not on_lane():
             return None
         claims[0] += 1
-        finished()
         taken = take(3, 12, cls)
         if not taken:
             claims[0] -= 1
@@ -1164,51 +1163,6 @@ def test_a_replaying_thread_takes_its_next_batch_itself_while_the_loop_is_busy()
     assert 0.6 <= replayed < 0.9 and 0.3 <= session < 0.45  # four batches of 0.15 s on the lane, two beside
 
 
-def test_a_replaying_threads_batch_is_answered_before_the_thread_waits_to_take_its_next():
-    """Lanes taking turns (app/replay_turns.py) wait, in replay_next, for the running replay to near its end
-    before they take: the batch a lane just ran is answered first (replay_next calls `finished`), and the
-    slot is released once it found nothing to take."""
-    lane = ThreadPoolExecutor(1, thread_name_prefix="replay-lane")
-    waits = []
-
-    def on_lane() -> bool:
-        return threading.current_thread().name.startswith("replay-lane")
-
-    def replay_next(take, finished):
-        if not on_lane():
-            return None
-        finished()
-        waited_from = time.perf_counter()
-        time.sleep(0.3)  # as wait_to_take, while the other lane replays
-        waits.append((waited_from, time.perf_counter()))
-        return take(8, 100, frozenset({"cls_embedding"}))
-
-    def engine(batch):
-        return {"cls_embedding": np.repeat(batch.input_ids[:, :1].astype(np.float32), 4, 1)}
-
-    async def go():
-        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
-                           max_queued=1000, inference_workers=1, packed=True,
-                           replay_thread=lambda *_: lane, replay_busy=lambda *_: True, replay_next=replay_next)
-        b.start()
-        first = b.submit_group(Sequences.concat([np.full(3, 7, np.int64)], [np.zeros(3, np.int64)]),
-                               frozenset({"cls_embedding"}))
-        result = await first
-        answered = time.perf_counter()
-        await asyncio.sleep(0.05)
-        second = b.submit_group(Sequences.concat([np.full(2, 9, np.int64)], [np.zeros(2, np.int64)]),
-                                frozenset({"cls_embedding"}))
-        later = await asyncio.wait_for(second, 5)
-        await asyncio.wait_for(b.stop(), 5)
-        return result, answered, later
-    result, answered, later = run(go())
-    lane.shutdown()
-    assert result.outputs["cls_embedding"][:, 0].tolist() == [7]
-    assert later.outputs["cls_embedding"][:, 0].tolist() == [9]  # taken by the lane after its wait
-    assert answered < waits[0][1] - 0.2  # answered while the lane still waited
-    assert len(waits) >= 2  # it took the second batch, then found nothing and gave its slot back (stop ended)
-
-
 def test_replaying_threads_and_the_loop_share_the_queue_without_losing_or_mixing_rows():
     """Two replaying threads taking their next batches (replay_next) while the loop forms its own, under
     hundreds of requests of mixed sizes and outputs, a fifth of them cancelled by their clients: every
@@ -1237,13 +1191,12 @@ def test_replaying_threads_and_the_loop_share_the_queue_without_losing_or_mixing
     def replay_busy(tokens_, outputs):
         return replays(tokens_, outputs) and all(claims)
 
-    def replay_next(take, finished):
+    def replay_next(take):
         lane = lane_here()
         if lane is None:
             return None
         with claims_lock:
             claims[lane] += 1
-        finished()
         taken = take(16, 40, cls)
         if not taken:
             with claims_lock:

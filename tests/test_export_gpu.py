@@ -425,10 +425,9 @@ def test_short_texts_replay_graphs_as_wide_as_their_longest_and_answer_as_the_pa
     assert replayed_widths == want_widths and {16, 32, m.max_length} <= set(want_widths)
 
 
-def test_two_sessions_take_turns_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
+def test_two_sessions_replay_side_by_side_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
     """cuda_graph_lanes 2: batches handed to the thread replay_thread names go to both sessions (the least
-    claimed takes the next), which replay one at a time (app/replay_turns.py), and every answer is the
-    packed graph's."""
+    claimed takes the next), and every answer is the packed graph's."""
     import threading
 
     from app.engine import Batch, OrtEngine
@@ -439,8 +438,6 @@ def test_two_sessions_take_turns_and_answer_as_the_packed_graph(tiny_model_dir, 
     engine = OrtEngine(out, m, "cuda", "fp16", cuda_graph_lanes=2)
     packed = OrtEngine(out, m, "cuda", "fp16", cuda_graphs="off")
     assert len(engine.packed_lanes) == 2
-    turns = engine.packed_lanes[0].turns
-    assert turns is not None and engine.packed_lanes[1].turns is turns
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     batches = []
     for rows in (1, 2, 5, 9, 16, 30):
@@ -461,14 +458,11 @@ def test_two_sessions_take_turns_and_answer_as_the_packed_graph(tiny_model_dir, 
     assert not engine.replay_busy(len(one), {CLS_EMBEDDING})
     # replay_next: on a lane's thread `take` gets that lane's limits, and the lane stays claimed when it took
     asked = []
-    finished = []
-    assert engine.replay_next(lambda *limits: asked.append(limits) or ["batch"], lambda: finished.append(1)) is None
-    assert asked == [] and finished == []  # not a lane's thread: nothing taken, no outcome handed on
+    assert engine.replay_next(lambda *limits: asked.append(limits) or ["batch"]) is None and asked == []
     lane = engine.packed_lanes[0]
-    assert lane.thread.submit(engine.replay_next, lambda *limits: asked.append(limits) or [],
-                              lambda: finished.append(lane.claims)).result(30) is None
-    assert lane.claims == 0 and finished == [1]  # the outcome handed on while the lane was claimed
-    assert lane.thread.submit(engine.replay_next, lambda *limits: ["batch"], lambda: None).result(30) == ["batch"]
+    assert lane.thread.submit(engine.replay_next, lambda *limits: asked.append(limits) or []).result(30) is None
+    assert lane.claims == 0
+    assert lane.thread.submit(engine.replay_next, lambda *limits: ["batch"]).result(30) == ["batch"]
     assert asked == [(lane.max_rows, lane.max_tokens, lane.outputs)] and lane.claims == 1
     assert not engine.replay_busy(len(one), {CLS_EMBEDDING})  # the other lane is free
     lane.thread.submit(engine.run, batches[0]).result(30)  # the batch it took: its replay ends the claim
@@ -487,9 +481,3 @@ def test_two_sessions_take_turns_and_answer_as_the_packed_graph(tiny_model_dir, 
             assert cosine(got[name], want[name]).min() >= 0.9999
     assert ran_on == {lane.thread_id for lane in engine.packed_lanes}
     assert all(lane.claims == 0 for lane in engine.packed_lanes)
-    # every replay took its turn: its bucket's time is measured (one lane alone takes no turns)
-    lane = engine.packed_lanes[0]
-    for batch in batches:
-        ids, _, lengths = batch.unpadded()
-        assert turns.expected_s(lane.bucket(len(lengths), len(ids), int(lengths.max()))) > 0
-    assert all(lane.turns is None for lane in packed.packed_lanes + OrtEngine(out, m, "cuda", "fp16").packed_lanes)
