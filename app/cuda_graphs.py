@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from artifact.host_packing import HOST_PACKED_INPUTS, HostPacker
+from artifact.host_packing import FlatLayout, HostPacker
 from artifact.manifest import INPUT_NAMES
 
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
@@ -218,6 +218,7 @@ class CudaGraphBuckets(_SessionThread):
 
 # Host-packed graphs (artifact/host_packing.py): a batch's real tokens one after another, so a bucket is
 # (rows, tokens) and a replay computes only its bucket's filler beyond the batch's own tokens.
+FLAT_INPUTS = "flat"  # a host-packed bucket's one device array that holds its four inputs
 PACKED_ROWS = (4, 16, 64, 256)
 # About 1.25x apart (the filler a batch can cost)
 PACKED_TOKENS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
@@ -289,12 +290,14 @@ class PackedGraphBuckets(_SessionThread):
         self._claims_lock = threading.Lock()
 
     def _make(self, rows: int, tokens: int, width: int, graph_id: int) -> _Bucket:
+        """The bucket's buffers: its four inputs in one device array, laid out as its packer's (FlatLayout),
+        so that a batch goes to the GPU in one copy; each input bound where it lies in that array."""
         binding = self.session.io_binding()
-        shapes = dict(zip(HOST_PACKED_INPUTS, [(3, tokens), (rows, width), (rows + 1,), (rows,)]))
-        inputs = {}
-        for name, shape in shapes.items():
-            inputs[name] = ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, np.int32), "cuda", self.device_id)
-            binding.bind_ortvalue_input(name, inputs[name])
+        layout = FlatLayout(rows, width)
+        flat = ort.OrtValue.ortvalue_from_numpy(np.zeros(layout.size(tokens), np.int32), "cuda", self.device_id)
+        for name, (at, shape) in layout.offsets(tokens).items():
+            binding.bind_input(name, "cuda", self.device_id, np.int32, list(shape), flat.data_ptr() + 4 * at)
+        inputs = {FLAT_INPUTS: flat}
         outputs = {}
         for o in self.session.get_outputs():
             outputs[o.name] = ort.OrtValue.ortvalue_from_shape_and_type([rows, *o.shape[1:]], np.float32, "cuda",
@@ -352,9 +355,8 @@ class PackedGraphBuckets(_SessionThread):
     def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None,
                 type_ids: np.ndarray | None, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         rows, tokens, width = key
-        bucket = self._graphs[key]
-        feeds = self._packers[rows, width].pack(lengths, ids, type_ids, tokens, self.pad_id)
-        for name, value in zip(HOST_PACKED_INPUTS, feeds):
-            bucket.inputs[name].update_inplace(value)
+        bucket, packer = self._graphs[key], self._packers[rows, width]
+        packer.pack(lengths, ids, type_ids, tokens, self.pad_id)
+        bucket.inputs[FLAT_INPUTS].update_inplace(packer.flat(tokens))
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)
         return {name: bucket.outputs[name].numpy()[:len(lengths)] for name in outputs}  # copies to the host

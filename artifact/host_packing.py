@@ -11,14 +11,56 @@ server picks and CUDA can replay it. Numpy only: both export and the server use 
 
 A bucket may hold more rows and tokens than the batch: the rows past it are empty (length 0, no token
 attends to them), the tokens past it are [PAD] filler that no row reads.
+
+A packer writes all four into one int32 array (`FlatLayout`), so that a replay copies a batch to the GPU
+in one copy, not four.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 TOKENS, TOKEN_OFFSET, CUMULATIVE_LENGTHS, CLS_POSITIONS = ("tokens", "token_offset", "cumulative_sequence_length",
                                                            "cls_positions")
 HOST_PACKED_INPUTS = (TOKENS, TOKEN_OFFSET, CUMULATIVE_LENGTHS, CLS_POSITIONS)
+
+
+_ALIGN = 64  # each input starts 256 bytes into the flat array: as aligned as an allocation of its own
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each input lies in the one int32 array that holds a bucket's four, as element offsets:
+    token_offset first (it depends on the rows and width only), then cumulative_sequence_length and
+    cls_positions, then tokens, whose length depends on the bucket's token count (`size`)."""
+    rows: int
+    width: int
+
+    @property
+    def cumulative(self) -> int:
+        return _aligned(self.rows * self.width)
+
+    @property
+    def cls(self) -> int:
+        return _aligned(self.cumulative + self.rows + 1)
+
+    @property
+    def tokens(self) -> int:
+        return _aligned(self.cls + self.rows)
+
+    def size(self, tokens: int) -> int:
+        """Elements of the flat array for a bucket of `tokens` tokens."""
+        return self.tokens + 3 * tokens
+
+    def offsets(self, tokens: int) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Each input's (element offset, shape), in HOST_PACKED_INPUTS order."""
+        return {TOKENS: (self.tokens, (3, tokens)), TOKEN_OFFSET: (0, (self.rows, self.width)),
+                CUMULATIVE_LENGTHS: (self.cumulative, (self.rows + 1,)), CLS_POSITIONS: (self.cls, (self.rows,))}
 
 
 def pack_on_host(lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None, rows: int, tokens: int,
@@ -38,12 +80,29 @@ class HostPacker:
 
     def __init__(self, rows: int, width: int):
         self.rows, self.width = rows, width
+        self.layout = FlatLayout(rows, width)
         self._places = np.arange(rows * width, dtype=np.int32)  # every place's own index
-        self._offset = self._places.copy()
         self._written = 0  # offsets before this one were written by the last batch; the rest are `_places`
-        self._cumulative = np.zeros(rows + 1, np.int32)
-        self._cls = np.zeros(rows, np.int32)
-        self._tokens: dict[int, np.ndarray] = {}  # bucket tokens -> its [3, tokens] array
+        self._flat = np.zeros(self.layout.size(0), np.int32)
+        self._flat[:rows * width] = self._places
+        self._views: dict[int, tuple[np.ndarray, ...]] = {}  # bucket tokens -> the inputs' views of _flat
+
+    def flat(self, tokens: int) -> np.ndarray:
+        """The last batch packed for a bucket of `tokens` tokens, all four inputs as `layout` places them."""
+        return self._flat[:self.layout.size(tokens)]
+
+    def _arrays(self, tokens: int) -> tuple[np.ndarray, ...]:
+        """Views of the flat array, in HOST_PACKED_INPUTS order; it grows to hold `tokens` tokens."""
+        views = self._views.get(tokens)
+        if views is None:
+            size = self.layout.size(tokens)
+            if len(self._flat) < size:
+                grown = np.zeros(size, np.int32)
+                grown[:self.layout.tokens] = self._flat[:self.layout.tokens]
+                self._flat, self._views = grown, {}
+            views = self._views[tokens] = tuple(self._flat[at:at + int(np.prod(shape))].reshape(shape)
+                                                for at, shape in self.layout.offsets(tokens).values())
+        return views
 
     def pack(self, lengths: np.ndarray, ids: np.ndarray | None, type_ids: np.ndarray | None, tokens: int,
              pad_id: int) -> tuple[np.ndarray, ...]:
@@ -53,19 +112,17 @@ class HostPacker:
             raise ValueError(f"{n} rows of {count} tokens (longest {int(lengths.max()) if n else 0}) do not fit a "
                              f"bucket of {rows} rows, {tokens} tokens and width {width}")
         real = np.asarray(lengths, np.int32)  # int32 throughout: np.repeat of int64 is several times slower
-        cumulative = self._cumulative
+        packed, offset, cumulative, cls = self._arrays(tokens)
         np.cumsum(real, out=cumulative[1:n + 1])
         cumulative[n + 1:] = count
         starts = cumulative[:n]  # each row's first token
-        packed = self._tokens.get(tokens)
-        if packed is None:
-            packed = self._tokens[tokens] = np.empty((3, tokens), np.int32)
         packed[0, :count] = pad_id if ids is None else ids
         packed[1, :count] = 0 if type_ids is None else type_ids
         packed[0, count:], packed[1:, count:] = pad_id, 0
         positions = packed[2, :count]
         np.subtract(self._places[:count], np.repeat(starts, real), out=positions)
-        offset, row_base = self._offset, self._places[:n * width:width]  # row_base: each row's first place
+        offset = offset.reshape(-1)
+        row_base = self._places[:n * width:width]  # each row's first place
         np.add(np.repeat(row_base, real), positions, out=offset[:count])
         # the padding places of the batch's rows, row after row: row b's run starts at b * width + its length
         pads = width - real
@@ -75,6 +132,5 @@ class HostPacker:
         if self._written > end:  # the last batch had more rows: theirs are filler again
             offset[end:self._written] = self._places[end:self._written]
         self._written = end
-        cls = self._cls
         cls[:n], cls[n:] = starts, 0  # a filler row reads token 0
         return packed, offset.reshape(rows, width), cumulative, cls

@@ -451,6 +451,19 @@ def _sequential_latency(url: str, text: str, requests: int) -> dict:
             "server_inference_p50_ms": round(float(np.median(inference)), 3), "client": "http.client keep-alive"}
 
 
+def _wrk_sequential_latency(url: str, text: str, seconds: float) -> dict:
+    """One request at a time over one connection of wrk (issue 15 measured its lone text so): the client's
+    own time per request is a few µs where http.client's is tens."""
+    from bench.wrk_load import start_wrk, wrk_result
+
+    process, folder = start_wrk(url, [orjson.dumps({"inputs": text})], 1, 1, seconds)
+    run = wrk_result(process, folder, 1, 1)
+    if run["errors"]:
+        raise RuntimeError(f"/embed failed {run['errors']} times under wrk at concurrency 1")
+    return {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "requests": run["wrk"]["requests"],
+            "client": "wrk, one connection"}
+
+
 _LINK = "bertserve_engine_link_duration_seconds"  # with workers > 1, by way (label): to / in / from the engine
 _STAGES = {"request": "bertserve_request_duration_seconds", "tokenize": "bertserve_tokenize_duration_seconds",
            "queue": "bertserve_queue_duration_seconds", "inference": "bertserve_inference_duration_seconds",
@@ -583,6 +596,12 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
         if engine is not None:
             one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
         runs["c1_short"] = one
+        if "wrk" in args.clients.split(","):  # the same from wrk, whose own time per request is a few µs
+            one = _wrk_sequential_latency(url, SHORT_TEXT, max(2.0, args.duration / 2))
+            print(f"  wrk, one connection: p50 {one['p50_ms']} ms, p99 {one['p99_ms']} ms", file=sys.stderr)
+            if engine is not None:
+                one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
+            runs["c1_short_wrk"] = one
     return runs
 
 
@@ -682,6 +701,10 @@ def print_serving_table(r: dict) -> None:
         print(f"{workers}, one short text, concurrency 1: p50 {c1['p50_ms']} ms (engine batch-1 "
               f"{e['batch1_short_p50_ms']} ms, +{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms; server's "
               f"x-inference-ms p50 {c1['server_inference_p50_ms']} ms")
+        if "c1_short_wrk" in runs:
+            c1 = runs["c1_short_wrk"]
+            print(f"{workers}, one short text, concurrency 1, wrk: p50 {c1['p50_ms']} ms "
+                  f"(+{c1['over_engine_ms']} ms), p99 {c1['p99_ms']} ms")
     print("targets: x engine >= 0.85; +ms over engine <= 2; client cpu share well under 1.0 (else add --processes)")
 
 

@@ -155,23 +155,21 @@ def lanes_throughput(art: Path, manifest, batch: Batch, iters: int) -> list[dict
 
 
 def host_stages(replays, batch: Batch, iters: int) -> dict[str, float]:
-    """Median ms of each step of one replay (called on the lane's own thread): packing, the input copies,
-    the replay, the output copy."""
-    from artifact.host_packing import HOST_PACKED_INPUTS, HostPacker
+    """Median ms of each step of one replay (called on the lane's own thread): packing, the input copy (one,
+    of the bucket's flat array), the replay, the output copy."""
+    from app.cuda_graphs import FLAT_INPUTS
+    from artifact.host_packing import HostPacker
 
     ids, types, lengths = batch.unpadded()
     key = replays.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
     bucket = replays._graphs[key]
     rows, _, width = key
     packer = HostPacker(rows, width)  # as the lane packs: into arrays reused batch to batch
-    feeds = packer.pack(lengths, ids, types, bucket.length, replays.pad_id)
-
-    def copy_in():
-        for name, value in zip(HOST_PACKED_INPUTS, feeds):
-            bucket.inputs[name].update_inplace(value)
+    packer.pack(lengths, ids, types, bucket.length, replays.pad_id)
+    flat = packer.flat(bucket.length)
     return {"collate": median_ms(lambda: collate(Sequences(ids, types, lengths), 0, frozenset(batch.outputs)), iters),
             "pack": median_ms(lambda: packer.pack(lengths, ids, types, bucket.length, replays.pad_id), iters),
-            "copy_in": median_ms(copy_in, iters),
+            "copy_in": median_ms(lambda: bucket.inputs[FLAT_INPUTS].update_inplace(flat), iters),
             "replay": median_ms(lambda: replays.session.run_with_iobinding(bucket.binding, bucket.run_options), iters),
             "copy_out_cls": median_ms(lambda: bucket.outputs[CLS_EMBEDDING].numpy(), iters)}
 

@@ -73,6 +73,12 @@ def test_serving_under_wrk_counts_answers_and_latency_from_wrk(tiny_artifact_dir
         assert 0 < wrk["server_cpu"]["client_cores"] <= wrk["server_cpu"]["host_cores"], wrk["server_cpu"]
         assert 0 < wrk["client_cpu_us_per_request"] and 0 < wrk["client_cpu_share"] <= 1.05, wrk
     assert "wrk, 1 threads x 4 connections" in done.stderr
+    # The lone short text from wrk too, one request at a time over one connection
+    lone, python_lone = runs["c1_short_wrk"], runs["c1_short"]
+    assert lone["client"] == "wrk, one connection" and lone["requests"] > 50, lone
+    assert 0 < lone["p50_ms"] <= lone["p99_ms"] and lone["over_engine_ms"] == pytest.approx(
+        lone["p50_ms"] - python_lone["p50_ms"] + python_lone["over_engine_ms"], abs=1e-3), (lone, python_lone)
+    assert f"wrk, one connection: p50 {lone['p50_ms']} ms" in done.stderr
 
 
 @pytest.mark.slow  # four server starts and a second of load each

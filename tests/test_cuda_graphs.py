@@ -176,6 +176,31 @@ def test_a_reused_packer_gives_each_batch_what_a_fresh_one_does():
         assert got[1].ravel().tolist() == ort_token_offset(list(lengths) + [0] * (rows - n), width)[0]
 
 
+def test_a_packer_holds_a_buckets_four_inputs_in_one_array_at_aligned_places():
+    """What a replay copies to the GPU in one copy: the flat array for a bucket of T tokens holds each input
+    the packer answered at the place FlatLayout gives it, each 256 bytes aligned; buckets of more tokens,
+    packed later, grow it without moving what lies before the tokens."""
+    from artifact.host_packing import HOST_PACKED_INPUTS, FlatLayout
+
+    rng = np.random.default_rng(3)
+    rows, width = 16, 24
+    packer = HostPacker(rows, width)
+    for tokens in (64, 384, 128, 2048, 64):
+        lengths = rng.integers(1, width + 1, int(rng.integers(0, rows + 1)))
+        while lengths.sum() > tokens:
+            lengths = lengths // 2 + 1
+        ids, types = rng.integers(5, 100, lengths.sum()), rng.integers(0, 2, lengths.sum())
+        arrays = packer.pack(lengths, ids, types, tokens, pad_id=3)
+        flat, layout = packer.flat(tokens), FlatLayout(rows, width)
+        assert flat.dtype == np.int32 and len(flat) == layout.size(tokens) and flat.flags.c_contiguous
+        want = pack_on_host(lengths, ids, types, rows, tokens, width, pad_id=3)
+        for name, array, expected in zip(HOST_PACKED_INPUTS, arrays, want):
+            at, shape = layout.offsets(tokens)[name]
+            assert at * 4 % 256 == 0 and array.shape == shape == expected.shape, name
+            assert flat[at:at + array.size].tolist() == expected.ravel().tolist(), (tokens, name)
+    assert [at for at, _ in FlatLayout(1, 8).offsets(5).values()] == [192, 0, 64, 128]  # tokens last
+
+
 def test_host_packing_refuses_a_batch_its_bucket_cannot_hold():
     lengths = np.array([4, 6])
     for rows, tokens, width in [(1, 16, 8), (2, 9, 8), (2, 16, 5)]:
