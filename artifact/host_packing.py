@@ -88,7 +88,8 @@ class HostPacker:
         self._views: dict[int, tuple[np.ndarray, ...]] = {}  # bucket tokens -> the inputs' views of _flat
 
     def flat(self, tokens: int) -> np.ndarray:
-        """The last batch packed for a bucket of `tokens` tokens, all four inputs as `layout` places them."""
+        """What the last `pack` (into a bucket of these `tokens`) wrote: all four inputs, where `layout` places
+        them, in one array, for one copy to the GPU."""
         return self._flat[:self.layout.size(tokens)]
 
     def _arrays(self, tokens: int) -> tuple[np.ndarray, ...]:
