@@ -23,12 +23,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnxruntime as ort
 
-from app.cuda_copies import CudaCopies
 from artifact.host_packing import FlatLayout, HostPacker
 from artifact.manifest import INPUT_NAMES
 
@@ -107,7 +106,6 @@ class _Bucket:
     inputs: dict[str, ort.OrtValue]
     outputs: dict[str, ort.OrtValue]
     run_options: ort.RunOptions
-    pointers: dict[str, int] = field(default_factory=dict)  # host-packed: the device address of each buffer
 
 
 class _SessionThread:
@@ -286,11 +284,7 @@ class PackedGraphBuckets(_SessionThread):
         self.buckets = packed_width_buckets(max_rows, max_tokens, self.widths)
         self.max_tokens = max(t for _, t, _ in self.buckets)  # the largest batch it replays, in tokens
         self.max_rows = max(r for r, _, _ in self.buckets)  # and in rows
-        self._row_shapes = {o.name: tuple(o.shape[1:]) for o in session.get_outputs()}  # an output's row
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
-        self._copies = CudaCopies.load()  # else ONNX Runtime's copies, which hold the interpreter lock
-        if self._copies is not None:
-            self._on_thread(self._copies.use_device, device_id)
         self._packers = {(r, w): HostPacker(r, w) for r, _, w in self.buckets}  # used on this thread only
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
@@ -311,8 +305,7 @@ class PackedGraphBuckets(_SessionThread):
             binding.bind_ortvalue_output(o.name, outputs[o.name])
         run_options = ort.RunOptions()
         run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
-        pointers = {name: value.data_ptr() for name, value in {**inputs, **outputs}.items()}
-        return _Bucket(rows, tokens, binding, inputs, outputs, run_options, pointers)
+        return _Bucket(rows, tokens, binding, inputs, outputs, run_options)
 
     def claim(self) -> Executor:
         """The thread, counting one more batch for it until its replay ends (see `claims`)."""
@@ -362,14 +355,8 @@ class PackedGraphBuckets(_SessionThread):
     def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None,
                 type_ids: np.ndarray | None, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
         rows, tokens, width = key
-        bucket, packer, copies, n = self._graphs[key], self._packers[rows, width], self._copies, len(lengths)
+        bucket, packer = self._graphs[key], self._packers[rows, width]
         packer.pack(lengths, ids, type_ids, tokens, self.pad_id)
-        if copies is None:
-            bucket.inputs[FLAT_INPUTS].update_inplace(packer.flat(tokens))
-        else:
-            copies.to_device(bucket.pointers[FLAT_INPUTS], packer.flat(tokens))
+        bucket.inputs[FLAT_INPUTS].update_inplace(packer.flat(tokens))
         self.session.run_with_iobinding(bucket.binding, bucket.run_options)
-        if copies is None:
-            return {name: bucket.outputs[name].numpy()[:n] for name in outputs}
-        return {name: copies.to_host(bucket.pointers[name], (n, *self._row_shapes[name]), np.float32)
-                for name in outputs}  # the batch's rows only
+        return {name: bucket.outputs[name].numpy()[:len(lengths)] for name in outputs}  # copies to the host
