@@ -19,6 +19,7 @@ hit them alike: round-to-round ratios then agree within a few percent, where in 
   python bench/http_worker_load.py --texts-per-request 1,16,64 --formats float,base64 --rounds 5
   python bench/http_worker_load.py --app-roots /tmp/before,. --rounds 7
   python bench/http_worker_load.py --texts-per-request 64 --profile /tmp/worker   # py-spy: /tmp/worker.64.float.txt
+  python bench/http_worker_load.py --texts-per-request 1,16 --together --floor   # against uvicorn + JSON alone
 """
 from __future__ import annotations
 
@@ -61,6 +62,39 @@ else:
     uvicorn.run(front, host='127.0.0.1', port=port, **{**uvicorn_options(front.state.settings),
                                                        'log_level': 'warning', 'access_log': False})
 """
+
+
+# --floor: what a worker costs before any of this project's code runs. uvicorn with the same fast loop and
+# parser, and a plain ASGI app that reads the JSON body and answers as many stored vectors as it has texts,
+# in the asked format: the HTTP, the JSON in and the JSON out, and nothing else.
+_FLOOR = """
+import base64, sys
+import numpy as np, orjson, uvicorn
+vectors = np.random.default_rng(0).random((512, int(sys.argv[2])), dtype=np.float32)
+
+async def app(scope, receive, send):
+    if scope['type'] != 'http':
+        return
+    body, more = b'', True
+    while more:
+        message = await receive()
+        body, more = body + message.get('body', b''), message.get('more_body', False)
+    answer = b'{}'
+    if scope['method'] == 'POST':
+        request = orjson.loads(body)
+        n = len(request['inputs']) if isinstance(request['inputs'], list) else 1
+        rows = ([base64.b64encode(v.tobytes()).decode() for v in vectors[:n]]
+                if request.get('encoding_format') == 'base64' else list(vectors[:n]))
+        answer = orjson.dumps({'model': 'floor', 'data': [{'index': i, 'embedding': e} for i, e in enumerate(rows)],
+                               'usage': {'tokens': 0}}, option=orjson.OPT_SERIALIZE_NUMPY)
+    await send({'type': 'http.response.start', 'status': 200,
+                'headers': [(b'content-type', b'application/json'), (b'content-length', str(len(answer)).encode())]})
+    await send({'type': 'http.response.body', 'body': answer})
+
+uvicorn.run(app, host='127.0.0.1', port=int(sys.argv[1]), loop='uvloop', http='httptools', log_level='warning',
+            access_log=False)
+"""
+FLOOR = Path("floor")  # the --floor worker's place among the --app-roots
 
 
 def make_worker_artifact(out: Path, hidden: int, texts: list[str]) -> Path:
@@ -115,13 +149,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path, core: int) -> tuple:
-    """One HTTP worker process of the tree at `root`, pinned to `core`; returns (process, url)."""
+def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path, core: int,
+                 hidden: int = 768) -> tuple:
+    """One HTTP worker process of the tree at `root` (FLOOR: the --floor app), pinned to `core`; returns
+    (process, url)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
     env.update(BERTSERVE_MODEL_DIR=str(artifact), BERTSERVE_ENGINE_SOCKET=socket_path, BERTSERVE_LOG_LEVEL="warning",
                PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), PYTHONPATH=str(root))
-    proc = subprocess.Popen([sys.executable, "-c", _WORKER, str(port)], cwd=root, env=env,
+    command = [sys.executable, "-c", _FLOOR, str(port), str(hidden)] if root == FLOOR else \
+        [sys.executable, "-c", _WORKER, str(port)]
+    proc = subprocess.Popen(command, cwd=ROOT if root == FLOOR else root, env=env,
                             preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -227,13 +265,16 @@ def main() -> None:
                         "(the core is shared out by thread); no --profile")
     parser.add_argument("--warm-up", type=float, default=1.0, help="seconds before each window")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds of each measured window")
+    parser.add_argument("--floor", action="store_true", help="also a worker that is only uvicorn and a plain "
+                        "ASGI app answering stored vectors as JSON (app root `floor`): what HTTP and JSON cost "
+                        "before this project's code")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--profile", type=Path, help="py-spy stacks of the (first) worker in the last round, one "
                         "file per load: PROFILE.<texts>.<format>.txt (collapsed stacks)")
     args = parser.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     worker_core, load_core = cores[0], cores[-1]
-    roots = [Path(r).resolve() for r in args.app_roots.split(",")]
+    roots = [Path(r).resolve() for r in args.app_roots.split(",")] + ([FLOOR] if args.floor else [])
     sizes = [int(x) for x in args.texts_per_request.split(",")]
     formats = args.formats.split(",")
     texts = make_texts(4096, seed=0)
@@ -252,7 +293,8 @@ def main() -> None:
         try:
             for k, root in enumerate(roots):
                 (folder / f"metrics{k}").mkdir()
-                workers.append(start_worker(root, artifact, socket_path, folder / f"metrics{k}", worker_core))
+                workers.append(start_worker(root, artifact, socket_path, folder / f"metrics{k}", worker_core,
+                                            args.hidden))
             runs: dict = {}
 
             def note(r: int, root: Path, texts_per_request: int, fmt: str, row: dict) -> None:

@@ -136,3 +136,23 @@ def test_a_model_dir_setting_serves_that_artifact(tiny_artifact_dir, tmp_path):
     (other / "manifest.json").write_text(json.dumps(manifest))
     with serve(tiny_artifact_dir, device="cpu", model_dir=other) as url:
         assert httpx.get(f"{url}/info").json()["model"] == "the-other-one"
+
+
+@pytest.mark.slow  # three worker processes, a stand-in engine and a few seconds of load
+def test_worker_load_measures_a_worker_beside_the_floor_of_http_and_json(tmp_path):
+    """bench/http_worker_load.py --floor: beside this checkout's worker, a worker that is only uvicorn and a
+    plain ASGI app answering JSON, loaded at once on one core: both answer every request, in both formats,
+    and the floor, a strict part of a worker's work, costs less CPU a request."""
+    out = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, "bench/http_worker_load.py", "--texts-per-request", "1,4", "--formats",
+                           "float,base64", "--rounds", "1", "--warm-up", "0.5", "--duration", "1", "--together",
+                           "--floor", "--connections", "4", "--json", str(out)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {(r["app_root"], r["texts_per_request"], r["encoding_format"]): r for r in json.loads(out.read_text())}
+    assert {root for root, _, _ in rows} == {str(REPO), "floor"}
+    for (root, texts, fmt), row in rows.items():
+        assert row["errors"] == 0 and row["requests_per_s"] > 0 and row["cpu_us_per_request"] > 0, row
+        if root == "floor":
+            assert row["cpu_us_per_request"] < rows[str(REPO), texts, fmt]["cpu_us_per_request"], (row, rows)
