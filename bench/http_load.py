@@ -593,15 +593,13 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
         one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
         one["server"] = _server_means(before, _server_totals(url))  # its warm-up requests included
         print(f"  p50 {one['p50_ms']} ms; in the server: " + _stages_line(one["server"], workers), file=sys.stderr)
-        if engine is not None:
-            one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
         runs["c1_short"] = one
         if "wrk" in args.clients.split(","):  # the same from wrk, whose own time per request is a few µs
-            one = _wrk_sequential_latency(url, SHORT_TEXT, max(2.0, args.duration / 2))
+            one = runs["c1_short_wrk"] = _wrk_sequential_latency(url, SHORT_TEXT, max(2.0, args.duration / 2))
             print(f"  wrk, one connection: p50 {one['p50_ms']} ms, p99 {one['p99_ms']} ms", file=sys.stderr)
-            if engine is not None:
-                one["over_engine_ms"] = round(one["p50_ms"] - engine["batch1_short_p50_ms"], 3)
-            runs["c1_short_wrk"] = one
+        for key in ("c1_short", "c1_short_wrk"):
+            if engine is not None and key in runs:
+                runs[key]["over_engine_ms"] = round(runs[key]["p50_ms"] - engine["batch1_short_p50_ms"], 3)
     return runs
 
 

@@ -150,7 +150,7 @@ def _free_port() -> int:
 
 
 def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path, core: int,
-                 hidden: int = 768) -> tuple:
+                 hidden: int) -> tuple:
     """One HTTP worker process of the tree at `root` (FLOOR: the --floor app), pinned to `core`; returns
     (process, url)."""
     port = _free_port()
