@@ -156,8 +156,9 @@ def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
     env.update(BERTSERVE_MODEL_DIR=str(artifact), BERTSERVE_ENGINE_SOCKET=socket_path, BERTSERVE_LOG_LEVEL="warning",
-               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
-               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))  # the tree first
+               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),  # the tree's app first, then the caller's packages
+               PYTHONPATH=os.pathsep.join(p for p in (None if root == FLOOR else str(root),
+                                                      os.environ.get("PYTHONPATH")) if p))
     command = [sys.executable, "-c", _FLOOR, str(port), str(hidden)] if root == FLOOR else \
         [sys.executable, "-c", _WORKER, str(port)]
     proc = subprocess.Popen(command, cwd=ROOT if root == FLOOR else root, env=env,
