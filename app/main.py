@@ -80,4 +80,5 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
     endpoints = frozenset(r.path for area in areas for r in area.router.routes) | {api.openapi_url}
     direct = {**embed.DIRECT_ROUTES, **nsp.DIRECT_ROUTES, **classify.DIRECT_ROUTES, **openai.DIRECT_ROUTES,
               **tei.DIRECT_ROUTES}
+    metrics.serve_endpoints(endpoints)
     return ServingFront(api, metrics=metrics, endpoints=endpoints, direct=direct, max_bytes=settings.max_request_bytes)

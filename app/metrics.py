@@ -1,13 +1,18 @@
 """Prometheus metrics, one registry per app.
 
 With several server processes (`workers` > 1) prometheus_client's multiprocess mode is on: each process
-writes its values to files under PROMETHEUS_MULTIPROC_DIR and `exposition()` sums them all."""
+writes its values to files under PROMETHEUS_MULTIPROC_DIR and `exposition()` sums them all. The metrics
+updated on every request keep files of their own there, cheaper to write (app/shared_metrics.py)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess
+
+from app.shared_metrics import SharedMetrics
 
 _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -19,14 +24,15 @@ class Metrics:
     def __init__(self) -> None:
         disable_created_metrics()  # no *_created series: they double the output for nothing we use
         r = self.registry = CollectorRegistry()
+        self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_VAR))
+        # The metrics updated on every request: in files of their own, summed at scrape time (app/shared_metrics.py)
+        self._shared = SharedMetrics(Path(os.environ[MULTIPROC_DIR_VAR]) if self.multiprocess else None)
         self.requests = Counter("bertserve_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
         self.failures = Counter("bertserve_request_failures", "HTTP requests answered with an error",
                                 ["endpoint", "status", "type"], registry=r)
-        self.request_seconds = Histogram("bertserve_request_duration_seconds", "time to answer a request",
-                                         ["endpoint"], buckets=_LATENCY, registry=r)
+        self._request_seconds: dict[str, Callable[[float], None]] = {}  # by endpoint, from serve_endpoints
         # Gauges summed over the live processes when there are several (ignored with one).
-        self.inflight = Gauge("bertserve_inflight_requests", "requests being served", registry=r,
-                              multiprocess_mode="livesum")
+        self.inflight = self._shared.gauge("bertserve_inflight_requests", "requests being served")
         self.queue_depth = Gauge("bertserve_queue_depth", "sequences waiting for a batch", registry=r,
                                  multiprocess_mode="livesum")
         self.sequences = Counter("bertserve_sequences", "sequences (texts or pairs) embedded", registry=r)
@@ -35,10 +41,11 @@ class Metrics:
         self.batch_size = Histogram("bertserve_batch_size", "sequences per batch", buckets=_SIZES, registry=r)
         self.batch_tokens = Histogram("bertserve_batch_tokens", "tokens per batch, padded (size x longest)",
                                       buckets=_TOKENS, registry=r)
-        self.tokenize_seconds = Histogram("bertserve_tokenize_duration_seconds", "tokenisation time per request",
-                                          buckets=_LATENCY, registry=r)
-        self.queue_seconds = Histogram("bertserve_queue_duration_seconds", "time a request waited for its "
-                                       "batches (its longest-waiting sequence)", buckets=_LATENCY, registry=r)
+        self.observe_tokenize = self._shared.histogram(
+            "bertserve_tokenize_duration_seconds", "tokenisation time per request", _LATENCY).observer()
+        self.observe_queue = self._shared.histogram(
+            "bertserve_queue_duration_seconds", "time a request waited for its batches (its longest-waiting "
+            "sequence)", _LATENCY).observer()
         self.inference_seconds = Histogram("bertserve_inference_duration_seconds", "time per batch in the engine "
                                            "(collation and output copy included)", buckets=_LATENCY, registry=r)
         self.engine_busy_seconds = Counter("bertserve_engine_busy_seconds", "time the engine's threads spent on "
@@ -47,20 +54,28 @@ class Metrics:
                                            "rate is how busy that path is (summed over its threads: up to "
                                            "cuda_graph_lanes, or inference_workers)", ["path"], registry=r)
         self._busy_paths = {path: self.engine_busy_seconds.labels(path) for path in ("cuda_graph", "session")}
-        self.link_seconds = Histogram("bertserve_engine_link_duration_seconds", "with HTTP workers, per group of "
+        ways = ("to_engine", "in_engine", "from_engine")
+        link = self._shared.histogram("bertserve_engine_link_duration_seconds", "with HTTP workers, per group of "
                                       "requests a worker sent together: its time on the way to the engine process "
                                       "(to_engine), there, queue and batches included (in_engine), and back "
-                                      "(from_engine)", ["way"], buckets=_LATENCY, registry=r)
-        self._link_ways = tuple(self.link_seconds.labels(way) for way in ("to_engine", "in_engine", "from_engine"))
+                                      "(from_engine)", _LATENCY, ["way"], [(way,) for way in ways])
+        self._link_ways = tuple(link.observer(way) for way in ways)
         self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r,
                            multiprocess_mode="max")
         self._children: dict[tuple[str, int], tuple] = {}
-        self.multiprocess = bool(os.environ.get(MULTIPROC_DIR_VAR))
         if self.multiprocess:
             self._exposed = CollectorRegistry()
             multiprocess.MultiProcessCollector(self._exposed)
         else:
             self._exposed = r
+        self._exposed.register(self._shared)
+
+    def serve_endpoints(self, endpoints: Iterable[str]) -> None:
+        """The paths requests are counted by (any other is "other"): before the first request is answered."""
+        names = sorted(set(endpoints) | {"other"})
+        family = self._shared.histogram("bertserve_request_duration_seconds", "time to answer a request", _LATENCY,
+                                        ["endpoint"], [(name,) for name in names])
+        self._request_seconds = {name: family.observer(name) for name in names}
 
     def exposition(self) -> bytes:
         """Prometheus text format: this process's metrics, or every worker's summed."""
@@ -68,6 +83,7 @@ class Metrics:
 
     def process_exited(self) -> None:
         """Drop this process's live gauges from the sums (its counters and histograms stay counted)."""
+        self._shared.process_exited()
         if self.multiprocess:
             multiprocess.mark_process_dead(os.getpid())
 
@@ -85,15 +101,17 @@ class Metrics:
         self.model.labels(model, precision, provider).set(1)
 
     def observe_link(self, to_engine_s: float, in_engine_s: float, from_engine_s: float) -> None:
-        for histogram, seconds in zip(self._link_ways, (to_engine_s, in_engine_s, from_engine_s)):
-            histogram.observe(seconds)
+        to_engine, in_engine, from_engine = self._link_ways
+        to_engine(to_engine_s)
+        in_engine(in_engine_s)
+        from_engine(from_engine_s)
 
     def request_answered(self, endpoint: str, status: int, seconds: float, notes: dict) -> None:
         """One HTTP request answered; failures also by error type (`notes["error_type"]`, set by the
         error handlers)."""
         requests, duration = self._request_children(endpoint, status)
         requests.inc()
-        duration.observe(seconds)
+        duration(seconds)
         if status >= 400:
             self.failures.labels(endpoint, str(status), notes.get("error_type", "internal_error")).inc()
 
@@ -104,5 +122,5 @@ class Metrics:
         children = self._children.get(key)
         if children is None:
             children = self._children[key] = (self.requests.labels(endpoint, str(status)),
-                                              self.request_seconds.labels(endpoint))
+                                              self._request_seconds[endpoint])
         return children

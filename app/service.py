@@ -153,7 +153,7 @@ class InferenceService:
             tokenized = await asyncio.to_thread(self.tokenizer.encode_batch, items, truncate, field, offsets,
                                                 direction, prompt)
         seconds = time.perf_counter() - started
-        self.metrics.tokenize_seconds.observe(seconds)
+        self.metrics.observe_tokenize(seconds)
         return tokenized, seconds
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool, outputs: frozenset[str],
@@ -171,7 +171,7 @@ class InferenceService:
             future = self.batcher.submit_group(tokenized.sequences, outputs)
             result = await self._wait(future, request)
             timings.queue_s, timings.inference_s = result.queue_s, result.inference_s
-            self.metrics.queue_seconds.observe(result.queue_s)
+            self.metrics.observe_queue(result.queue_s)
             return Inference(tokenized, result, timings)
 
     async def _wait(self, future: asyncio.Future, request: Request | None) -> GroupResult:

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from app.metrics import MULTIPROC_DIR_VAR
+from app.shared_metrics import SUFFIX as SHARED_SUFFIX
 from app.multiprocess.engine_process import run as run_engine
 from app.multiprocess.held_signals import start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
@@ -83,7 +84,7 @@ def run_folder():
     given = os.environ.get(MULTIPROC_DIR_VAR)
     metrics = Path(given) if given else folder / "metrics"
     metrics.mkdir(parents=True, exist_ok=True)
-    for stale in metrics.glob("*.db"):
+    for stale in [*metrics.glob("*.db"), *metrics.glob(f"*{SHARED_SUFFIX}")]:
         stale.unlink()
     os.environ[MULTIPROC_DIR_VAR] = str(metrics)
     try:
