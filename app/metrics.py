@@ -63,12 +63,13 @@ class Metrics:
         self.model = Gauge("bertserve_model_info", "the model served", ["model", "precision", "provider"], registry=r,
                            multiprocess_mode="max")
         self._children: dict[tuple[str, int], tuple] = {}
+        r.register(self._shared)
         if self.multiprocess:
             self._exposed = CollectorRegistry()
             multiprocess.MultiProcessCollector(self._exposed)
+            self._exposed.register(self._shared)
         else:
             self._exposed = r
-        self._exposed.register(self._shared)
 
     def serve_endpoints(self, endpoints: Iterable[str]) -> None:
         """The paths requests are counted by (any other is "other"): before the first request is answered."""

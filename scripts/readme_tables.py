@@ -42,6 +42,7 @@ def metrics_table() -> str:
     has been used once."""
     metrics = Metrics()
     metrics.model_loaded("tiny", "fp32", "CPUExecutionProvider")
+    metrics.serve_endpoints(["/embed"])
     metrics.request_answered("/embed", 500, 0.01, {"error_type": "internal_error"})
     metrics.observe_link(0.0, 0.0, 0.0)
     rows = ["| metric | type | labels | what it counts |", "| --- | --- | --- | --- |"]
