@@ -75,7 +75,7 @@ class Metrics:
         """The paths requests are counted by (any other is "other"): before the first request is answered."""
         names = sorted(set(endpoints) | {"other"})
         family = self._shared.histogram("bertserve_request_duration_seconds", "time to answer a request", _LATENCY,
-                                        ["endpoint"], [(name,) for name in names])
+                                        ["endpoint"], [(name,) for name in names], unused_shown=False)
         self._request_seconds = {name: family.observer(name) for name in names}
 
     def exposition(self) -> bytes:

@@ -73,8 +73,8 @@ class SharedHistogram:
     file alike), each as its buckets' counts (not cumulative; the last is +Inf) and then its sum."""
 
     def __init__(self, directory: Path | None, name: str, documentation: str, buckets: Sequence[float],
-                 labelnames: Sequence[str] = (), series: Sequence[tuple[str, ...]] = ((),)):
-        self.name, self.documentation = name, documentation
+                 labelnames: Sequence[str] = (), series: Sequence[tuple[str, ...]] = ((),), unused_shown: bool = True):
+        self.name, self.documentation, self.unused_shown = name, documentation, unused_shown
         self.bounds = tuple(float(b) for b in buckets)
         self.labelnames, self.series = tuple(labelnames), tuple(series)
         self._directory = directory
@@ -100,6 +100,8 @@ class SharedHistogram:
         for i, labelvalues in enumerate(self.series):
             row = summed[i * self._width:(i + 1) * self._width]
             counts = np.cumsum(row[:-1])
+            if not self.unused_shown and counts[-1] == 0:
+                continue
             family.add_metric(list(labelvalues), list(zip(les, counts.tolist())), float(row[-1]))
         return family
 
@@ -122,8 +124,9 @@ class SharedMetrics:
                 gauge.path.unlink(missing_ok=True)
 
     def histogram(self, name: str, documentation: str, buckets: Sequence[float], labelnames: Sequence[str] = (),
-                  series: Sequence[tuple[str, ...]] = ((),)) -> SharedHistogram:
-        family = SharedHistogram(self._directory, name, documentation, buckets, labelnames, series)
+                  series: Sequence[tuple[str, ...]] = ((),), unused_shown: bool = True) -> SharedHistogram:
+        """`unused_shown` False: a series appears once observed (as a prometheus_client child made on first use)."""
+        family = SharedHistogram(self._directory, name, documentation, buckets, labelnames, series, unused_shown)
         self._families.append(family)
         return family
 

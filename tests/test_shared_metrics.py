@@ -76,6 +76,10 @@ def test_without_a_directory_a_process_counts_only_its_own(tmp_path):
     family.observer("other")(0.002)
     text = generate_latest_of(shared).decode()
     assert 't_seconds_count{endpoint="other"} 1.0' in text and 't_seconds_count{endpoint="/embed"} 0.0' in text
+    used_only = SharedMetrics(None)
+    used_only.histogram("u_seconds", "doc", BUCKETS, ["endpoint"], SERIES, unused_shown=False).observer("other")(3.0)
+    text = generate_latest_of(used_only).decode()
+    assert 'u_seconds_count{endpoint="other"} 1.0' in text and 'endpoint="/embed"' not in text
 
 
 def generate_latest_of(collector) -> bytes:
