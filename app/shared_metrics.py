@@ -54,7 +54,7 @@ class SharedGauge:
 
     def __init__(self, directory: Path | None, name: str, documentation: str):
         self.name, self.documentation, self._directory = name, documentation, directory
-        self._map, self.path = _mapped(directory, name, 1)
+        self._map, _ = _mapped(directory, name, 1)
         self._values = memoryview(self._map).cast("d")
 
     def inc(self) -> None:
@@ -106,6 +106,12 @@ class SharedHistogram:
         return family
 
 
+def remove_gauges(directory: Path, pid: int, names: Iterable[str]) -> None:
+    """The gauges `names` of process `pid` (which died without `process_exited`) stop counting."""
+    for name in names:
+        (directory / f"{name}_{pid}{SUFFIX}").unlink(missing_ok=True)
+
+
 class SharedMetrics:
     """A collector (register it in the registry that exposes the metrics) of the families made here."""
 
@@ -119,9 +125,8 @@ class SharedMetrics:
 
     def process_exited(self) -> None:
         """This process's gauges stop counting."""
-        for gauge in self._gauges:
-            if gauge.path is not None:
-                gauge.path.unlink(missing_ok=True)
+        if self._directory is not None:
+            remove_gauges(self._directory, os.getpid(), (gauge.name for gauge in self._gauges))
 
     def histogram(self, name: str, documentation: str, buckets: Sequence[float], labelnames: Sequence[str] = (),
                   series: Sequence[tuple[str, ...]] = ((),), unused_shown: bool = True) -> SharedHistogram:

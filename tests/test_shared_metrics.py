@@ -86,3 +86,29 @@ def generate_latest_of(collector) -> bytes:
     registry = CollectorRegistry()
     registry.register(collector)
     return generate_latest(registry)
+
+
+def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_path, monkeypatch):
+    """metrics.process_died (the HTTP workers' supervisor calls it for a worker that died): what the dead
+    process had in flight no longer counts; what it observed still does."""
+    from app.metrics import process_died
+
+    script = textwrap.dedent(f"""
+        import os
+        from pathlib import Path
+        from app.shared_metrics import SharedMetrics
+        shared = SharedMetrics(Path({str(tmp_path)!r}))
+        shared.gauge("bertserve_inflight_requests", "doc").inc()
+        shared.histogram("t_seconds", "doc", {BUCKETS!r}).observer()(0.5)
+        print(os.getpid())  # and dies without process_exited
+    """)
+    pid = int(subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=60, capture_output=True,
+                             text=True).stdout)
+    shared = SharedMetrics(tmp_path)
+    shared.gauge("bertserve_inflight_requests", "doc").inc()
+    shared.histogram("t_seconds", "doc", BUCKETS)
+    assert "bertserve_inflight_requests 2.0" in generate_latest_of(shared).decode().splitlines()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    process_died(pid)
+    text = generate_latest_of(shared).decode().splitlines()
+    assert "bertserve_inflight_requests 1.0" in text and "t_seconds_count 1.0" in text
