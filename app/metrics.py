@@ -21,9 +21,10 @@ MULTIPROC_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when
 _INFLIGHT = "bertserve_inflight_requests"  # the gauges a process counts in only while it lives
 
 
-def process_died(pid: int) -> None:
-    """A server process that died without `Metrics.process_exited` (killed): its gauges stop counting in
-    the sums; its counters and histograms stay counted."""
+def process_ended(pid: int) -> None:
+    """A server process that has ended, cleanly (`Metrics.process_exited`) or killed (the HTTP workers'
+    supervisor calls this for it): its gauges stop counting in the sums; its counters and histograms stay
+    counted."""
     directory = os.environ.get(MULTIPROC_DIR_VAR)
     if directory:
         multiprocess.mark_process_dead(pid, directory)
@@ -94,9 +95,7 @@ class Metrics:
 
     def process_exited(self) -> None:
         """Drop this process's live gauges from the sums (its counters and histograms stay counted)."""
-        self._shared.process_exited()
-        if self.multiprocess:
-            multiprocess.mark_process_dead(os.getpid())
+        process_ended(os.getpid())
 
     def observe_batch(self, size: int, padded_tokens: int, seconds: float, busy_seconds: float,
                       replayed: bool) -> None:

@@ -8,7 +8,7 @@ and sums as doubles in one memory-mapped file of its own, written in place by in
 observed from its process's event loop only), and a collector, prometheus_client's public extension point,
 sums every process's file at scrape time, as its multiprocess collector sums its own files. Files of
 processes that have exited keep counting, as prometheus_client's histograms do; a gauge counts only while
-its process lives (prometheus_client's "livesum": `SharedMetrics.process_exited` removes its files).
+its process lives (prometheus_client's "livesum": `remove_gauges` removes its files once it has ended).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class SharedHistogram:
 
 
 def remove_gauges(directory: Path, pid: int, names: Iterable[str]) -> None:
-    """The gauges `names` of process `pid` (which died without `process_exited`) stop counting."""
+    """The gauges `names` of process `pid`, which has ended, stop counting."""
     for name in names:
         (directory / f"{name}_{pid}{SUFFIX}").unlink(missing_ok=True)
 
@@ -122,11 +122,6 @@ class SharedMetrics:
         gauge = SharedGauge(self._directory, name, documentation)
         self._gauges.append(gauge)
         return gauge
-
-    def process_exited(self) -> None:
-        """This process's gauges stop counting."""
-        if self._directory is not None:
-            remove_gauges(self._directory, os.getpid(), (gauge.name for gauge in self._gauges))
 
     def histogram(self, name: str, documentation: str, buckets: Sequence[float], labelnames: Sequence[str] = (),
                   series: Sequence[tuple[str, ...]] = ((),), unused_shown: bool = True) -> SharedHistogram:

@@ -155,13 +155,14 @@ def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path
     (process, url)."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    if root == FLOOR:
+        command, cwd, paths = [sys.executable, "-c", _FLOOR, str(port), str(hidden)], ROOT, []
+    else:
+        command, cwd, paths = [sys.executable, "-c", _WORKER, str(port)], root, [str(root)]
+    paths += [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []  # the caller's packages after
     env.update(BERTSERVE_MODEL_DIR=str(artifact), BERTSERVE_ENGINE_SOCKET=socket_path, BERTSERVE_LOG_LEVEL="warning",
-               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),  # the tree's app first, then the caller's packages
-               PYTHONPATH=os.pathsep.join(p for p in (None if root == FLOOR else str(root),
-                                                      os.environ.get("PYTHONPATH")) if p))
-    command = [sys.executable, "-c", _FLOOR, str(port), str(hidden)] if root == FLOOR else \
-        [sys.executable, "-c", _WORKER, str(port)]
-    proc = subprocess.Popen(command, cwd=ROOT if root == FLOOR else root, env=env,
+               PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), PYTHONPATH=os.pathsep.join(paths))
+    proc = subprocess.Popen(command, cwd=cwd, env=env,
                             preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _in_a_process(directory: Path, values: list[tuple[str, float]], gauge_incs: int, exits_cleanly: bool) -> None:
     script = textwrap.dedent(f"""
+        import os
         from pathlib import Path
-        from app.shared_metrics import SharedMetrics
+        from app.shared_metrics import SharedMetrics, remove_gauges
         shared = SharedMetrics(Path({str(directory)!r}))
         family = shared.histogram("t_seconds", "doc", {BUCKETS!r}, ["endpoint"], {SERIES!r})
         for endpoint, value in {values!r}:
@@ -30,7 +31,7 @@ def _in_a_process(directory: Path, values: list[tuple[str, float]], gauge_incs: 
         for _ in range({gauge_incs}):
             gauge.inc()
         if {exits_cleanly}:
-            shared.process_exited()
+            remove_gauges(Path({str(directory)!r}), os.getpid(), ["t_inflight"])
     """)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=60)
 
@@ -89,9 +90,9 @@ def generate_latest_of(collector) -> bytes:
 
 
 def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_path, monkeypatch):
-    """metrics.process_died (the HTTP workers' supervisor calls it for a worker that died): what the dead
+    """metrics.process_ended (the HTTP workers' supervisor calls it for a worker that died): what the dead
     process had in flight no longer counts; what it observed still does."""
-    from app.metrics import process_died
+    from app.metrics import process_ended
 
     script = textwrap.dedent(f"""
         import os
@@ -100,7 +101,7 @@ def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_pat
         shared = SharedMetrics(Path({str(tmp_path)!r}))
         shared.gauge("bertserve_inflight_requests", "doc").inc()
         shared.histogram("t_seconds", "doc", {BUCKETS!r}).observer()(0.5)
-        print(os.getpid())  # and dies without process_exited
+        print(os.getpid())  # and dies without Metrics.process_exited
     """)
     pid = int(subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=60, capture_output=True,
                              text=True).stdout)
@@ -109,6 +110,6 @@ def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_pat
     shared.histogram("t_seconds", "doc", BUCKETS)
     assert "bertserve_inflight_requests 2.0" in generate_latest_of(shared).decode().splitlines()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    process_died(pid)
+    process_ended(pid)
     text = generate_latest_of(shared).decode().splitlines()
     assert "bertserve_inflight_requests 1.0" in text and "t_seconds_count 1.0" in text

@@ -29,7 +29,7 @@ import uvicorn
 from app.front import ServingFront
 from app.heap import keep_freed_memory
 from app.main import create_app
-from app.metrics import process_died
+from app.metrics import process_ended
 from app.multiprocess.engine_link import connect_to_engine
 from app.multiprocess.held_signals import release_stop_signals, start_with_stop_signals_held
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
@@ -132,7 +132,7 @@ class HttpWorkers:
                 continue
             log.error("HTTP worker %d (pid %s) exited with %s; starting another", i, worker.process.pid,
                       worker.process.exitcode)
-            process_died(worker.process.pid)  # the requests it was serving are no longer in flight
+            process_ended(worker.process.pid)  # the requests it was serving are no longer in flight
             with contextlib.suppress(KeyError, ValueError):
                 selector.unregister(worker.channel)
             worker.channel.close()
