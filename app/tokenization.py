@@ -220,14 +220,18 @@ class TextTokenizer:
         return tokenizer.post_process(Encoding.merge([head, tail], growing_offsets=False))
 
     def _by_words(self, items: Sequence[Item], batch: list[Item], truncate: bool, field: str) -> Tokenized:
-        rows, firsts = zip(*(self._words.encode(x, truncate) for x in batch))
-        lengths = [len(r) for r in rows]
+        encoded = [self._words.encode(x, truncate) for x in batch]
+        lengths = [len(row) for row, _ in encoded]
         self._check_lengths(items, lengths, field)
         total = sum(lengths)
-        type_ids = np.ones(total, dtype=np.int64)  # segment 1 but for each row's first `first` tokens
-        for start, first in zip(itertools.accumulate([0, *lengths[:-1]]), firsts):
-            type_ids[start:start + first] = 0
-        return Tokenized(Sequences(_joined(rows, total), type_ids, np.array(lengths, dtype=np.int64)), None)
+        type_ids = np.zeros(total, dtype=np.int64)  # segment 0 but for each pair's second text
+        end = 0
+        for (_, first), n in zip(encoded, lengths):
+            if first < n:
+                type_ids[end + first:end + n] = 1
+            end += n
+        ids = _joined([row for row, _ in encoded], total)
+        return Tokenized(Sequences(ids, type_ids, np.array(lengths, dtype=np.int64)), None)
 
     def _check_lengths(self, items: Sequence[Item], lengths: list[int], field: str) -> None:
         """InputTooLong past max_length (only without truncation); InvalidInput for an input that is only
