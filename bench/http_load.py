@@ -414,16 +414,18 @@ def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connect
     starts = [rng.randrange(len(texts) - per_request + 1) for _ in range(4096)]
     bodies = [orjson.dumps({"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls",
                             "encoding_format": encoding_format}) for i in starts]
-    process, folder = start_wrk(url, bodies, threads, threads * connections, duration_s)
+    wrk = start_wrk(url, bodies, threads, threads * connections, duration_s)
     server_cpu = None
     if server is not None:
         time.sleep(duration_s * 0.05)  # wrk connected
-        server_cpu = _server_cpu_over(server, duration_s * 0.9, client_pid=process.pid)
-    run = wrk_result(process, folder, per_request, threads * connections)
-    client_cores = (server_cpu or {}).get("client_cores", float("nan"))
+        server_cpu = _server_cpu_over(server, duration_s * 0.9)
+    run = wrk_result(wrk, per_request, threads * connections)
+    client_cores = run.pop("client_cores")
+    if server_cpu is not None:  # over wrk's whole run, start-up included: /proc's 10 ms ticks over the window
+        server_cpu["client_cores"] = client_cores  # cannot see a light load's client
     return {**run, "processes": threads,
             "client_cpu_us_per_request": round(client_cores / max(run["requests_per_s"], 1e-9) * 1e6, 1),
-            "client_cpu_share": round(client_cores / threads, 2), **({"server_cpu": server_cpu} if server_cpu else {})}
+            "client_cpu_share": round(client_cores / threads, 3), **({"server_cpu": server_cpu} if server_cpu else {})}
 
 
 def _sequential_latency(url: str, text: str, requests: int) -> dict:
@@ -456,8 +458,7 @@ def _wrk_sequential_latency(url: str, text: str, seconds: float) -> dict:
     own time per request is a few µs where http.client's is tens."""
     from bench.wrk_load import start_wrk, wrk_result
 
-    process, folder = start_wrk(url, [orjson.dumps({"inputs": text})], 1, 1, seconds)
-    run = wrk_result(process, folder, 1, 1)
+    run = wrk_result(start_wrk(url, [orjson.dumps({"inputs": text})], 1, 1, seconds), 1, 1)
     if run["errors"]:
         raise RuntimeError(f"/embed failed {run['errors']} times under wrk at concurrency 1")
     return {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "requests": run["wrk"]["requests"],
@@ -626,14 +627,12 @@ def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int
     return infos[0]["engine_pid"], pids
 
 
-def _cpu_seconds(engine_pid: int, pids: set[int], client_pid: int | None = None) -> dict[str, float]:
+def _cpu_seconds(engine_pid: int, pids: set[int]) -> dict[str, float]:
     """User + system CPU seconds so far of each server process ("p PID", all its threads), of each thread
-    of the engine process ("t TID"), of the load's client process ("client") and of the whole host ("host":
-    every core's busy time from /proc/stat) (Linux /proc; {} elsewhere)."""
+    of the engine process ("t TID") and of the whole host ("host": every core's busy time from /proc/stat)
+    (Linux /proc; {} elsewhere)."""
     ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
     files = {f"p {pid}": Path(f"/proc/{pid}/stat") for pid in pids}
-    if client_pid is not None:
-        files["client"] = Path(f"/proc/{client_pid}/stat")
     with contextlib.suppress(OSError):
         files.update({f"t {t.name}": t / "stat" for t in Path(f"/proc/{engine_pid}/task").iterdir()})
     out = {}
@@ -648,24 +647,24 @@ def _cpu_seconds(engine_pid: int, pids: set[int], client_pid: int | None = None)
     return out
 
 
-def _server_cpu_over(server: tuple[int, set[int]], seconds: float, client_pid: int | None = None) -> dict:
+def _server_cpu_over(server: tuple[int, set[int]], seconds: float) -> dict:
     """_server_cpu over the next `seconds` (this thread sleeps meanwhile); `server`: (engine pid, all pids)."""
-    cpu0, t0 = _cpu_seconds(*server, client_pid), time.perf_counter()
+    cpu0, t0 = _cpu_seconds(*server), time.perf_counter()
     time.sleep(seconds)
-    return _server_cpu(cpu0, _cpu_seconds(*server, client_pid), server[0], time.perf_counter() - t0)
+    return _server_cpu(cpu0, _cpu_seconds(*server), server[0], time.perf_counter() - t0)
 
 
 def _server_cpu(before: dict[str, float], after: dict[str, float], engine_pid: int, seconds: float) -> dict:
     """Cores kept busy over a run: the engine process and its busiest thread, the HTTP workers together,
     and the busiest worker (near 1.0: that process, or that thread, is the limit); where measured, the
-    load's client process and the whole host (near os.cpu_count(): the host itself is the limit)."""
+    whole host (near os.cpu_count(): the host itself is the limit)."""
     busy = {key: (after[key] - before[key]) / seconds for key in after if key in before}
     workers = [v for key, v in busy.items() if key.startswith("p ") and key != f"p {engine_pid}"]
     threads = [v for key, v in busy.items() if key.startswith("t ")]
     return {"engine_cores": round(busy.get(f"p {engine_pid}", float("nan")), 2),
             "engine_busiest_thread": round(max(threads, default=float("nan")), 2),
             "workers_cores": round(sum(workers), 2), "busiest_worker": round(max(workers, default=float("nan")), 2),
-            **{f"{key}_cores": round(busy[key], 2) for key in ("client", "host") if key in busy}}
+            **({"host_cores": round(busy["host"], 2)} if "host" in busy else {})}
 
 
 def _cpu_line(c: dict) -> str:

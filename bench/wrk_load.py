@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 _SCRIPT = r"""
@@ -60,24 +63,46 @@ def wrk_binary() -> str:
     return found
 
 
+@dataclass
+class WrkRun:
+    """A wrk process under way, and what wrk_result needs to account for its CPU."""
+    process: subprocess.Popen
+    folder: Path
+    started: float  # perf_counter() at its start
+    children_cpu_s: float  # CPU seconds of this process's ended children before it started
+
+
 def start_wrk(url: str, bodies: list[bytes], threads: int, connections: int, duration_s: float,
-              path: str = "/embed") -> tuple[subprocess.Popen, Path]:
+              path: str = "/embed") -> WrkRun:
     """Start wrk in the background (so that the caller can sample the server meanwhile); finish with
     `wrk_result`. Connections are spread over the threads by wrk (at least one each); wrk takes whole
-    seconds, and its rates divide by the time it measured."""
+    seconds, and its rates divide by the time it measured. No other child of this process may end before
+    wrk_result: wrk's CPU is read from the ended children's resource usage."""
     folder = Path(tempfile.mkdtemp(prefix="wrk-"))
     (folder / "bodies.jsonl").write_bytes(b"\n".join(bodies) + b"\n")
     script = folder / "load.lua"
     script.write_text(_SCRIPT % {"bodies": folder / "bodies.jsonl", "path": path})
     command = [wrk_binary(), "-t", str(threads), "-c", str(max(connections, threads)),
                "-d", f"{max(1, round(duration_s))}s", "--timeout", "30s", "-s", str(script), url]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), folder
+    before = _children_cpu_s()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return WrkRun(process, folder, time.perf_counter(), before)
 
 
-def wrk_result(process: subprocess.Popen, folder: Path, per_request: int, connections: int) -> dict:
-    """The keys of bench/http_load.py's multiprocess_load, from wrk's own count and latency histogram."""
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's ended children, to the microsecond (the /proc tick of
+    10 ms cannot see a light load's client over a second or two)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def wrk_result(run: WrkRun, per_request: int, connections: int) -> dict:
+    """The keys of bench/http_load.py's multiprocess_load, from wrk's own count and latency histogram, and
+    the cores wrk kept busy over its run (`client_cores`)."""
+    process = run.process
     output, _ = process.communicate()
-    shutil.rmtree(folder, ignore_errors=True)
+    client_cores = (_children_cpu_s() - run.children_cpu_s) / (time.perf_counter() - run.started)
+    shutil.rmtree(run.folder, ignore_errors=True)
     line = next((l for l in output.splitlines() if l.startswith("WRK_RESULT ")), None)
     if process.returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed (exit {process.returncode}):\n{output[-2000:]}")
@@ -89,4 +114,4 @@ def wrk_result(process: subprocess.Popen, folder: Path, per_request: int, connec
             "requests_per_s": round(answered / seconds, 1), "texts_per_s": round(answered * per_request / seconds, 1),
             "p50_ms": round(r["p50_us"] / 1e3, 2), "p90_ms": round(r["p90_us"] / 1e3, 2),
             "p99_ms": round(r["p99_us"] / 1e3, 2), "max_ms": round(r["max_us"] / 1e3, 2),
-            "errors": errors, "wrk": r}
+            "errors": errors, "client_cores": round(client_cores, 4), "wrk": r}
