@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import tempfile
@@ -65,43 +64,37 @@ def wrk_binary() -> str:
 
 @dataclass
 class WrkRun:
-    """A wrk process under way, and what wrk_result needs to account for its CPU."""
+    """A wrk process under way, and when it started."""
     process: subprocess.Popen
     folder: Path
     started: float  # perf_counter() at its start
-    children_cpu_s: float  # CPU seconds of this process's ended children before it started
 
 
 def start_wrk(url: str, bodies: list[bytes], threads: int, connections: int, duration_s: float,
               path: str = "/embed") -> WrkRun:
     """Start wrk in the background (so that the caller can sample the server meanwhile); finish with
     `wrk_result`. Connections are spread over the threads by wrk (at least one each); wrk takes whole
-    seconds, and its rates divide by the time it measured. No other child of this process may end before
-    wrk_result: wrk's CPU is read from the ended children's resource usage."""
+    seconds, and its rates divide by the time it measured."""
     folder = Path(tempfile.mkdtemp(prefix="wrk-"))
     (folder / "bodies.jsonl").write_bytes(b"\n".join(bodies) + b"\n")
     script = folder / "load.lua"
     script.write_text(_SCRIPT % {"bodies": folder / "bodies.jsonl", "path": path})
     command = [wrk_binary(), "-t", str(threads), "-c", str(max(connections, threads)),
                "-d", f"{max(1, round(duration_s))}s", "--timeout", "30s", "-s", str(script), url]
-    before = _children_cpu_s()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return WrkRun(process, folder, time.perf_counter(), before)
-
-
-def _children_cpu_s() -> float:
-    """User + system CPU seconds of this process's ended children, to the microsecond (the /proc tick of
-    10 ms cannot see a light load's client over a second or two)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    return WrkRun(process, folder, time.perf_counter())
 
 
 def wrk_result(run: WrkRun, per_request: int, connections: int) -> dict:
     """The keys of bench/http_load.py's multiprocess_load, from wrk's own count and latency histogram, and
-    the cores wrk kept busy over its run (`client_cores`)."""
+    the cores wrk kept busy over its run, start-up included (`client_cores`: from its resource usage when
+    it ends, to the microsecond, where /proc's 10 ms ticks cannot see a light load's client)."""
     process = run.process
-    output, _ = process.communicate()
-    client_cores = (_children_cpu_s() - run.children_cpu_s) / (time.perf_counter() - run.started)
+    output = process.stdout.read()  # to its end: wrk has exited (or closed its output)
+    process.stdout.close()
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, for its resource usage
+    client_cores = (usage.ru_utime + usage.ru_stime) / (time.perf_counter() - run.started)
     shutil.rmtree(run.folder, ignore_errors=True)
     line = next((l for l in output.splitlines() if l.startswith("WRK_RESULT ")), None)
     if process.returncode != 0 or line is None:
