@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers > 1:
         from app.multiprocess.launcher import serve_with_workers
 
-        return serve_with_workers(settings, flags)
+        return serve_with_workers(settings, flags, device)
     front = create_app(settings)
     config = uvicorn.Config(front, host=settings.host, port=settings.port, **uvicorn_options(settings))
     try:

@@ -14,6 +14,7 @@ from app.backend import EngineInfo
 from app.build import build_engine, load_tokenizer
 from app.heap import keep_freed_memory
 from app.metrics import Metrics
+from app.multiprocess.cpu_cores import pin
 from app.multiprocess.engine_link import serve_workers
 from app.multiprocess.held_signals import release_stop_signals
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
@@ -22,9 +23,10 @@ from app.settings import Settings, configure_logging
 log = logging.getLogger("app.engine_process")
 
 
-def run(socket_path: str, launcher_pid: int, cuda_device_id: int) -> None:
+def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozenset[int] | None = None) -> None:
     """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers',
-    on GPU `cuda_device_id` (one engine process per GPU)."""
+    on GPU `cuda_device_id` (one engine process per GPU), on `cores` (engine_cores; None: any)."""
+    pin(cores, "the engine process")  # first: every thread made from here on inherits them
     # Ctrl-C reaches every process of the terminal's group: this one stops only when `python -m app`
     # says so (SIGTERM), after the HTTP workers have answered what they hold, or when the launcher dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

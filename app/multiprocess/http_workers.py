@@ -30,6 +30,7 @@ from app.front import ServingFront
 from app.heap import keep_freed_memory
 from app.main import create_app
 from app.metrics import process_ended
+from app.multiprocess.cpu_cores import pin
 from app.multiprocess.engine_link import connect_to_engine
 from app.multiprocess.held_signals import release_stop_signals, start_with_stop_signals_held
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
@@ -53,8 +54,8 @@ class HttpWorkers:
     workers that are ready, and restarts any worker that dies. `stop_s`: how long a worker may take to
     drain and stop before it is killed."""
 
-    def __init__(self, count: int, stop_s: float):
-        self.count, self.stop_s = count, stop_s
+    def __init__(self, count: int, stop_s: float, cores: frozenset[int] | None = None):
+        self.count, self.stop_s, self.cores = count, stop_s, cores  # cores: engine_cores' rest; None: any
         self._context = multiprocessing.get_context("spawn")
         self._workers: list[_Worker | None] = [None] * count
         self._turn = 0
@@ -103,7 +104,7 @@ class HttpWorkers:
     # -- the workers' lives -----------------------------------------------------------------------------
     def _start(self, index: int, selector: selectors.BaseSelector) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = self._context.Process(target=run_worker, args=(theirs, os.getpid(), index),
+        process = self._context.Process(target=run_worker, args=(theirs, os.getpid(), index, self.cores),
                                         name=f"bertserve-http-{index}")
         start_with_stop_signals_held(process)  # released once uvicorn handles them: see startup()
         theirs.close()
@@ -186,7 +187,8 @@ def create_worker_app(index: int = 0) -> ServingFront:
     return create_app(settings, connect_to_engine(sockets[index % len(sockets)]))
 
 
-def run_worker(channel: socket.socket, launcher_pid: int, index: int) -> None:
+def run_worker(channel: socket.socket, launcher_pid: int, index: int, cores: frozenset[int] | None = None) -> None:
+    pin(cores, f"HTTP worker {index}")  # first: every thread made from here on inherits them
     # A worker notices its launcher's end on its channel and drains; this covers the time before its loop runs.
     end_with_parent(launcher_pid)
     keep_freed_memory()

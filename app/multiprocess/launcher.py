@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from app.metrics import MULTIPROC_DIR_VAR
+from app.multiprocess.cpu_cores import describe, split_cores
 from app.shared_metrics import SUFFIX as SHARED_SUFFIX
 from app.multiprocess.engine_process import run as run_engine
 from app.multiprocess.held_signals import start_with_stop_signals_held
@@ -32,15 +33,22 @@ _MAX_FOLDER_CHARS = 80  # leaves room for "/engine99.sock" within AF_UNIX's 108-
 _ENGINE_START_S = 600  # loading a large graph and its first CUDA forward pass can take minutes
 
 
-def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
+def serve_with_workers(settings: Settings, flags: dict[str, str], device: str) -> int:
+    """`device`: where the engines run (resolved from settings.device)."""
     # Workers and engines build their settings from the environment, so the flags travel as variables.
     os.environ.update({ENV_PREFIX + name.upper(): value for name, value in flags.items()})
     stopping = threading.Event()  # a stop signal from here on, while the engines load too, is an orderly stop
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
+    try:
+        engine_cores, worker_cores = _cores(settings, device)
+    except ValueError as e:
+        log.error("%s", e)
+        return 2
     with run_folder() as folder:
         sockets = [str(folder / f"engine{i}.sock") for i in range(len(settings.engine_devices))]
-        engines = [_start_engine(path, device) for path, device in zip(sockets, settings.engine_devices)]
+        engines = [_start_engine(path, gpu, cores)
+                   for path, gpu, cores in zip(sockets, settings.engine_devices, engine_cores)]
         os.environ[ENGINE_SOCKET_VAR] = ",".join(sockets)
         try:
             if not all(_wait_for_socket(engine, path, stopping) for engine, path in zip(engines, sockets)):
@@ -48,7 +56,7 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
             for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
             with listening_socket(settings.host, settings.port) as listener:
-                HttpWorkers(settings.workers, worker_stop_s(settings)).serve(listener, stopping)
+                HttpWorkers(settings.workers, worker_stop_s(settings), worker_cores).serve(listener, stopping)
         finally:
             stopping.set()
             for engine in engines:
@@ -64,9 +72,24 @@ def serve_with_workers(settings: Settings, flags: dict[str, str]) -> int:
     return 0 if all(engine.exitcode == 0 for engine in engines) else 1
 
 
-def _start_engine(socket_path: str, cuda_device_id: int) -> multiprocessing.Process:
+def _cores(settings: Settings, device: str) -> tuple[list[frozenset[int] | None], frozenset[int] | None]:
+    """Each engine process's cores and the HTTP workers' (engine_cores; None: any core). ValueError when
+    this process may not use enough cores for them."""
+    engines = len(settings.engine_devices)
+    if not settings.engine_cores:
+        return [None] * engines, None
+    if device != "cuda":  # device auto on a machine without CUDA: the engine needs every core it can get
+        log.warning("engine_cores applies to CUDA engines; these run on the %s, on any core", device)
+        return [None] * engines, None
+    engine_cores, worker_cores = split_cores(os.sched_getaffinity(0), engines, settings.engine_cores)
+    log.info("engine process(es) on cores %s; HTTP workers on cores %s",
+             " / ".join(describe(c) for c in engine_cores), describe(worker_cores))
+    return engine_cores, worker_cores
+
+
+def _start_engine(socket_path: str, cuda_device_id: int, cores: frozenset[int] | None) -> multiprocessing.Process:
     engine = multiprocessing.get_context("spawn").Process(target=run_engine, name=f"bertserve-engine-{cuda_device_id}",
-                                                          args=(socket_path, os.getpid(), cuda_device_id))
+                                                          args=(socket_path, os.getpid(), cuda_device_id, cores))
     start_with_stop_signals_held(engine)
     return engine
 
