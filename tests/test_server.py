@@ -258,6 +258,12 @@ def test_workers_get_connections_in_turn(tiny_artifact_dir):
     """Keep-alive connections opened in a burst are spread evenly over the workers (where a shared
     listening socket gave one worker most of them), so pooled clients load every worker alike."""
     with running_server(tiny_artifact_dir, workers=3) as base:
+        # /ready answers once one worker serves; connections go only to ready workers, so first see all three
+        seen, deadline = set(), time.monotonic() + 60
+        while len(seen) < 3 and time.monotonic() < deadline:
+            seen.add(httpx.get(f"{base}/info", timeout=30).json()["pid"])  # a new connection: the next worker
+        assert len(seen) == 3, seen
+
         async def pids_of_connections(count: int) -> list[int]:
             clients = [httpx.AsyncClient(base_url=base, timeout=30) for _ in range(count)]  # one connection each
             try:
