@@ -25,16 +25,16 @@ from prometheus_client.utils import floatToGoString
 SUFFIX = ".shared"  # prometheus_client's multiprocess collector reads only its own *.db files
 
 
-def _mapped(directory: Path | None, name: str, count: int) -> tuple[mmap.mmap, Path | None]:
+def _mapped(directory: Path | None, name: str, count: int) -> mmap.mmap:
     """`count` doubles in this process's file for `name` (zeros when new), or in anonymous memory."""
     nbytes = 8 * count
     if directory is None:
-        return mmap.mmap(-1, nbytes), None
+        return mmap.mmap(-1, nbytes)
     path = directory / f"{name}_{os.getpid()}{SUFFIX}"
     with open(path, "a+b") as f:
         if os.fstat(f.fileno()).st_size < nbytes:
             f.truncate(nbytes)
-        return mmap.mmap(f.fileno(), nbytes), path
+        return mmap.mmap(f.fileno(), nbytes)
 
 
 def _summed(directory: Path | None, name: str, own: mmap.mmap, count: int) -> np.ndarray:
@@ -54,7 +54,7 @@ class SharedGauge:
 
     def __init__(self, directory: Path | None, name: str, documentation: str):
         self.name, self.documentation, self._directory = name, documentation, directory
-        self._map, _ = _mapped(directory, name, 1)
+        self._map = _mapped(directory, name, 1)
         self._values = memoryview(self._map).cast("d")
 
     def inc(self) -> None:
@@ -79,7 +79,7 @@ class SharedHistogram:
         self.labelnames, self.series = tuple(labelnames), tuple(series)
         self._directory = directory
         self._width = len(self.bounds) + 2  # the buckets, +Inf, the sum
-        self._map, _ = _mapped(directory, name, self._width * len(self.series))
+        self._map = _mapped(directory, name, self._width * len(self.series))
         self._values = memoryview(self._map).cast("d")
 
     def observer(self, *labelvalues: str) -> Callable[[float], None]:
@@ -116,11 +116,12 @@ class SharedMetrics:
     """A collector (register it in the registry that exposes the metrics) of the families made here."""
 
     def __init__(self, directory: Path | None):
-        self._directory, self._families, self._gauges = directory, [], []
+        self._directory = directory
+        self._families: list[SharedGauge | SharedHistogram] = []
 
     def gauge(self, name: str, documentation: str) -> SharedGauge:
         gauge = SharedGauge(self._directory, name, documentation)
-        self._gauges.append(gauge)
+        self._families.append(gauge)
         return gauge
 
     def histogram(self, name: str, documentation: str, buckets: Sequence[float], labelnames: Sequence[str] = (),
@@ -131,5 +132,5 @@ class SharedMetrics:
         return family
 
     def collect(self) -> Iterable[HistogramMetricFamily | GaugeMetricFamily]:
-        for family in (*self._gauges, *self._families):
+        for family in self._families:
             yield family.collect()

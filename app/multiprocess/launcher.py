@@ -21,11 +21,11 @@ from pathlib import Path
 
 from app.metrics import MULTIPROC_DIR_VAR
 from app.multiprocess.cpu_cores import describe, split_cores
-from app.shared_metrics import SUFFIX as SHARED_SUFFIX
 from app.multiprocess.engine_process import run as run_engine
 from app.multiprocess.held_signals import start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
 from app.settings import ENV_PREFIX, Settings
+from app.shared_metrics import SUFFIX as SHARED_SUFFIX
 from app.uvicorn_server import listening_socket
 
 log = logging.getLogger("app")
