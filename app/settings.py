@@ -74,8 +74,8 @@ class Settings(BaseSettings):
     engine_cores: int = Field(0, ge=0, le=64, description="CUDA with workers > 1: CPU cores kept for each engine "
                               "process (its event loop, the thread that replays CUDA graphs), the HTTP workers "
                               "running on the others this process may use; 0: no cores kept. 3 on a 16-core H200 "
-                              "host with 12 workers: one-text requests/s +3%, a lone text 0.03-0.12 ms sooner "
-                              "(BENCHMARKS.md)")
+                              "host with 12 workers: within the runs' spread of 0 at 1, 16 and 64 texts a request "
+                              "(BENCHMARKS.md); for a host that is the server's alone")
     intra_op_threads: int | None = Field(None, ge=1, description="ONNX Runtime threads per batch. Default: one "
                                          "on the CPU (batches run side by side, one per core: faster than one "
                                          "batch over all cores), ONNX Runtime's own choice on CUDA")
