@@ -18,7 +18,6 @@ _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 MULTIPROC_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
-_INFLIGHT = "bertserve_inflight_requests"  # the gauges a process counts in only while it lives
 
 
 def process_ended(pid: int) -> None:
@@ -28,7 +27,7 @@ def process_ended(pid: int) -> None:
     directory = os.environ.get(MULTIPROC_DIR_VAR)
     if directory:
         multiprocess.mark_process_dead(pid, directory)
-        remove_gauges(Path(directory), pid, (_INFLIGHT,))
+        remove_gauges(Path(directory), pid)
 
 
 class Metrics:
@@ -43,7 +42,7 @@ class Metrics:
                                 ["endpoint", "status", "type"], registry=r)
         self._request_seconds: dict[str, Callable[[float], None]] = {}  # by endpoint, from serve_endpoints
         # Gauges summed over the live processes when there are several (ignored with one).
-        self.inflight = self._shared.gauge(_INFLIGHT, "requests being served")
+        self.inflight = self._shared.gauge("bertserve_inflight_requests", "requests being served")
         self.queue_depth = Gauge("bertserve_queue_depth", "sequences waiting for a batch", registry=r,
                                  multiprocess_mode="livesum")
         self.sequences = Counter("bertserve_sequences", "sequences (texts or pairs) embedded", registry=r)

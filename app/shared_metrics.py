@@ -23,6 +23,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 SUFFIX = ".shared"  # prometheus_client's multiprocess collector reads only its own *.db files
+GAUGE_PREFIX = "gauge-"  # a gauge's files, found by it when their process has ended
 
 
 def _mapped(directory: Path | None, name: str, count: int) -> mmap.mmap:
@@ -54,7 +55,8 @@ class SharedGauge:
 
     def __init__(self, directory: Path | None, name: str, documentation: str):
         self.name, self.documentation, self._directory = name, documentation, directory
-        self._map = _mapped(directory, name, 1)
+        self._file = GAUGE_PREFIX + name
+        self._map = _mapped(directory, self._file, 1)
         self._values = memoryview(self._map).cast("d")
 
     def inc(self) -> None:
@@ -64,7 +66,7 @@ class SharedGauge:
         self._values[0] -= 1.0
 
     def collect(self) -> GaugeMetricFamily:
-        return GaugeMetricFamily(self.name, self.documentation, float(_summed(self._directory, self.name, self._map,
+        return GaugeMetricFamily(self.name, self.documentation, float(_summed(self._directory, self._file, self._map,
                                                                                1)[0]))
 
 
@@ -106,10 +108,10 @@ class SharedHistogram:
         return family
 
 
-def remove_gauges(directory: Path, pid: int, names: Iterable[str]) -> None:
-    """The gauges `names` of process `pid`, which has ended, stop counting."""
-    for name in names:
-        (directory / f"{name}_{pid}{SUFFIX}").unlink(missing_ok=True)
+def remove_gauges(directory: Path, pid: int) -> None:
+    """The gauges of process `pid`, which has ended, stop counting."""
+    for path in directory.glob(f"{GAUGE_PREFIX}*_{pid}{SUFFIX}"):
+        path.unlink(missing_ok=True)
 
 
 class SharedMetrics:

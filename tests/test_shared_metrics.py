@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from app.shared_metrics import SUFFIX, SharedMetrics
+from app.shared_metrics import GAUGE_PREFIX, SUFFIX, SharedMetrics
 
 BUCKETS = (.001, .01, .1, 1)
 SERIES = [("/embed",), ("other",)]
@@ -31,7 +31,7 @@ def _in_a_process(directory: Path, values: list[tuple[str, float]], gauge_incs: 
         for _ in range({gauge_incs}):
             gauge.inc()
         if {exits_cleanly}:
-            remove_gauges(Path({str(directory)!r}), os.getpid(), ["t_inflight"])
+            remove_gauges(Path({str(directory)!r}), os.getpid())
     """)
     subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=60)
 
@@ -67,7 +67,8 @@ def test_histograms_from_several_processes_sum_to_prometheus_clients_own(tmp_pat
     assert [name for name, _ in got] == [name for name, _ in want]
     assert [value for _, value in got] == pytest.approx([value for _, value in want], rel=1e-12)  # sums' order
     assert "t_inflight 4.0" in text.decode().splitlines()  # 1 here + 3 in the process that did not exit cleanly
-    assert len(list(tmp_path.glob(f"t_inflight_*{SUFFIX}"))) == 2
+    assert len(list(tmp_path.glob(f"{GAUGE_PREFIX}t_inflight_*{SUFFIX}"))) == 2
+    assert len(list(tmp_path.glob(f"t_seconds_*{SUFFIX}"))) == 3  # an ended process's histogram still counts
 
 
 def test_without_a_directory_a_process_counts_only_its_own(tmp_path):
@@ -91,7 +92,7 @@ def generate_latest_of(collector) -> bytes:
 
 def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_path, monkeypatch):
     """metrics.process_ended (the HTTP workers' supervisor calls it for a worker that died): what the dead
-    process had in flight no longer counts; what it observed still does."""
+    process had in flight, in any gauge, no longer counts; what it observed still does."""
     from app.metrics import process_ended
 
     script = textwrap.dedent(f"""
@@ -100,6 +101,7 @@ def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_pat
         from app.shared_metrics import SharedMetrics
         shared = SharedMetrics(Path({str(tmp_path)!r}))
         shared.gauge("bertserve_inflight_requests", "doc").inc()
+        shared.gauge("t_busy", "doc").inc()
         shared.histogram("t_seconds", "doc", {BUCKETS!r}).observer()(0.5)
         print(os.getpid())  # and dies without Metrics.process_exited
     """)
@@ -107,9 +109,11 @@ def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_pat
                              text=True).stdout)
     shared = SharedMetrics(tmp_path)
     shared.gauge("bertserve_inflight_requests", "doc").inc()
+    shared.gauge("t_busy", "doc")
     shared.histogram("t_seconds", "doc", BUCKETS)
-    assert "bertserve_inflight_requests 2.0" in generate_latest_of(shared).decode().splitlines()
+    text = generate_latest_of(shared).decode().splitlines()
+    assert "bertserve_inflight_requests 2.0" in text and "t_busy 1.0" in text
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     process_ended(pid)
     text = generate_latest_of(shared).decode().splitlines()
-    assert "bertserve_inflight_requests 1.0" in text and "t_seconds_count 1.0" in text
+    assert "bertserve_inflight_requests 1.0" in text and "t_busy 0.0" in text and "t_seconds_count 1.0" in text
