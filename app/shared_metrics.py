@@ -44,7 +44,8 @@ def _summed(directory: Path | None, name: str, own: mmap.mmap, count: int) -> np
         return np.frombuffer(own, np.float64).copy()
     summed = np.zeros(count)
     for path in directory.glob(f"{name}_*{SUFFIX}"):
-        if path.stem.rsplit("_", 1)[1].isdigit():
+        family, _, pid = path.stem.rpartition("_")
+        if family == name and pid.isdigit():  # not another family whose name starts with this one's
             data = np.fromfile(path, np.float64, count=count)
             summed[:len(data)] += data
     return summed

@@ -117,3 +117,14 @@ def test_a_killed_process_stops_counting_in_gauges_but_not_in_histograms(tmp_pat
     process_ended(pid)
     text = generate_latest_of(shared).decode().splitlines()
     assert "bertserve_inflight_requests 1.0" in text and "t_busy 0.0" in text and "t_seconds_count 1.0" in text
+
+
+def test_a_family_sums_only_its_own_files_where_another_name_starts_with_its_name(tmp_path):
+    """Files are found by family name and process id: `t`'s sum must not take in `t_x`'s files."""
+    shared = SharedMetrics(tmp_path)
+    short, longer = shared.histogram("t", "doc", BUCKETS), shared.histogram("t_x", "doc", BUCKETS)
+    short.observer()(0.5)
+    for _ in range(3):
+        longer.observer()(0.5)
+    text = generate_latest_of(shared).decode().splitlines()
+    assert "t_count 1.0" in text and "t_x_count 3.0" in text
