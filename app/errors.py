@@ -45,6 +45,11 @@ class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
 
 
+class UnsupportedMediaType(ServiceError):
+    """A body in an encoding (Content-Encoding) the server does not decode."""
+    status, type = 415, "unsupported_media_type"
+
+
 class Unsupported(ServiceError):
     """The request is well formed but asks for something this model or endpoint cannot do."""
     status, type = 400, "unsupported"

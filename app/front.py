@@ -10,7 +10,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
-from app.errors import PayloadTooLarge, error_response, handle_error
+from app.body_encoding import decoded
+from app.errors import PayloadTooLarge, ServiceError, error_response, handle_error
 from app.metrics import Metrics
 from app.routes import DirectRoute, as_service_error
 
@@ -21,7 +22,8 @@ class ServingFront:
     """One layer in front of FastAPI's own, rather than middleware inside them:
 
     - metrics: requests by endpoint and status, failures also by error type (set by the error handlers);
-    - bodies: read up to `max_bytes` (413 past it, without reading further); a `curl -d` without
+    - bodies: read up to `max_bytes` (413 past it, without reading further), decoded when sent with
+      Content-Encoding gzip or deflate (app/body_encoding.py); a `curl -d` without
       `-H 'Content-Type: application/json'` works;
     - `direct` (POST path -> DirectRoute) is answered here, with a trailing slash too, errors by the app's
       exception handlers.
@@ -77,7 +79,7 @@ class ServingFront:
         body = b""
         if method in _BODY_METHODS:
             body = await self._read_body(scope, receive, send)
-            if body is None:
+            if body is None:  # answered already (413, 415, 422) or the client left
                 return
         route = self.direct.get(scope["path"]) if method == "POST" else None
         if route is not None:
@@ -93,8 +95,14 @@ class ServingFront:
             await self.api(scope, receive, send)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
-        """The whole body, or None once answered 413 or the client left before sending it."""
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"").decode("latin-1")
+        """The whole body, decoded; None once answered (413, 415, 422) or the client left before sending it."""
+        declared, encoding = b"", None
+        for k, v in scope["headers"]:
+            if k == b"content-length":
+                declared = v
+            elif k == b"content-encoding":
+                encoding = v
+        declared = declared.decode("latin-1")
         if declared.isdigit() and int(declared) > self.max_bytes:
             await self._reject(scope, receive, send, declared)
             return None
@@ -110,10 +118,22 @@ class ServingFront:
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                break
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if encoding is None:
+            return body
+        try:
+            return decoded(body, encoding.decode("latin-1"), self.max_bytes)
+        except ServiceError as err:
+            await self._answer_error(scope, receive, send, err)
+            return None
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         err = PayloadTooLarge(f"the request body is {size} bytes; the server accepts at most {self.max_bytes}")
+        await self._answer_error(scope, receive, send, err)
+
+    @staticmethod
+    async def _answer_error(scope: Scope, receive: Receive, send: Send, err: ServiceError) -> None:
         scope["bertserve"]["error_type"] = err.type
         await error_response(err.status, err.type, err.message)(scope, receive, send)
 
@@ -130,7 +150,7 @@ def _replayed(scope: Scope, receive: Receive, body: bytes) -> tuple[Scope, Recei
             return {"type": "http.request", "body": body, "more_body": False}
         return await receive()
 
-    scope = dict(scope)
-    scope["headers"] = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+    scope = dict(scope)  # the body as read: decoded already (Content-Encoding), and JSON
+    scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-encoding")]
     scope["headers"].append((b"content-type", b"application/json"))
     return scope, replay

@@ -288,6 +288,6 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 413, 422, 429, 503)}
+ERROR_RESPONSES = {code: {"model": ErrorResponse} for code in (401, 413, 415, 422, 429, 503)}
 # ... and 400 (unsupported: well formed, but not for this model) on the service routes
 SERVICE_ERROR_RESPONSES = {400: {"model": ErrorResponse}, **ERROR_RESPONSES}

@@ -643,6 +643,55 @@ def test_malformed_bodies(artifact):
     assert out["after"].status_code == 200
 
 
+def test_compressed_bodies_are_decoded_within_the_size_limit_and_other_encodings_refused(artifact):
+    """Content-Encoding gzip or deflate (zlib, or raw as some clients send it) is decoded and answers as the
+    plain body does; past max_request_bytes decoded it is 413 however small it came; a body not in its
+    encoding is 422, an encoding not accepted 415; the server goes on."""
+    import gzip
+    import zlib
+
+    plain = json.dumps({"inputs": ["compressed text", "another one"]}).encode()
+    raw = zlib.compressobj(wbits=-15)
+    bomb = gzip.compress(json.dumps({"inputs": "x" * 100_000}).encode())
+
+    async def go():
+        async with serving(artifact, max_request_bytes=4096) as (c, _):
+            sent = {
+                "plain": (plain, None),
+                "gzip": (gzip.compress(plain), "gzip"),
+                "two_members": (gzip.compress(plain[:10]) + gzip.compress(plain[10:]), "x-gzip"),
+                "deflate": (zlib.compress(plain), "deflate"),
+                "raw_deflate": (raw.compress(plain) + raw.flush(), "Deflate"),
+                "twice": (zlib.compress(gzip.compress(plain)), "gzip, deflate"),
+                "bomb": (bomb, "gzip"),
+                "not_gzip": (plain, "gzip"),
+                "cut_short": (gzip.compress(plain)[:-12], "gzip"),
+                "brotli": (plain, "br"),
+            }
+            out = {}
+            for name, (body, encoding) in sent.items():
+                headers = {"content-type": "application/json"} | ({"content-encoding": encoding} if encoding else {})
+                out[name] = await c.post("/embed", content=body, headers=headers)
+            out["openai"] = await c.post("/v1/embeddings", content=gzip.compress(b'{"input": "compressed text"}'),
+                                         headers={"content-encoding": "gzip"})
+            out["tokenize"] = await c.post("/tokenize", content=gzip.compress(b'{"inputs": "compressed text"}'),
+                                           headers={"content-encoding": "gzip"})
+            out["after"] = await c.post("/embed", json={"inputs": "still alive"})
+            return out
+    out = run(go())
+    assert len(bomb) < 4096
+    want = out["plain"].json()["data"]
+    for name in ("gzip", "two_members", "deflate", "raw_deflate", "twice"):
+        assert out[name].status_code == 200 and out[name].json()["data"] == want, (name, out[name].text[:200])
+    assert_error(out["bomb"], 413, "payload_too_large", "decompresses to more than 4096")
+    assert_error(out["not_gzip"], 422, "invalid_request", "not valid gzip")
+    assert_error(out["cut_short"], 422, "invalid_request", "not valid gzip")
+    assert_error(out["brotli"], 415, "unsupported_media_type", "br", "gzip", "deflate")
+    assert out["openai"].status_code == 200 and len(out["openai"].json()["data"]) == 1
+    assert out["tokenize"].status_code == 200 and out["tokenize"].json()["data"][0]["tokens"], out["tokenize"].text
+    assert out["after"].status_code == 200
+
+
 def test_huge_text_is_truncated_without_tokenising_all_of_it(artifact, reference, monkeypatch):
     """A 1 MB text is cut to a prefix of a few thousand characters before it is tokenised (seconds of work
     saved), with the same tokens as the whole text truncated."""

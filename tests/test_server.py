@@ -137,6 +137,29 @@ def test_bad_inputs_get_clear_4xx_and_the_server_goes_on(server):
         assert c.get("/ready").status_code == 200
 
 
+def test_a_gzip_body_from_requests_is_served_and_a_gzip_bomb_refused(server):
+    """A real server and client: a gzip body answers as the plain one; one that inflates past
+    max_request_bytes (8 MB) is 413 though it comes in 9 KB; brotli is 415; the server goes on."""
+    import gzip
+
+    import requests
+
+    plain = b'{"inputs": ["a compressed request", "and its second text"]}'
+    bomb = gzip.compress(b'{"inputs": "' + b"x" * (9 * 1024 * 1024) + b'"}')
+    headers = {"content-type": "application/json", "content-encoding": "gzip"}
+    with requests.Session() as s:
+        want = s.post(f"{server}/embed", data=plain, timeout=60)
+        got = s.post(f"{server}/embed", data=gzip.compress(plain), headers=headers, timeout=60)
+        too_big = s.post(f"{server}/embed", data=bomb, headers=headers, timeout=60)
+        brotli = s.post(f"{server}/embed", data=plain, headers={"content-encoding": "br"}, timeout=60)
+        after = s.post(f"{server}/embed", json={"inputs": "still serving"}, timeout=60)
+    assert len(bomb) < 16 * 1024
+    assert want.status_code == got.status_code == 200 and got.json()["data"] == want.json()["data"]
+    assert too_big.status_code == 413 and too_big.json()["error"]["type"] == "payload_too_large", too_big.text
+    assert brotli.status_code == 415 and brotli.json()["error"]["type"] == "unsupported_media_type", brotli.text
+    assert after.status_code == 200
+
+
 def test_a_trailing_slash_on_a_service_route_is_served_as_the_route(server):
     """POST /embed/ (a base URL given with a slash) is /embed, not Starlette's 307 to it: httpx and the openai
     client do not follow a redirect of a POST. Pages keep the redirect (a browser follows it)."""
