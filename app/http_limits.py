@@ -1,6 +1,7 @@
 """Connection limits uvicorn lacks, as the HTTP protocol class uvicorn is given (`uvicorn.Config(http=...)`,
 its public way to choose the protocol): a bound on the request line + headers (431), and on the time to
-receive them and the body (408, then the connection is closed). They act before the app sees the
+receive them and the body (408, then the connection is closed); a request that cannot be parsed is
+answered 400 in the app's error shape, not uvicorn's plain text. They act before the app sees the
 request: before the API key is checked and before a body is read. The idle time between requests on a
 keep-alive connection is uvicorn's own `timeout_keep_alive`.
 
@@ -84,6 +85,12 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             self._deadline = None  # the next request's header time starts with its first byte
             super().on_message_complete()
 
+        def send_400_response(self, msg: str) -> None:
+            """A request httptools cannot parse (uvicorn answers it in plain text): in our error shape."""
+            self._reject(400, "bad_request", "not a valid HTTP/1.1 request (its request line, a header, or a chunked "
+                         "body is malformed, or it has both Content-Length and Transfer-Encoding); the connection "
+                         "is closed")
+
         def check_deadline(self, now: float) -> bool:
             """Answers 408 past the deadline; False once this connection needs no more watching."""
             if self.transport.is_closing():
@@ -155,7 +162,7 @@ def _sweep(loop: asyncio.AbstractEventLoop) -> None:
 
 
 _LINGER_S = 2.0
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
 def _address(client: tuple[str, int] | None) -> str:

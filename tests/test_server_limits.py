@@ -1,5 +1,6 @@
 """What a client controls is bounded, in one process and with HTTP workers alike: the size of a request's
-headers (431), the time to send them and a body (408), a kept-alive connection's idle time. Each is
+headers (431), the time to send them and a body (408), a kept-alive connection's idle time; a request that is
+not HTTP is answered 400 in the error shape. Each is
 checked on raw sockets against `python -m app`, before any API key is, and the server keeps serving."""
 from __future__ import annotations
 
@@ -138,4 +139,17 @@ def test_limits_answer_the_second_request_of_a_kept_alive_connection_too(server)
         status, error = status_and_error(answer)
         assert status == status_wanted and words in error["message"], error
         assert b"connection: close" in answer.lower()
+    assert still_serving(server)
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /embed HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+], ids=["not-http", "length-and-chunked", "bad-chunk-size"])
+def test_a_request_that_is_not_valid_http_gets_400_in_the_error_shape_and_is_closed(server, request_bytes):
+    with connect(server) as s:
+        s.sendall(request_bytes)
+        status, error = status_and_error(read_all(s))  # read_all: the server closes the connection
+    assert status == 400 and error["type"] == "bad_request" and "not a valid HTTP/1.1 request" in error["message"]
     assert still_serving(server)
