@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
@@ -14,6 +15,7 @@ from app.body_encoding import decoded
 from app.errors import PayloadTooLarge, ServiceError, error_response, handle_error
 from app.metrics import Metrics
 from app.routes import DirectRoute, as_service_error
+from app.service import TIMING_HEADERS
 
 _BODY_METHODS = ("POST", "PUT", "PATCH")
 
@@ -26,16 +28,21 @@ class ServingFront:
       Content-Encoding gzip or deflate (app/body_encoding.py); a `curl -d` without
       `-H 'Content-Type: application/json'` works;
     - `direct` (POST path -> DirectRoute) is answered here, with a trailing slash too, errors by the app's
-      exception handlers.
+      exception handlers;
+    - CORS for `cors_origins` (preflights answered, Access-Control-* headers added), when given.
       FastAPI's middleware stack, routing and dependency solving under this layer cost 29% of a one-text
       /embed's HTTP-worker CPU (bench/http_worker_load.py, bench/results/cpu2-http-worker-direct-routes-ab.txt).
 
     `api` is the FastAPI app (routes, docs, exception handlers, lifespan); `state` is its state."""
 
     def __init__(self, api: FastAPI, metrics: Metrics, endpoints: frozenset[str], direct: dict[str, DirectRoute],
-                 max_bytes: int):
+                 max_bytes: int, cors_origins: list[str] | None = None):
         self.api, self.metrics, self.direct, self.max_bytes = api, metrics, direct, max_bytes
         self.endpoints = endpoints  # the paths metrics name; any other is "other" (bounded label values)
+        self._handle = self._serve
+        if cors_origins:  # Starlette's CORS middleware around what answers, inside the metrics
+            self._handle = CORSMiddleware(self._serve, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+                                          allow_headers=["*"], expose_headers=[*TIMING_HEADERS, "retry-after"], max_age=600)
 
     @property
     def state(self):
@@ -70,7 +77,7 @@ class ServingFront:
             await send(message)
 
         try:
-            await self._serve(scope, receive, send_and_note)
+            await self._handle(scope, receive, send_and_note)
         finally:
             self.metrics.request_answered(endpoint, status, time.perf_counter() - started, notes)
 

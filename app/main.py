@@ -81,4 +81,5 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
     direct = {**embed.DIRECT_ROUTES, **nsp.DIRECT_ROUTES, **classify.DIRECT_ROUTES, **openai.DIRECT_ROUTES,
               **tei.DIRECT_ROUTES}
     metrics.serve_endpoints(endpoints)
-    return ServingFront(api, metrics=metrics, endpoints=endpoints, direct=direct, max_bytes=settings.max_request_bytes)
+    return ServingFront(api, metrics=metrics, endpoints=endpoints, direct=direct, max_bytes=settings.max_request_bytes,
+                        cors_origins=settings.cors_origins)

@@ -27,6 +27,9 @@ from artifact.manifest import Manifest
 _WATCH_AFTER_S = 0.02
 
 
+TIMING_HEADERS = ("x-tokenize-ms", "x-queue-ms", "x-inference-ms")  # what Timings.headers() answers
+
+
 @dataclass(slots=True)
 class Timings:
     tokenize_s: float = 0.0

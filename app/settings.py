@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -134,6 +135,10 @@ class Settings(BaseSettings):
                                                         "but the page (`GET /` and `/static/`), `/health`, `/ping`, "
                                                         "`/ready`, `/metrics` and the docs (`/docs`, `/redoc`, "
                                                         "`/openapi.json`)")
+    cors_allow_origins: str | None = Field(None, description="origins whose web pages may call the API from a browser, "
+                                           "comma-separated (https://app.example.com,http://localhost:3000), or *: "
+                                           "answers CORS preflights and adds Access-Control-Allow-Origin. Unset: no "
+                                           "CORS headers, so browsers allow only pages served by this server")
     model_name: str | None = Field(None, description="name answered as `model`; default: the manifest's")
     openai_pooling: Literal[POOLINGS] | None = Field(None, description="pooling of /v1/embeddings (see /embed's "
                                                      "`pooling`); default: the model's (GET /info `default_pooling`)")
@@ -144,10 +149,18 @@ class Settings(BaseSettings):
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 
     @field_validator("api_key", "model_name", "max_queue_ms", "cuda_device_ids", "cuda_graph_short_lengths",
-                     mode="before")
+                     "cors_allow_origins", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, v: str | None) -> str | None:
+        if v is not None and v != "*" and not all(re.fullmatch(r"https?://[^,\s/]+", o) for o in v.split(",")):
+            raise ValueError(f"{v!r}: give origins as scheme://host[:port] without a path, comma-separated "
+                             f"(https://app.example.com,http://localhost:3000), or * alone")
+        return v
 
     @field_validator("model_dir")
     @classmethod
@@ -181,6 +194,11 @@ class Settings(BaseSettings):
     def replay_short_lengths(self) -> tuple[int, ...]:
         """cuda_graph_short_lengths as numbers (none when unset)."""
         return tuple(_numbers(self.cuda_graph_short_lengths))
+
+    @property
+    def cors_origins(self) -> list[str]:
+        """cors_allow_origins as a list (none when unset)."""
+        return self.cors_allow_origins.split(",") if self.cors_allow_origins else []
 
     @property
     def engine_devices(self) -> list[int]:
