@@ -42,7 +42,8 @@ class ServingFront:
         self._handle = self._serve
         if cors_origins:  # Starlette's CORS middleware around what answers, inside the metrics
             self._handle = CORSMiddleware(self._serve, allow_origins=cors_origins, allow_methods=["GET", "POST"],
-                                          allow_headers=["*"], expose_headers=[*TIMING_HEADERS, "retry-after"], max_age=600)
+                                          allow_headers=["*"], expose_headers=[*TIMING_HEADERS, "retry-after"],
+                                          max_age=600)
 
     @property
     def state(self):

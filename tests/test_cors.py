@@ -25,7 +25,8 @@ PREFLIGHT = {"access-control-request-method": "POST", "access-control-request-he
 
 def test_an_allowed_origin_gets_preflights_and_headers_on_answers_and_errors(tiny_artifact_dir):
     async def go():
-        async with serving(tiny_artifact_dir, cors_allow_origins=f"{ALLOWED},http://localhost:3000", api_key=KEY) as (c, _):
+        origins = f"{ALLOWED},http://localhost:3000"
+        async with serving(tiny_artifact_dir, cors_allow_origins=origins, api_key=KEY) as (c, _):
             auth = {"authorization": f"Bearer {KEY}", "origin": ALLOWED}
             return {
                 "preflight": await c.options("/embed", headers={"origin": ALLOWED, **PREFLIGHT}),
@@ -42,7 +43,8 @@ def test_an_allowed_origin_gets_preflights_and_headers_on_answers_and_errors(tin
     assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == ALLOWED
     assert "POST" in pre.headers["access-control-allow-methods"]
     assert "authorization" in pre.headers["access-control-allow-headers"].lower()
-    assert out["other_preflight"].status_code == 400 and "access-control-allow-origin" not in out["other_preflight"].headers
+    other = out["other_preflight"]
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
     embed = out["embed"]
     assert embed.status_code == 200 and embed.headers["access-control-allow-origin"] == ALLOWED
     assert {"x-tokenize-ms", "x-queue-ms", "x-inference-ms", "retry-after"} <= {
