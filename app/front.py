@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from app.body_encoding import decoded
-from app.errors import PayloadTooLarge, ServiceError, error_response, handle_error
+from app.errors import ClientClosed, PayloadTooLarge, ServiceError, error_response, handle_error
 from app.metrics import Metrics
 from app.routes import DirectRoute, as_service_error
 from app.service import TIMING_HEADERS
@@ -87,7 +87,7 @@ class ServingFront:
         body = b""
         if method in _BODY_METHODS:
             body = await self._read_body(scope, receive, send)
-            if body is None:  # answered already (413, 415, 422) or the client left
+            if body is None:  # answered already (413, 415, 422, or 499 to a client that left)
                 return
         route = self.direct.get(scope["path"]) if method == "POST" else None
         if route is not None:
@@ -103,7 +103,7 @@ class ServingFront:
             await self.api(scope, receive, send)
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
-        """The whole body, decoded; None once answered (413, 415, 422) or the client left before sending it."""
+        """The whole body, decoded; None once answered (413, 415, 422; 499 when the client left before sending it)."""
         declared, encoding = b"", None
         for k, v in scope["headers"]:
             if k == b"content-length":
@@ -117,7 +117,9 @@ class ServingFront:
         chunks, total = [], 0
         while True:
             message = await receive()
-            if message["type"] == "http.disconnect":
+            if message["type"] == "http.disconnect":  # answered to nobody, so that metrics count a 499
+                await self._answer_error(scope, receive, send, ClientClosed("the client closed the connection "
+                                                                            "before it sent the whole body"))
                 return None
             chunk = message.get("body", b"")
             total += len(chunk)

@@ -131,7 +131,8 @@ class Settings(BaseSettings):
                                  "(with Retry-After), exit 0. A supervisor's grace period must be longer by a few "
                                  "seconds (Docker's default is 10 s; Kubernetes: terminationGracePeriodSeconds > "
                                  "preStop sleep + this + 5)")
-    api_key: SecretStr | None = Field(None, description="when set, every route needs `Authorization: Bearer KEY` "
+    api_key: SecretStr | None = Field(None, description="when set (whitespace around it dropped, as a key file's "
+                                                        "newline), every route needs `Authorization: Bearer KEY` "
                                                         "but the page (`GET /` and `/static/`), `/health`, `/ping`, "
                                                         "`/ready`, `/metrics` and the docs (`/docs`, `/redoc`, "
                                                         "`/openapi.json`)")
@@ -153,6 +154,13 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, v):
         return None if isinstance(v, str) and not v.strip() else v
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _key_without_edge_whitespace(cls, v):
+        """A key read from a file (a Kubernetes Secret made --from-file) often ends in a newline, which no
+        client can send in a header: the key is what lies between."""
+        return v.strip() if isinstance(v, str) else v
 
     @field_validator("cors_allow_origins")
     @classmethod

@@ -619,6 +619,7 @@ def test_malformed_bodies(artifact):
                 "no_body": await c.post("/embed"),
                 "too_big": await c.post("/embed", json={"inputs": "x" * 5000}),
                 "chunked_too_big": await c.post("/embed", content=chunks([b'{"inputs": "', b"x" * 5000, b'"}'])),
+                "byte_order_mark": await c.post("/embed", content=b'\xef\xbb\xbf{"inputs": "from Notepad"}'),
                 "no_content_type": await c.post("/embed", content=b'{"inputs": "plain curl -d"}',
                                                 headers={"content-type": "application/x-www-form-urlencoded"}),
                 "not_found": await c.get("/nope"),
@@ -635,6 +636,7 @@ def test_malformed_bodies(artifact):
     assert_error(out["too_big"], 413, "payload_too_large", "4096")
     assert_error(out["chunked_too_big"], 413, "payload_too_large")
     assert out["no_content_type"].status_code == 200
+    assert out["byte_order_mark"].status_code == 200, out["byte_order_mark"].text
     assert_error(out["not_found"], 404, "not_found")
     assert_error(out["wrong_method"], 405, "method_not_allowed")
     assert out["wrong_method"].headers["allow"] == "POST"
@@ -749,6 +751,21 @@ def test_api_key(artifact):
     assert_error(wrong, 401, "unauthorized")
     assert_error(info, 401, "unauthorized")
     assert right.status_code == health.status_code == ready.status_code == metrics.status_code == 200
+
+
+def test_an_api_key_read_from_a_file_with_its_newline_is_the_key_without_it(artifact, tmp_path, monkeypatch):
+    """A Kubernetes Secret made --from-file of a file ending in a newline: the key is what lies between, since
+    no client can send the newline in a header."""
+    (tmp_path / "key").write_text("  s3cret\n")
+    monkeypatch.setenv("BERTSERVE_API_KEY", (tmp_path / "key").read_text())
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            return (await c.post("/embed", json={"inputs": "a"}, headers={"Authorization": "Bearer s3cret"}),
+                    await c.post("/embed", json={"inputs": "a"}, headers={"Authorization": "Bearer s3cre"}))
+    right, wrong = run(go())
+    assert right.status_code == 200, right.text
+    assert_error(wrong, 401, "unauthorized")
 
 
 def test_not_ready_before_the_lifespan_ran(artifact):

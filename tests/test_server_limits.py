@@ -153,3 +153,25 @@ def test_a_request_that_is_not_valid_http_gets_400_in_the_error_shape_and_is_clo
         status, error = status_and_error(read_all(s))  # read_all: the server closes the connection
     assert status == 400 and error["type"] == "bad_request" and "not a valid HTTP/1.1 request" in error["message"]
     assert still_serving(server)
+
+
+def _requests_by_status(base: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("bertserve_requests_total{") and 'endpoint="/embed"' in line:
+            status = line.split('status="', 1)[1].split('"', 1)[0]
+            counts[status] = counts.get(status, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def test_a_client_that_leaves_before_its_body_is_sent_is_counted_499_not_500(server):
+    before = _requests_by_status(server)
+    with connect(server) as s:
+        s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 100\r\n\r\n{\"inp")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while (now := _requests_by_status(server)).get("499", 0) == before.get("499", 0):
+        assert time.monotonic() < deadline, f"no 499 counted: {before} -> {now}"
+        time.sleep(0.1)
+    assert now.get("500", 0) == before.get("500", 0), (before, now)
+    assert still_serving(server)

@@ -134,9 +134,12 @@ def _not_json(constant: str):
 
 
 def _json_body(raw: bytes):
-    """The parsed body; None when empty. A decode error reads as FastAPI's own json_invalid error."""
+    """The parsed body; None when empty. A decode error reads as FastAPI's own json_invalid error. A UTF-8
+    byte order mark (which Windows tools write) is skipped, as RFC 8259 lets a parser do."""
     if not raw:
         return None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     try:
         return loads(raw)
     except orjson.JSONDecodeError as e:
