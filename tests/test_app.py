@@ -505,8 +505,10 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": []}}),
                     await c.post("/", json={"inputs": {"sentences": ["x"]}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "", "sentences": ["x"]}}),
-                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", " "]}}))
-    direct, root, null_parameters, not_cut, prompt, empty, no_source, empty_source, blank = run(go())
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", " "]}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 512}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 511}}))
+    direct, root, null_parameters, not_cut, prompt, empty, no_source, empty_source, blank, too_many, most = run(go())
     vectors = np.array([reference(text)[0]["cls_embedding"] for text in sentences])
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     np.testing.assert_allclose(direct.json(), unit @ unit[0], atol=1e-5)
@@ -518,6 +520,9 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
     assert_error(no_source, 422, "invalid_request", "source_sentence")
     assert_error(empty_source, 422, "invalid_request", "inputs.source_sentence is an empty string")
     assert_error(blank, 422, "invalid_request", "inputs.sentences[1] contains only whitespace")
+    assert_error(too_many, 413, "too_many_inputs", "inputs.sentences has 512 sentences", "at most 511")
+    assert most.status_code == 200 and len(most.json()) == 511
+    assert all(-1 <= c <= 1 for c in direct.json() + most.json())  # unit vectors' cosines, rounding clipped
 
 
 @pytest.mark.parametrize("offsets", [True, False])

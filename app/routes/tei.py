@@ -20,6 +20,7 @@ import numpy as np
 from fastapi import APIRouter, Body, Depends, Request
 from starlette.responses import Response
 
+from app.errors import TooManyInputs
 from app.pooling import POOLING_OUTPUT
 from app.responses import json_response
 from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
@@ -71,6 +72,10 @@ async def similarity(body: TeiSimilarityRequest, request: Request,
                      service: InferenceService = Depends(get_service)) -> Response:
     """The cosine of each of `sentences`' embeddings with `source_sentence`'s, in their order."""
     parameters = body.parameters or SimilarityParameters()
+    limit = service.settings.max_inputs_per_request
+    if len(body.inputs.sentences) + 1 > limit:  # counted with the source sentence, which is embedded too
+        raise TooManyInputs(f"inputs.sentences has {len(body.inputs.sentences)} sentences; with the source sentence "
+                            f"the server accepts at most {limit - 1}")
     service.tokenizer.check_text(body.inputs.source_sentence, "inputs.source_sentence")
     for i, text in enumerate(body.inputs.sentences):
         service.tokenizer.check_text(text, f"inputs.sentences[{i}]")
@@ -80,7 +85,8 @@ async def similarity(body: TeiSimilarityRequest, request: Request,
                                  "inputs", direction=parameters.direction,
                                  prompt=service.prompt_for(texts, parameters.prompt_name))
     vectors = service.sentence_vectors(result.outputs, pooling, normalize=True)
-    return json_response((vectors[1:] @ vectors[0]).astype(np.float32), headers=result.timings.headers())
+    cosines = np.clip(vectors[1:] @ vectors[0], -1.0, 1.0)  # unit vectors' products stray past 1 by rounding
+    return json_response(cosines.astype(np.float32), headers=result.timings.headers())
 
 
 async def tei_root(body: JsonObject, request: Request, service: InferenceService) -> Response:
