@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_with_workers(settings, flags, device)
     front = create_app(settings)
-    config = uvicorn.Config(front, host=settings.host, port=settings.port, **uvicorn_options(settings))
+    config = uvicorn.Config(front, host=settings.host, port=settings.port, **uvicorn_options(settings, front.metrics))
     try:
         ServingServer(config, on_stop=front.drain).run()
     except KeyboardInterrupt:  # Ctrl-C raised again after the shutdown

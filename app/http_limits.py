@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.coalesced_writes import CoalescedWrites
@@ -28,14 +29,17 @@ class ConnectionLimits:
     body_timeout_s: float  # from the end of the headers to the end of the body
 
 
-def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
+def limited_protocol(limits: ConnectionLimits,
+                     answered: Callable[[int, str, float], None] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with `limits`, its small writes coalesced (app/coalesced_writes.py);
     uvicorn's h11 protocol when httptools is missing (h11 bounds the headers itself,
-    `h11_max_incomplete_event_size`; the timeouts are then not enforced)."""
+    `h11_max_incomplete_event_size`; the timeouts are then not enforced). `answered(status, error type,
+    seconds)` hears of each request answered here, before any app saw it (the metrics count it)."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class LimitedHttpToolsProtocol(HttpToolsProtocol):
         _limits = limits
+        _answered = staticmethod(answered) if answered else None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescedWrites(transport, self.loop))
@@ -105,11 +109,12 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
                 self.transport.close()  # nothing of a request arrived: nobody to answer
                 return False
             seconds = self._limits.header_timeout_s if part == "headers" else self._limits.body_timeout_s
-            self._reject(408, "request_timeout", f"the request {part} did not arrive within {seconds:g} s")
+            self._reject(408, "request_timeout", f"the request {part} did not arrive within {seconds:g} s", seconds)
             return False
 
-        def _reject(self, status: int, type_: str, message: str) -> None:
-            """Answers in our error shape and closes the connection, unless the app already answers."""
+        def _reject(self, status: int, type_: str, message: str, seconds: float = 0.0) -> None:
+            """Answers in our error shape and closes the connection, unless the app already answers (and
+            counts the request itself)."""
             self._deadline = None
             # On a kept-alive connection self.cycle is the last request's until the next one's headers end:
             # only a cycle whose answer is under way stands in the way.
@@ -124,6 +129,8 @@ def limited_protocol(limits: ConnectionLimits) -> type[asyncio.Protocol]:
             if running:  # the app's reads now see a disconnect; its writes go nowhere
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
+            elif self._answered is not None:
+                self._answered(status, type_, seconds)
             self.transport.write(head + body)
             # A close with unread bytes in the socket sends a reset, which can destroy the answer before the
             # client reads it: end our side, drop what still comes, and close once the client has (or soon).

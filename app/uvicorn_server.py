@@ -11,6 +11,7 @@ from collections.abc import Callable
 import uvicorn
 
 from app.http_limits import ConnectionLimits, limited_protocol
+from app.metrics import Metrics
 from app.settings import Settings
 
 log = logging.getLogger("app")
@@ -27,12 +28,17 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def uvicorn_options(settings: Settings) -> dict:
-    """uvicorn.Config keywords for one HTTP process (not the app, host or port)."""
+def uvicorn_options(settings: Settings, metrics: Metrics | None = None) -> dict:
+    """uvicorn.Config keywords for one HTTP process (not the app, host or port); `metrics`: the app's, which
+    then count the requests the connection limits answer (400, 408, 431) under endpoint "other"."""
     loop, http = _fast_protocols()
     limits = ConnectionLimits(settings.max_header_bytes, settings.header_timeout_s, settings.body_timeout_s)
+    answered = None
+    if metrics is not None:
+        def answered(status: int, type_: str, seconds: float) -> None:
+            metrics.request_answered("other", status, seconds, {"error_type": type_})
     return dict(log_level=settings.log_level, access_log=settings.access_log, loop=loop,
-                http=limited_protocol(limits) if http == "httptools" else "h11",
+                http=limited_protocol(limits, answered) if http == "httptools" else "h11",
                 h11_max_incomplete_event_size=settings.max_header_bytes,
                 timeout_keep_alive=settings.keep_alive_s,
                 timeout_graceful_shutdown=settings.drain_seconds + SHUTDOWN_MARGIN_S)

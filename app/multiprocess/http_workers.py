@@ -193,7 +193,7 @@ def run_worker(channel: socket.socket, launcher_pid: int, index: int, cores: fro
     end_with_parent(launcher_pid)
     keep_freed_memory()
     front = create_worker_app(index)
-    config = uvicorn.Config(front, **uvicorn_options(front.state.settings))
+    config = uvicorn.Config(front, **uvicorn_options(front.state.settings, front.metrics))
     # uvicorn raises SIGTERM / SIGINT again after its shutdown: the drain was the orderly end.
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
