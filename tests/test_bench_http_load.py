@@ -45,7 +45,10 @@ def test_serving_reports_each_stage_of_a_requests_time(tiny_artifact_dir, tmp_pa
     assert lone["mean_batch_size"] == 1, lone
     hops = lone["server_link_to_engine_ms"] + lone["server_link_in_engine_ms"] + lone["server_link_from_engine_ms"]
     assert 0 < lone["server_inference_ms"] < lone["server_link_in_engine_ms"] and hops < lone["server_request_ms"], lone
-    assert lone["server_request_ms"] < runs["c1_short"]["p50_ms"] * 1.5, lone
+    # The server's means cover the warm-up requests too (a slow first one): compared with the client's mean
+    # over the same requests, not with the median of the measured ones (a CI run once saw 1.02 ms against 0.63).
+    # 1.2: the window also holds the bench's own /metrics scrape, counted among the requests.
+    assert lone["server_request_ms"] < runs["c1_short"]["mean_with_warm_up_ms"] * 1.2, (lone, runs["c1_short"])
     assert f"in the server: handler {lone['server_request_ms']} ms" in done.stderr
 
 
