@@ -40,8 +40,7 @@ def _inflated(body: bytes, coding: str, limit: int) -> bytes:
 
 def _members(body: bytes, wbits: int, limit: int) -> bytes:
     """The decoded body; gzip allows several members end to end, each decoded in turn."""
-    out, rest = [], body
-    size = 0
+    out, rest, size = [], body, 0
     while True:
         inflater = zlib.decompressobj(wbits)
         part = inflater.decompress(rest, limit - size + 1)
@@ -53,7 +52,7 @@ def _members(body: bytes, wbits: int, limit: int) -> bytes:
             raise zlib.error("it ends before its end")
         out.append(part)
         rest = inflater.unused_data
-        if not rest or wbits != 31:
-            if rest:
-                raise zlib.error(f"{len(rest)} bytes follow its end")
+        if not rest:
             return b"".join(out)
+        if wbits != 31:  # only gzip has members end to end
+            raise zlib.error(f"{len(rest)} bytes follow its end")

@@ -27,7 +27,7 @@ from artifact.manifest import Manifest
 _WATCH_AFTER_S = 0.02
 
 
-TIMING_HEADERS = ("x-tokenize-ms", "x-queue-ms", "x-inference-ms")  # what Timings.headers() answers
+TIMING_HEADERS = ("x-tokenize-ms", "x-queue-ms", "x-inference-ms")  # Timings.headers(), in its order
 
 
 @dataclass(slots=True)
@@ -37,8 +37,9 @@ class Timings:
     inference_s: float = 0.0
 
     def headers(self) -> dict[str, str]:
-        return {"x-tokenize-ms": f"{self.tokenize_s * 1e3:.3f}", "x-queue-ms": f"{self.queue_s * 1e3:.3f}",
-                "x-inference-ms": f"{self.inference_s * 1e3:.3f}"}
+        tokenize, queue, inference = TIMING_HEADERS
+        return {tokenize: f"{self.tokenize_s * 1e3:.3f}", queue: f"{self.queue_s * 1e3:.3f}",
+                inference: f"{self.inference_s * 1e3:.3f}"}
 
 
 @dataclass(slots=True)
