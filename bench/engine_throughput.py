@@ -1,7 +1,8 @@
 """Engine throughput of the exported artifact against PyTorch on the same weights, in one run.
 
 CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
-the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built)
+the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+kernels
+ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
@@ -236,6 +237,29 @@ def main(argv=None) -> int:
         return _measure(args, Path(work), texts, batches, text_sizes, card)
 
 
+def with_ort_attention(path: Path) -> Path | None:
+    """The kernels graph at `path` with each bertserve.PackedAttention put back to ORT's
+    PackedMultiHeadAttention, written beside it (our attention kernel against ORT's in one run); None when
+    the graph has none (a library built without nvcc)."""
+    import onnx
+    from onnx import helper
+
+    model = onnx.load(str(path))
+    swapped = 0
+    for node in model.graph.node:
+        if node.op_type == "PackedAttention" and node.domain == "bertserve":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            node.CopyFrom(helper.make_node("PackedMultiHeadAttention", [*node.input[:3], "", *node.input[3:5]],
+                                           list(node.output), name=node.name, domain="com.microsoft",
+                                           num_heads=attrs["num_heads"], scale=attrs["scale"]))
+            swapped += 1
+    if not swapped:
+        return None
+    out = path.with_name(f"{path.stem}_ort_attention.onnx")
+    onnx.save(model, str(out))
+    return out
+
+
 def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes: list[int], card: str) -> int:
     cuda = args.device == "cuda"
     tokenizer, model, artifacts = build(args.preset, args.device, work, texts, args.packed_attention)
@@ -259,6 +283,9 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
             if kind in artifacts and kernels_file(kind):
                 engines[f"ort fp16 {kind}+kernels"] = (
                     lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))
+                if (ort_attention := with_ort_attention(kernels_file(kind))) is not None:
+                    engines[f"ort fp16 {kind}+kernels ort-attention"] = (
+                        lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
                 if args.untuned:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",

@@ -1,18 +1,25 @@
 """Graph rewrites onto our operators (needs onnx; export runs them, the server never does):
 each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one bertserve.MatMulBiasGelu
-node, and the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
-add the attention's bias themselves."""
+node, the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
+add the attention's bias themselves, and a PackedMultiHeadAttention left without its bias becomes
+bertserve.PackedAttention."""
 from __future__ import annotations
 
+import logging
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 import onnx
 from onnx import helper, numpy_helper
 
 from custom_kernels import DOMAIN
 
+log = logging.getLogger("custom_kernels.fusion")
+
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
+PACKED_ATTENTION = "PackedAttention"
 # ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
@@ -109,6 +116,78 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     return len(replaced)
+
+
+def packed_attention_head_sizes(model: onnx.ModelProto) -> set[int]:
+    """The head sizes of the PackedMultiHeadAttention nodes that attention_on_packed_kernel would take."""
+    return {size for _, _, size in _packed_attention_nodes(_Graph(model.graph))}
+
+
+def attention_on_packed_kernel(model: onnx.ModelProto) -> int:
+    """Rewrites `model` in place and returns how many PackedMultiHeadAttention nodes became
+    bertserve.PackedAttention (src/packed_attention_kernel.cu). A node is taken when it has no bias
+    (fuse_attention_bias moved it into the products) and no attention bias, and its query comes from a
+    product whose weight gives the width; the new node reads the same query, key, value, token_offset
+    and cumulative_sequence_length, so nothing around it changes."""
+    g = _Graph(model.graph)
+    replaced: dict[int, onnx.NodeProto] = {}
+    for i, node, head_size in _packed_attention_nodes(g):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        inputs = list(node.input) + [""] * (6 - len(node.input))
+        replaced[i] = helper.make_node(PACKED_ATTENTION, [*inputs[:3], *inputs[4:6]], list(node.output),
+                                       name=f"{node.name or node.output[0]}_packed", domain=DOMAIN,
+                                       num_heads=int(attrs["num_heads"]), head_size=head_size,
+                                       scale=float(attrs.get("scale", 0.0)) or head_size ** -0.5)
+    if replaced:
+        _rewrite(model, replaced, set())
+    return len(replaced)
+
+
+def _packed_attention_nodes(g: _Graph) -> list[tuple[int, onnx.NodeProto, int]]:
+    """(index, node, head size) of each PackedMultiHeadAttention attention_on_packed_kernel can take."""
+    found = []
+    for i, node in enumerate(g.nodes):
+        if node.op_type != "PackedMultiHeadAttention" or node.domain != "com.microsoft":
+            continue
+        inputs = list(node.input) + [""] * (7 - len(node.input))
+        query, _, _, bias, token_offset, cumulative, attention_bias = inputs[:7]
+        producer = g.producer.get(query)
+        weight = g.initializers.get(g.nodes[producer].input[1]) if producer is not None else None
+        heads = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "num_heads"), 0)
+        if bias or attention_bias or not (token_offset and cumulative) or weight is None or len(weight.dims) != 2:
+            continue
+        if heads <= 0 or weight.dims[1] % heads:
+            continue
+        found.append((i, node, int(weight.dims[1] // heads)))
+    return found
+
+
+def offers_packed_attention(library, head_size: int) -> bool:
+    """Whether our operator library (a path) runs PackedAttention at `head_size` on this machine's GPU
+    (build.sh leaves the operator out without nvcc, and the kernel needs compute capability 8.0): a
+    one-node graph opens on the CUDA provider or it does not."""
+    from artifact.session import SessionError, open_session
+
+    fp16, int32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.INT32
+    graph = helper.make_graph(
+        [helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "cu"], ["out"], domain=DOMAIN,
+                          num_heads=1, head_size=head_size, scale=1.0)], "probe",
+        [helper.make_tensor_value_info(n, fp16, ["T", head_size]) for n in "qkv"]
+        + [helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
+           helper.make_tensor_value_info("cu", int32, ["B1"])],
+        [helper.make_tensor_value_info("out", fp16, ["T", head_size])])
+    # IR version 8 (opset 17's): onnx writes its newest, which an older onnxruntime refuses to load
+    model = helper.make_model(graph, ir_version=8,
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "probe.onnx"
+        onnx.save(model, str(path))
+        try:
+            open_session(path, "cuda", library=library)
+        except SessionError as e:
+            log.info("no PackedAttention at head size %d in %s: %s", head_size, library, e)
+            return False
+    return True
 
 
 def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], dropped: set[int]) -> None:

@@ -239,14 +239,20 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
                          file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
-    multi-head attention where it has that, on our fused operators; checked like the graph itself."""
+    multi-head attention where it has that, on our fused operators, and its packed attention on ours
+    where the library runs it here; checked like the graph itself."""
     import onnx
 
-    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
+    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
+                                       fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention,
+                                       packed_attention_head_sizes)
 
     model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
     operators = {MATMUL_BIAS_GELU: fused, MATMUL_BIAS: fuse_attention_bias(model)}
+    head_sizes = packed_attention_head_sizes(model)
+    if len(head_sizes) == 1 and offers_packed_attention(library, head_sizes.pop()):
+        operators[PACKED_ATTENTION] = attention_on_packed_kernel(model)
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")

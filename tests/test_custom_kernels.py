@@ -21,7 +21,9 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
-from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, fuse_attention_bias, fuse_matmul_bias_gelu
+from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
+                                   fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention,
+                                   packed_attention_head_sizes)
 from export import ExportError
 from export.pipeline import export_artifact
 from tests.feeds import padded_feed
@@ -267,3 +269,113 @@ def test_a_graph_opens_on_its_kernels_variant_or_falls_back_to_the_plain_one(tin
 
     with pytest.raises(EngineError, match="CUDA only"):
         OrtEngine(art, manifest, "cpu", "fp32", kernels="on")
+
+
+def _packed_attention_node_graph(heads: int, size: int, elem=TensorProto.FLOAT) -> bytes:
+    width = "W"  # left open, so that the operator's own shape check is what a wrong width meets
+    node = helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "cu"], ["out"],
+                            domain=custom_kernels.DOMAIN, num_heads=heads, head_size=size, scale=size ** -0.5)
+    graph = helper.make_graph(
+        [node], "one", [helper.make_tensor_value_info(n, elem, ["T", width]) for n in "qkv"]
+        + [helper.make_tensor_value_info("token_offset", TensorProto.INT32, ["B", "S"]),
+           helper.make_tensor_value_info("cu", TensorProto.INT32, ["B1"])],
+        [helper.make_tensor_value_info("out", elem, ["T", width])])
+    return helper.make_model(graph, ir_version=8, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(custom_kernels.DOMAIN, 1)]).SerializeToString()
+
+
+def _attention_reference(q, k, v, lengths, heads):
+    """softmax(Q·Kᵀ/√d)·V for each sequence and head on its own, in float64."""
+    out, start = np.zeros(q.shape), 0
+    size = q.shape[1] // heads
+    for n in lengths:
+        for h in range(heads):
+            cols = slice(h * size, (h + 1) * size)
+            qs, ks, vs = (x[start:start + n, cols].astype(np.float64) for x in (q, k, v))
+            scores = qs @ ks.T / math.sqrt(size)
+            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[start:start + n, cols] = (weights / weights.sum(axis=1, keepdims=True)) @ vs
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_packed_attention_attends_within_each_sequence_only(hostref_library, dtype):
+    """The operator's contract (the CUDA kernel is held to the same on the GPU): sequences of different
+    lengths packed back to back, each attending over its own rows; token_offset gives only its shape."""
+    heads, size, lengths = 2, 8, [3, 1, 6]
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    session = _session(_packed_attention_node_graph(heads, size, elem), hostref_library)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((sum(lengths), heads * size)).astype(dtype) for _ in range(3))
+    feed = {"q": q, "k": k, "v": v, "token_offset": np.zeros((3, max(lengths)), np.int32),
+            "cu": np.array([0, 3, 4, 10], np.int32)}
+    (out,) = session.run(None, feed)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out, _attention_reference(q, k, v, lengths, heads), atol=2e-6 if dtype == np.float32 else 2e-3)
+    # a row of another sequence changes nothing in this one
+    k2 = k.copy()
+    k2[4:] += 5
+    (again,) = session.run(None, {**feed, "k": k2})
+    np.testing.assert_array_equal(again[:4], out[:4])
+
+
+def test_packed_attention_refuses_shapes_it_cannot_read_and_keeps_working(hostref_library):
+    session = _session(_packed_attention_node_graph(2, 4), hostref_library)
+    q = np.ones((4, 8), np.float32)
+    feed = {"q": q, "k": q, "v": q, "token_offset": np.zeros((2, 3), np.int32), "cu": np.array([0, 1, 4], np.int32)}
+    with pytest.raises(Exception, match="do not fit"):
+        session.run(None, {**feed, "cu": np.array([0, 4], np.int32)})
+    with pytest.raises(Exception, match="do not fit"):
+        session.run(None, {**feed, "q": np.ones((4, 6), np.float32)})
+    with pytest.raises(Exception, match="runs past"):
+        session.run(None, {**feed, "cu": np.array([0, 1, 9], np.int32)})
+    (out,) = session.run(None, feed)
+    np.testing.assert_allclose(out, q)
+
+
+def _packed_multi_head_attention_graph(heads: int = 2, size: int = 4, bias: bool = False) -> onnx.ModelProto:
+    """Two PackedMultiHeadAttention nodes over Q, K and V products and one cumulative_sequence_length,
+    as the packed graph has them (bias already moved into the products unless `bias`)."""
+    width = heads * size
+    weights = [numpy_helper.from_array(np.ones((width, width), np.float32), f"w{i}") for i in range(3)]
+    initializers = weights + ([numpy_helper.from_array(np.zeros(3 * width, np.float32), "qkv_bias")] if bias else [])
+    nodes = [helper.make_node("MatMul", ["x", f"w{i}"], [name]) for i, name in enumerate("qkv")]
+    nodes += [helper.make_node("PackedMultiHeadAttention", ["q", "k", "v", "qkv_bias" if bias else "", "token_offset",
+                                                            "cu_seqlens"], [out], domain="com.microsoft", num_heads=heads)
+              for out in ("a", "b")]
+    int32 = TensorProto.INT32
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", width]),
+                                           helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
+                                           helper.make_tensor_value_info("cu_seqlens", int32, ["B1"])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["T", width]) for n in "ab"],
+                              initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_packed_multi_head_attention_moves_onto_our_kernel():
+    """Each node becomes bertserve.PackedAttention on the same inputs less the (empty) bias, with the head
+    count, the head size and 1/sqrt(head size); the graph around it is unchanged."""
+    model = _packed_multi_head_attention_graph(heads=2, size=4)
+    assert packed_attention_head_sizes(model) == {4}
+    assert attention_on_packed_kernel(model) == 2
+    assert [n.op_type for n in model.graph.node] == ["MatMul"] * 3 + [PACKED_ATTENTION] * 2
+    first = model.graph.node[3]
+    assert first.domain == custom_kernels.DOMAIN and list(first.output) == ["a"]
+    assert list(first.input) == ["q", "k", "v", "token_offset", "cu_seqlens"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in first.attribute}
+    assert attrs["num_heads"] == 2 and attrs["head_size"] == 4 and attrs["scale"] == pytest.approx(0.5)
+    assert custom_kernels.DOMAIN in {o.domain for o in model.opset_import}
+
+
+def test_attention_with_its_bias_stays_on_packed_multi_head_attention():
+    model = _packed_multi_head_attention_graph(bias=True)
+    assert packed_attention_head_sizes(model) == set()
+    assert attention_on_packed_kernel(model) == 0
+    assert [n.op_type for n in model.graph.node].count("PackedMultiHeadAttention") == 2
+
+
+def test_the_packed_attention_probe_answers_no_where_it_cannot_run(hostref_library):
+    """Export asks before it rewrites. Without CUDA the probe answers False rather than raising, and the
+    kernels graph keeps PackedMultiHeadAttention (the GPU test checks the yes)."""
+    assert offers_packed_attention(hostref_library, 64) is False

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "ort_abi.h"
+#include "packed_attention.h"
 
 #ifndef BERTSERVE_HOST_REFERENCE
 #include <cublasLt.h>
@@ -505,6 +506,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatusPtr RegisterCustomOps
   OrtStatusPtr s = nullptr;
   for (auto& op : ops)
     if (!s) s = api->CustomOpDomain_Add(domain, &op);
+#if defined(BERTSERVE_HOST_REFERENCE) || defined(BERTSERVE_PACKED_ATTENTION)
+  for (const OrtCustomOp* op : packed_attention_ops(api))
+    if (!s) s = api->CustomOpDomain_Add(domain, op);
+#endif
   if (!s) s = api->AddCustomOpDomain(options, domain);
   if (s) api->ReleaseCustomOpDomain(domain);
   return s;

@@ -1,4 +1,4 @@
-// ort_abi.h: the few pieces of ONNX Runtime's C ABI that matmul_epilogues.cc uses, declared by hand
+// ort_abi.h: the few pieces of ONNX Runtime's C ABI that our operators use, declared by hand
 // (the onnxruntime wheels ship no C headers). Written against the layout of
 // include/onnxruntime/core/session/onnxruntime_c_api.h at ORT_API_VERSION 30 (1.30). OrtApi only
 // ever grows at the end, so a slot's index is the same in every release from the one that added it
@@ -20,6 +20,7 @@ struct OrtTensorTypeAndShapeInfo;
 enum ONNXTensorElementDataType : int {  // = TensorProto.DataType
   ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED = 0,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT = 1,
+  ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 = 6,
   ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 = 10,
 };
 enum OrtErrorCode : int { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2, ORT_RUNTIME_EXCEPTION = 6, ORT_EP_FAIL = 11 };
@@ -43,7 +44,10 @@ struct OrtApi {
   OrtStatusPtr (*GetDimensions)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t n);     //  62
   void* pad_63_64[2];                                                                                //  63..64
   OrtStatusPtr (*GetTensorTypeAndShape)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);     //  65
-  void* pad_66_89[24];                                                                               //  66..89
+  void* pad_66_84[19];                                                                               //  66..84
+  OrtStatusPtr (*KernelInfoGetAttribute_float)(const OrtKernelInfo* info, const char* name, float* out);    //  85
+  OrtStatusPtr (*KernelInfoGetAttribute_int64)(const OrtKernelInfo* info, const char* name, int64_t* out);  //  86
+  void* pad_87_89[3];                                                                                //  87..89
   OrtStatusPtr (*KernelContext_GetInput)(const OrtKernelContext* ctx, size_t index,                  //  90
                                          const OrtValue** out);
   OrtStatusPtr (*KernelContext_GetOutput)(OrtKernelContext* ctx, size_t index,                      //  91
@@ -67,6 +71,8 @@ ORT_ABI_SLOT(GetTensorElementType, 60);
 ORT_ABI_SLOT(GetDimensionsCount, 61);
 ORT_ABI_SLOT(GetDimensions, 62);
 ORT_ABI_SLOT(GetTensorTypeAndShape, 65);
+ORT_ABI_SLOT(KernelInfoGetAttribute_float, 85);
+ORT_ABI_SLOT(KernelInfoGetAttribute_int64, 86);
 ORT_ABI_SLOT(KernelContext_GetInput, 90);
 ORT_ABI_SLOT(KernelContext_GetOutput, 91);
 ORT_ABI_SLOT(ReleaseTensorTypeAndShapeInfo, 99);
