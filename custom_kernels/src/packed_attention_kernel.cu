@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "packed_attention.h"
 
@@ -92,132 +93,161 @@ __global__ void __launch_bounds__(kThreads, 4)
   __half* const sv = sk + kStageKeys * kStride;
 
   const int b = blockIdx.z, start = cu_seqlens[b], len = cu_seqlens[b + 1] - start;
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const size_t column = size_t(blockIdx.y) * D;
+  // Unsigned, so that dividing by powers of two is a shift.
+  const unsigned tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int stages = (len + kStageKeys - 1) / kStageKeys;
 
-  // Rows first .. first + rows - 1 of the sequence (zeros past its end) into dst.
-  auto load = [&](__half* dst, const __half* src, int first, int rows) {
-    for (int i = tid; i < rows * kChunks; i += kThreads) {
-      const int r = i / kChunks, c = i % kChunks;
+  // Each thread copies one 16-byte piece of every (kThreads / kChunks)-th row, always the same piece:
+  // its offsets are worked out once, and a row costs one multiply-add.
+  constexpr int kRowsPerPass = kThreads / kChunks;
+  const unsigned piece = tid % kChunks, first_row = tid / kChunks;
+  const size_t offset = size_t(start) * width + size_t(blockIdx.y) * D + piece * 8;
+  const __half *const q_at = q + offset, *const k_at = k + offset, *const v_at = v + offset;
+  // Rows first .. first + Rows - 1 of the sequence (zeros past its end) into dst.
+  auto load = [&](__half* dst, const __half* src, int first, auto rows) {
+#pragma unroll
+    for (int i = 0; i < decltype(rows)::value / kRowsPerPass; ++i) {
+      const int r = first_row + i * kRowsPerPass;
       const bool valid = first + r < len;
-      copy16(dst + r * kStride + c * 8, src + size_t(start + (valid ? first + r : 0)) * width + column + c * 8, valid);
+      copy16(dst + r * kStride + piece * 8, src + size_t(valid ? first + r : 0) * width, valid);
     }
   };
+  const std::integral_constant<int, kRows> query_rows;
+  const std::integral_constant<int, kKeys> key_rows;
 
   // Grid-stride over query tiles: correct whatever grid the host chose for this batch's lengths.
   for (int m0 = blockIdx.x * kRows; m0 < len; m0 += gridDim.x * kRows) {
     // A warp whose rows are all past the end loads and waits with the others but computes nothing.
-    const bool active = m0 + warp * 16 < len;
+    const bool active = m0 + int(warp) * 16 < len;
     float acc[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     // Each thread holds two rows of its warp's 16: lane / 4 and lane / 4 + 8 (the mma accumulator layout).
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-
-    for (int stage = 0; stage < stages; ++stage) {
-      const int key_base = stage * kStageKeys;
-      if (stage > 0) __syncthreads();  // every warp is done with the previous stage's keys and values
-      // Four copy groups, waited for in the order they are used: keys 0-63 (with the queries), their
-      // values, keys 64-127, their values. A group past the end is empty but still counts.
-      if (stage == 0) load(sq, q, m0, kRows);
+    // One online-softmax step over keys first .. first + 63, half `half` of the copy round in sk / sv,
+    // after waiting for all but `scores_wait` copy groups (keys) and then all but `values_wait` (values).
+    // (Steps of 128 keys need more than the 128 registers four blocks an SM leave a thread, and spill.)
+    auto step = [&](int half, int first, auto scores_wait, auto values_wait) {
+      const __half* keys = sk + half * kKeys * kStride;
+      const __half* values = sv + half * kKeys * kStride;
+      wait_copies<decltype(scores_wait)::value>();
+      __syncthreads();
+      float s[kKeys / 8][4];
+      if (active) {
 #pragma unroll
-      for (int half_stage = 0; half_stage < 2; ++half_stage) {
-        const int first = key_base + half_stage * kKeys;
-        if (first < len) load(sk + half_stage * kKeys * kStride, k, first, kKeys);
-        commit();
-        if (first < len) load(sv + half_stage * kKeys * kStride, v, first, kKeys);
-        commit();
-      }
-
+        for (int i = 0; i < kKeys / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
-      for (int half_stage = 0; half_stage < 2; ++half_stage) {
-        const int first = key_base + half_stage * kKeys;
-        if (first >= len) break;  // the same for the whole block
-        if (half_stage == 0) wait_copies<3>(); else wait_copies<1>();
-        __syncthreads();
-        const __half* keys = sk + half_stage * kKeys * kStride;
-        const __half* values = sv + half_stage * kKeys * kStride;
-
-        float s[kKeys / 8][4];
-        if (active) {
+        for (int kk = 0; kk < D / 16; ++kk) {
+          uint32_t a[4];
+          ldmatrix4(a, sq + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
 #pragma unroll
-          for (int i = 0; i < kKeys / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            uint32_t a[4];
-            ldmatrix4(a, sq + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
-#pragma unroll
-            for (int np = 0; np < kKeys / 16; ++np) {
-              uint32_t r[4];
-              ldmatrix4(r, keys + (np * 16 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
-              mma(s[2 * np], a, r[0], r[1]);
-              mma(s[2 * np + 1], a, r[2], r[3]);
-            }
+          for (int np = 0; np < kKeys / 16; ++np) {
+            uint32_t r[4];
+            ldmatrix4(r, keys + (np * 16 + lane % 8 + (lane / 16) * 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+            mma(s[2 * np], a, r[0], r[1]);
+            mma(s[2 * np + 1], a, r[2], r[3]);
           }
+        }
 
-          // Keys past the end at -inf (only in a sequence's last 64 keys); online softmax over these 64 keys,
-          // its maxima kept in log2 units (scale_log2 > 0, so the raw scores' maximum is the scaled one's).
-          if (first + kKeys > len) {
-            const int key0 = first + (lane % 4) * 2;
-#pragma unroll
-            for (int nt = 0; nt < kKeys / 8; ++nt)
-#pragma unroll
-              for (int e = 0; e < 4; ++e)
-                if (key0 + nt * 8 + (e & 1) >= len) s[nt][e] = -INFINITY;
-          }
-          float step_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-          for (int nt = 0; nt < kKeys / 8; ++nt) {
-            step_max[0] = fmaxf(step_max[0], fmaxf(s[nt][0], s[nt][1]));
-            step_max[1] = fmaxf(step_max[1], fmaxf(s[nt][2], s[nt][3]));
-          }
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {  // the four lanes of a row hold its 64 keys between them
-            step_max[r] = fmaxf(step_max[r], __shfl_xor_sync(0xffffffffu, step_max[r], 1));
-            step_max[r] = fmaxf(step_max[r], __shfl_xor_sync(0xffffffffu, step_max[r], 2));
-            // These 64 keys start inside the sequence, so the maximum is finite: fast_exp2 never sees inf - inf.
-            step_max[r] = fmaxf(row_max[r], step_max[r] * scale_log2);
-          }
-          const float rescale[2] = {fast_exp2(row_max[0] - step_max[0]), fast_exp2(row_max[1] - step_max[1])};
+        // Keys past the end at -inf (only in a sequence's last step); the maxima kept in log2 units
+        // (scale_log2 > 0, so the raw scores' maximum is the scaled one's).
+        if (first + kKeys > len) {
+          const int key0 = first + (lane % 4) * 2;
 #pragma unroll
           for (int nt = 0; nt < kKeys / 8; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -step_max[e / 2]));
+            for (int e = 0; e < 4; ++e)
+              if (key0 + nt * 8 + (e & 1) >= len) s[nt][e] = -INFINITY;
+        }
+        // Maxima and sums as trees, not chains: short dependency chains keep the warp issuing.
+        float part[2][kKeys / 8];
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            float sum = 0.0f;
+        for (int nt = 0; nt < kKeys / 8; ++nt) {
+          part[0][nt] = fmaxf(s[nt][0], s[nt][1]);
+          part[1][nt] = fmaxf(s[nt][2], s[nt][3]);
+        }
+        float step_max[2];
 #pragma unroll
-            for (int nt = 0; nt < kKeys / 8; ++nt) sum += s[nt][2 * r] + s[nt][2 * r + 1];
-            row_sum[r] = row_sum[r] * rescale[r] + sum;  // this lane's share; the row's total is summed at the end
-            row_max[r] = step_max[r];
-          }
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int w = kKeys / 16; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) part[r][i] = fmaxf(part[r][i], part[r][i + w]);
+          // the four lanes of a row hold its keys between them
+          step_max[r] = fmaxf(part[r][0], __shfl_xor_sync(0xffffffffu, part[r][0], 1));
+          step_max[r] = fmaxf(step_max[r], __shfl_xor_sync(0xffffffffu, step_max[r], 2));
+          // The step's first key is inside the sequence, so the maximum is finite: no inf - inf below.
+          step_max[r] = fmaxf(row_max[r], step_max[r] * scale_log2);
+        }
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] = fast_exp2(fmaf(s[nt][e], scale_log2, -step_max[e / 2]));
+#pragma unroll
+        for (int nt = 0; nt < kKeys / 8; ++nt) {
+          part[0][nt] = s[nt][0] + s[nt][1];
+          part[1][nt] = s[nt][2] + s[nt][3];
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int w = kKeys / 16; w >= 1; w /= 2)
+#pragma unroll
+            for (int i = 0; i < w; ++i) part[r][i] += part[r][i + w];
+        }
+        if (first == 0) {  // the first step: nothing to correct
+          row_sum[0] = part[0][0], row_sum[1] = part[1][0];
+        } else {
+          const float rescale[2] = {fast_exp2(row_max[0] - step_max[0]), fast_exp2(row_max[1] - step_max[1])};
+          // each lane's share; the row's total is summed at the end
+          row_sum[0] = row_sum[0] * rescale[0] + part[0][0], row_sum[1] = row_sum[1] * rescale[1] + part[1][0];
 #pragma unroll
           for (int dt = 0; dt < D / 8; ++dt) {
             acc[dt][0] *= rescale[0], acc[dt][1] *= rescale[0];
             acc[dt][2] *= rescale[1], acc[dt][3] *= rescale[1];
           }
         }
+        row_max[0] = step_max[0], row_max[1] = step_max[1];
+      }
 
-        if (half_stage == 0) wait_copies<2>(); else wait_copies<0>();
-        __syncthreads();
-        if (active) {
+      wait_copies<decltype(values_wait)::value>();
+      __syncthreads();
+      if (active) {
 #pragma unroll
-          for (int j = 0; j < kKeys / 16; ++j) {
-            // The scores' accumulator layout is the A operand's: P·V needs no shuffle.
-            const uint32_t p[4] = {pack_half2(s[2 * j][0], s[2 * j][1]), pack_half2(s[2 * j][2], s[2 * j][3]),
-                                   pack_half2(s[2 * j + 1][0], s[2 * j + 1][1]),
-                                   pack_half2(s[2 * j + 1][2], s[2 * j + 1][3])};
+        for (int j = 0; j < kKeys / 16; ++j) {
+          // The scores' accumulator layout is the A operand's: P·V needs no shuffle.
+          const uint32_t p[4] = {pack_half2(s[2 * j][0], s[2 * j][1]), pack_half2(s[2 * j][2], s[2 * j][3]),
+                                 pack_half2(s[2 * j + 1][0], s[2 * j + 1][1]),
+                                 pack_half2(s[2 * j + 1][2], s[2 * j + 1][3])};
 #pragma unroll
-            for (int dp = 0; dp < D / 16; ++dp) {
-              uint32_t r[4];
-              ldmatrix4_trans(r, values + (j * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
-              mma(acc[2 * dp], p, r[0], r[1]);
-              mma(acc[2 * dp + 1], p, r[2], r[3]);
-            }
+          for (int dp = 0; dp < D / 16; ++dp) {
+            uint32_t r[4];
+            ldmatrix4_trans(r, values + (j * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+            mma(acc[2 * dp], p, r[0], r[1]);
+            mma(acc[2 * dp + 1], p, r[2], r[3]);
           }
         }
       }
+    };
+
+    for (int stage = 0; stage < stages; ++stage) {
+      const int key_base = stage * kStageKeys;
+      if (stage > 0) __syncthreads();  // every warp is done with the previous stage's keys and values
+      // Four copy groups, waited for in the order they are used: keys 0-63 (with the queries), their
+      // values, keys 64-127, their values. A group past the end is empty but still counts.
+      if (stage == 0) load(sq, q_at, m0, query_rows);
+#pragma unroll
+      for (int half_stage = 0; half_stage < 2; ++half_stage) {
+        const int first = key_base + half_stage * kKeys;
+        if (first < len) load(sk + half_stage * kKeys * kStride, k_at, first, key_rows);
+        commit();
+        if (first < len) load(sv + half_stage * kKeys * kStride, v_at, first, key_rows);
+        commit();
+      }
+
+      step(0, key_base, std::integral_constant<int, 3>(), std::integral_constant<int, 2>());
+      if (len - key_base > kKeys)
+        step(1, key_base + kKeys, std::integral_constant<int, 1>(), std::integral_constant<int, 0>());
     }
 
     if (active) {
@@ -238,11 +268,14 @@ __global__ void __launch_bounds__(kThreads, 4)
             pack_half2(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
       }
       __syncwarp();
-      for (int i = lane; i < 16 * kChunks; i += 32) {
-        const int r = i / kChunks, c = i % kChunks, row = m0 + warp * 16 + r;
+      // Lane l writes its piece (l % kChunks: as it copies) of rows l / kChunks, + 32 / kChunks, ... of the warp's 16.
+#pragma unroll
+      for (int i = 0; i < 16 * kChunks / 32; ++i) {
+        const unsigned r = lane / kChunks + i * (32 / kChunks);
+        const int row = m0 + int(warp * 16 + r);
         if (row < len)
-          *reinterpret_cast<uint4*>(o + size_t(start + row) * width + column + c * 8) =
-              *reinterpret_cast<const uint4*>(staged + r * kStride + c * 8);
+          *reinterpret_cast<uint4*>(o + offset + size_t(row) * width) =
+              *reinterpret_cast<const uint4*>(staged + r * kStride + piece * 8);
       }
     }
     __syncthreads();  // sq, sk and sv are free for the next tile
