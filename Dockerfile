@@ -5,8 +5,8 @@
 # podman / buildah: add `--format docker`; their default, the OCI format, has no HEALTHCHECK and drops it.
 # GPU: onnxruntime-gpu, with CUDA and cuDNN as pip packages that match its build, so only the host's NVIDIA
 # driver is needed (`docker run --gpus all ...`); it also carries our CUDA operator library
-# (custom_kernels/), built in a CUDA devel image because it needs cuBLAS's headers; the server runs an
-# artifact's custom-kernels graph with it.
+# (custom_kernels/), built in a CUDA devel image because it needs cuBLAS's headers and nvcc (the attention
+# kernel); the server runs an artifact's custom-kernels graph with it.
 # The CPU stages come first and never name the CUDA image: the classic builder (DOCKER_BUILDKIT=0) builds
 # every stage up to the target, so `--target cpu` stops before the GPU stages; BuildKit and podman build
 # only the stages the target uses.

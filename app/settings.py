@@ -34,8 +34,8 @@ class Settings(BaseSettings):
                                         "workers > 1: at least one per GPU); a GPU named twice (0,0) gets two "
                                         "engine processes. Empty: cuda_device_id alone")
     custom_kernels: Literal["auto", "on", "off"] = Field(
-        "auto", description="CUDA: run the artifact's fp16 graph on our fused GEMM + bias + GELU operator "
-        "(custom_kernels/; its speed-up: BENCHMARKS.md). auto: when the artifact has "
+        "auto", description="CUDA: run the artifact's fp16 graph on our operators (GEMMs with their bias "
+        "and GELU fused, and the packed graph's attention; custom_kernels/; its speed-up: BENCHMARKS.md). auto: when the artifact has "
         "that graph (export checked its parity) and the library is found (BERTSERVE_KERNELS_LIBRARY, or "
         "built in the checkout), else the plain graph; on: fail without them; off: never")
     cuda_graphs: Literal["auto", "on", "off"] = Field(

@@ -30,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-padding", action="store_true",
                         help="fp16 graph without ORT's padding removal (fixed shapes, e.g. for CUDA graphs)")
     parser.add_argument("--custom-kernels", choices=["auto", "on", "off"], default="auto",
-                        help="with --device cuda, also write the fp16 graph on our fused GEMM + bias + GELU "
-                             "operator (custom_kernels/): auto when its library is built, on: required")
+                        help="with --device cuda, also write the fp16 graph on our operators (GEMMs with their bias "
+                             "and GELU fused, the packed attention where the library has it; custom_kernels/): "
+                             "auto when its library is built, on: required")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="with --device cuda (the default there), also write a host-packed copy of the packed "
                              "fp16 graph (and of its custom-kernels variant) that the server replays as CUDA "
