@@ -53,7 +53,7 @@ for d in $CUDA_LIB; do [ -d "$d" ] && lib+=(-L"$d"); done
 # The attention kernel needs nvcc (a CUDA toolkit: NVCC, else $CUDA_HOME/bin or PATH). Without it the
 # library has no PackedAttention, and export keeps ORT's PackedMultiHeadAttention in the graph it writes.
 NVCC=${NVCC:-$(command -v "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || command -v nvcc || true)}
-sources=("$here/src/matmul_epilogues.cc")
+sources=("$here/src/matmul_epilogues.cc") built_from=(matmul_epilogues.cc)
 if [ -n "$NVCC" ]; then
   kernel_obj="$(mktemp --suffix .o)"; trap 'rm -f "$exports" "$kernel_obj"' EXIT
   # SASS for Ampere (8.0, 8.6), Ada (8.9) and Hopper (9.0), and PTX that later cards compile at load.
@@ -61,10 +61,11 @@ if [ -n "$NVCC" ]; then
     -o "$kernel_obj" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
     -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]
   sources+=("$here/src/packed_attention.cc" "$kernel_obj")
+  built_from=(matmul_epilogues.cc packed_attention.cc packed_attention_kernel.cu)
   flags+=(-DBERTSERVE_PACKED_ATTENTION)
 else
   echo "build.sh: no nvcc (set NVCC or CUDA_HOME): building without PackedAttention" >&2
 fi
 "$CXX" "${flags[@]}" "${inc[@]}" "${sources[@]}" -o "$out/libbertserve_ops.so" "${lib[@]}" \
   -l:libcublasLt.so.13 -l:libcudart.so.13
-echo "built $out/libbertserve_ops.so (${sources[*]##*/})"
+echo "built $out/libbertserve_ops.so (${built_from[*]})"
