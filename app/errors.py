@@ -88,11 +88,12 @@ class EngineLost(NotReady):
 
 class ShuttingDown(ServiceError):
     """The server is draining after a stop signal: a request that came after it, or one still queued at
-    the drain deadline. Another replica can answer it."""
+    the drain deadline. Another replica can answer it. `Connection: close`: a keep-alive client opens its
+    next connection (to another replica) instead of sending it down one this server is about to close."""
     status, type = 503, "shutting_down"
 
     def __init__(self, message: str):
-        super().__init__(message, {"Retry-After": "1"})
+        super().__init__(message, {"Retry-After": "1", "Connection": "close"})
 
 
 class ClientClosed(ServiceError):

@@ -646,7 +646,7 @@ def test_malformed_bodies(artifact):
     assert_error(out["wrong_method"], 405, "method_not_allowed")
     assert out["wrong_method"].headers["allow"] == "POST"
     assert_error(out["wrong_method_at_root"], 405, "method_not_allowed")
-    assert out["wrong_method_at_root"].headers["allow"] == "GET, POST"  # the page and the TEI route
+    assert out["wrong_method_at_root"].headers["allow"] == "GET, HEAD, POST"  # the page and the TEI route
     assert out["after"].status_code == 200
 
 
@@ -1559,23 +1559,27 @@ def test_cuda_fp16_serves_what_cpu_fp32_serves(tiny_model_dir, tmp_path):
 
 
 def test_openapi_operation_ids_are_unique_and_head_still_answers(artifact):
-    """The health routes answer HEAD as well as GET (load balancers' checks): generating the schema must not
-    warn of a duplicate operationId (FastAPI warns once per duplicate, in the server's log)."""
+    """The health routes, /info, /metrics and the page answer HEAD as well as GET (load balancers' checks,
+    uptime monitors, `curl -I`): generating the schema must not warn of a duplicate operationId (FastAPI
+    warns once per duplicate, in the server's log)."""
     async def go():
         async with serving(artifact) as (c, _):
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 spec = (await c.get("/openapi.json")).json()
-            heads = {path: (await c.head(path)).status_code for path in ("/health", "/ping", "/ready")}
+            heads = {path: (await c.head(path)).status_code for path in HEAD_PATHS}
             return spec, [str(w.message) for w in caught], heads
 
     spec, caught, heads = run(go())
     assert not [m for m in caught if "Duplicate Operation ID" in m], caught
     ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
     assert len(ids) == len(set(ids)), sorted(ids)
-    for path in ("/health", "/ping", "/ready"):
-        assert set(spec["paths"][path]) == {"get"}, path
-    assert heads == {"/health": 200, "/ping": 200, "/ready": 200}
+    for path in HEAD_PATHS:
+        assert "head" not in spec["paths"][path], path
+    assert heads == dict.fromkeys(HEAD_PATHS, 200)
+
+
+HEAD_PATHS = ("/health", "/ping", "/ready", "/info", "/metrics", "/")
 
 
 def test_openapi_declares_the_api_key_the_minimums_and_the_metrics_text(artifact):

@@ -436,9 +436,10 @@ def test_openai_client(server):
         assert c.models.retrieve(info["model"]) == listed[0]
         with pytest.raises(openai.NotFoundError, match="any model name"):
             c.models.retrieve("text-embedding-3-small")
-    for path in ("/health", "/ping", "/ready"):  # load balancers' checks send HEAD too
-        head = httpx.head(f"{server}{path}")
+    for path in ("/health", "/ping", "/ready", "/info", "/metrics", "/"):  # load balancers' checks send HEAD too
+        head, get = httpx.head(f"{server}{path}"), httpx.get(f"{server}{path}")
         assert head.status_code == 200 and head.content == b"", (path, head.status_code)
+        assert head.headers["content-type"] == get.headers["content-type"], path
     with pytest.raises(openai.BadRequestError, match="check_embedding_ctx_length"):
         client.embeddings.create(model="tiny", input=[[101, 2023, 102]])  # ids from another tokenizer
 

@@ -64,6 +64,7 @@ def test_sigterm_under_load_drains_answers_503_past_the_deadline_and_exits_0(tin
         if r.status_code == 503:
             error = r.json()["error"]
             assert error["type"] == "shutting_down" and r.headers["retry-after"] == "1", r.text
+            assert r.headers["connection"] == "close", r.headers  # the client's next request opens a new one
             past_deadline += "drain deadline" in error["message"]
     assert past_deadline > 0, (statuses.count(200), statuses.count(503))
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from fastapi import Request, Security
+from fastapi import APIRouter, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
@@ -156,3 +156,13 @@ def validate_body(model: type[BaseModel], data) -> BaseModel:
     except ValidationError as e:
         raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
                                       for err in e.errors(include_url=False)], body=data) from None
+
+
+def get_and_head(router: APIRouter, path: str, **kwargs: Any) -> Callable[[Callable], Callable]:
+    """GET, and HEAD beside it: load balancers' health checks and uptime monitors often send HEAD (uvicorn
+    sends HEAD answers bodiless). The schema lists the GET only, as FastAPI's `get` does: one route for
+    both would give both operations the same operationId."""
+    def register(endpoint: Callable) -> Callable:
+        router.head(path, include_in_schema=False, **kwargs)(endpoint)
+        return router.get(path, **kwargs)(endpoint)
+    return register

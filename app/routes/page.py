@@ -9,6 +9,8 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
 from starlette.responses import FileResponse, HTMLResponse
 
+from app.routes import get_and_head
+
 STATIC = Path(__file__).resolve().parents[1] / "static"  # installed as package data (pyproject.toml)
 # The browser itself keeps these pages from loading anything from another host: ReDoc, for one, always adds
 # an <img> from cdn.redoc.ly. 'unsafe-inline': Swagger UI's page starts it with an inline script, ReDoc
@@ -23,7 +25,7 @@ router = APIRouter(tags=["page"])
 router.mount("/static", StaticFiles(directory=STATIC, packages=[("fastapi_offline", "static")]), name="static")
 
 
-@router.get("/", response_class=HTMLResponse)
+@get_and_head(router, "/", response_class=HTMLResponse)
 async def page() -> FileResponse:
     """A page for meeting the model (HTML)."""
     return FileResponse(STATIC / "index.html", headers=_SAME_ORIGIN_ONLY)

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -12,31 +10,21 @@ from starlette.responses import PlainTextResponse, Response
 from app.errors import ShuttingDown
 from app.pooling import available_poolings
 from app.responses import json_response
-from app.routes import ServiceRoute, get_service, require_api_key
+from app.routes import ServiceRoute, get_and_head, get_service, require_api_key
 from app.schemas import ERROR_RESPONSES
 from app.service import InferenceService
 
 router = APIRouter(route_class=ServiceRoute, tags=["system"])
 
 
-def _get_and_head(path: str, **kwargs: Any) -> Callable[[Callable], Callable]:
-    """GET, and HEAD beside it: load balancers' health checks often send HEAD (uvicorn sends HEAD answers
-    bodiless). The schema lists the GET only, as FastAPI's `get` does: one route for both would give both
-    operations the same operationId."""
-    def register(endpoint: Callable) -> Callable:
-        router.head(path, include_in_schema=False, **kwargs)(endpoint)
-        return router.get(path, **kwargs)(endpoint)
-    return register
-
-
-@_get_and_head("/health")
-@_get_and_head("/ping")  # SageMaker's health path, as text-embeddings-inference serves it
+@get_and_head(router, "/health")
+@get_and_head(router, "/ping")  # SageMaker's health path, as text-embeddings-inference serves it
 async def health() -> Response:
     """The process is alive (says nothing about the model: see /ready)."""
     return json_response({"status": "ok"})
 
 
-@_get_and_head("/ready", responses={503: ERROR_RESPONSES[503]})
+@get_and_head(router, "/ready", responses={503: ERROR_RESPONSES[503]})
 async def ready(service: InferenceService = Depends(get_service)) -> Response:
     """200 once the model is loaded and a real forward pass succeeded; 503 before and while shutting down."""
     if service.draining:
@@ -44,7 +32,7 @@ async def ready(service: InferenceService = Depends(get_service)) -> Response:
     return json_response({"status": "ready", "model": service.model_name})
 
 
-@router.get("/info", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
+@get_and_head(router, "/info", dependencies=[Depends(require_api_key)], responses=ERROR_RESPONSES)
 async def info(service: InferenceService = Depends(get_service)) -> Response:
     """The model and how it is served."""
     m, s, e = service.manifest, service.settings, service.engine
@@ -91,8 +79,8 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
     })
 
 
-@router.get("/metrics", response_class=PlainTextResponse,
-            responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
+@get_and_head(router, "/metrics", response_class=PlainTextResponse,
+              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
     """Prometheus text exposition format (not JSON), summed over every process of the server."""
     return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
