@@ -151,8 +151,8 @@ def _packed_attention_nodes(g: _Graph) -> list[tuple[int, onnx.NodeProto, int]]:
             continue
         inputs = list(node.input) + [""] * (7 - len(node.input))
         query, _, _, bias, token_offset, cumulative, attention_bias = inputs[:7]
-        producer = g.producer.get(query)
-        weight = g.initializers.get(g.nodes[producer].input[1]) if producer is not None else None
+        producer = g.nodes[g.producer[query]] if query in g.producer else None
+        weight = g.initializers.get(producer.input[1]) if producer is not None and len(producer.input) > 1 else None
         heads = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "num_heads"), 0)
         if bias or attention_bias or not (token_offset and cumulative) or weight is None or len(weight.dims) != 2:
             continue

@@ -375,6 +375,17 @@ def test_attention_with_its_bias_stays_on_packed_multi_head_attention():
     assert [n.op_type for n in model.graph.node].count("PackedMultiHeadAttention") == 2
 
 
+def test_attention_whose_query_no_product_makes_stays_on_packed_multi_head_attention():
+    """The head size comes from the query's product; a query from any other node leaves the node alone."""
+    model = _packed_multi_head_attention_graph()
+    model.graph.node.insert(3, helper.make_node("Identity", ["q"], ["q_copy"]))
+    model.graph.node[4].input[0] = "q_copy"
+    assert packed_attention_head_sizes(model) == {4}  # the second node still qualifies
+    assert attention_on_packed_kernel(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["MatMul"] * 3 + ["Identity", "PackedMultiHeadAttention",
+                                                                      PACKED_ATTENTION]
+
+
 def test_the_packed_attention_probe_answers_no_where_it_cannot_run(hostref_library):
     """Export asks before it rewrites. Without CUDA the probe answers False rather than raising, and the
     kernels graph keeps PackedMultiHeadAttention (the GPU test checks the yes)."""
