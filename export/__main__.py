@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --device cuda, also write the fp16 graph on our operators (GEMMs with their bias "
                              "and GELU fused, the packed attention where the library has it; custom_kernels/): "
                              "auto when its library is built, on: required")
+    parser.add_argument("--attention-kernel", action=argparse.BooleanOptionalAction, default=True,
+                        help="with the custom-kernels graph, run its packed attention on our kernel where the library "
+                             "has it and this GPU runs it (the default); --no-attention-kernel keeps ONNX Runtime's "
+                             "PackedMultiHeadAttention there")
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="with --device cuda (the default there), also write a host-packed copy of the packed "
                              "fp16 graph (and of its custom-kernels variant) that the server replays as CUDA "
@@ -49,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_as_interrupt():
             manifest = export_artifact(args.model, args.out, device=args.device, int8=args.int8,
                                        remove_padding=not args.keep_padding, kernels=args.custom_kernels,
-                                       cuda_graphs=args.cuda_graphs, max_length=args.max_length)
+                                       cuda_graphs=args.cuda_graphs, max_length=args.max_length,
+                                       attention_kernel=args.attention_kernel)
     except (ExportError, ModelFolderError, ManifestError, OSError) as e:
         if isinstance(e, OSError):  # a full disk, a folder that cannot be written: the file and the reason
             e = write_failed(Path(e.filename or args.out), e)

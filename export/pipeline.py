@@ -53,6 +53,7 @@ def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
     cuda_graphs: bool | None = None, max_length: int | None = None, packed_attention: str | None = None,
+    attention_kernel: bool = True,
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -62,7 +63,9 @@ def export_artifact(
     PackedMultiHeadAttention with custom_kernels' library, PackedAttention without); with int8 also
     a dynamically quantised CPU graph. With device="cuda", `kernels` "auto" also writes the fp16 graph
     with custom_kernels' operators when their library is found ("on": it must be; "off": never), gated
-    on parity like the others. `cuda_graphs` (default: with device="cuda"): the server may replay the
+    on parity like the others; with `attention_kernel` its packed attention runs on ours
+    (bertserve.PackedAttention) where the library runs it at the model's head size on this GPU, and on
+    ORT's PackedMultiHeadAttention otherwise or when it is False. `cuda_graphs` (default: with device="cuda"): the server may replay the
     fp16 graph as CUDA graphs; a packed graph gets a host-packed variant (and its kernels variant) for
     that (export.host_packing), a padded graph is replayed as it is.
     The artifact serves texts of up to `max_length` tokens, by default the length the model was trained
@@ -120,7 +123,8 @@ def export_artifact(
                                              remove_padding, calibration=calibration,
                                              packed_attention=packed_attention)
         if library is not None:
-            graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references)
+            graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references,
+                                                                 attention_kernel=attention_kernel)
         if cuda_graphs:
             if remove_padding:
                 graphs["fp16"].host_packed = _build_host_packed(tmp, library, graph, batches, references,
@@ -237,10 +241,10 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
 
 def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
-                         file: str = KERNELS_GRAPH_FILE) -> CustomKernelsGraph:
+                         file: str = KERNELS_GRAPH_FILE, attention_kernel: bool = True) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
-    multi-head attention where it has that, on our fused operators, and its packed attention on ours
-    where the library runs it here; checked like the graph itself."""
+    multi-head attention where it has that, on our fused operators, and with `attention_kernel` its
+    packed attention on ours where the library runs it here; checked like the graph itself."""
     import onnx
 
     from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
@@ -251,7 +255,7 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     fused = fuse_matmul_bias_gelu(model)
     operators = {MATMUL_BIAS_GELU: fused, MATMUL_BIAS: fuse_attention_bias(model)}
     head_sizes = packed_attention_head_sizes(model)
-    if len(head_sizes) == 1 and offers_packed_attention(library, head_sizes.pop()):
+    if attention_kernel and len(head_sizes) == 1 and offers_packed_attention(library, head_sizes.pop()):
         operators[PACKED_ATTENTION] = attention_on_packed_kernel(model)
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "

@@ -134,6 +134,24 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999
 
 
+def test_no_attention_kernel_keeps_onnx_runtimes_attention_in_the_kernels_graph(tiny_model_dir, tmp_path):
+    """`--no-attention-kernel`: the same kernels graph, with PackedMultiHeadAttention where PackedAttention
+    would be (the escape hatch, and the A/B of the two attentions through HTTP), gated like the other."""
+    import onnx
+
+    from custom_kernels.fusion import MATMUL_BIAS, PACKED_ATTENTION
+
+    out = tmp_path / "art"
+    argv = ["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]
+    assert main(argv + ["--no-attention-kernel"]) == 0
+    m = read_manifest(out)
+    kernels = m.graph("fp16").custom_kernels
+    assert PACKED_ATTENTION not in kernels.operators and kernels.operators[MATMUL_BIAS] == 3 * m.num_layers
+    ops = [n.op_type for n in onnx.load(str(out / kernels.file), load_external_data=False).graph.node]
+    assert ops.count("PackedMultiHeadAttention") == m.num_layers and PACKED_ATTENTION not in ops
+    assert kernels.parity["token_embeddings_min_cosine"] >= 0.999
+
+
 def test_kernels_autotuned_on_a_large_batch_give_what_cublaslts_first_choice_gives(tiny_model_dir, tmp_path,
                                                                                     monkeypatch):
     """A batch of more than 4096 tokens: the operator times cuBLASLt's candidates and keeps the fastest
