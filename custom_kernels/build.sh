@@ -57,12 +57,15 @@ sources=("$here/src/matmul_epilogues.cc") built_from=(matmul_epilogues.cc)
 if [ -n "$NVCC" ]; then
   kernel_obj="$(mktemp --suffix .o)"; trap 'rm -f "$exports" "$kernel_obj"' EXIT
   # SASS for Ampere (8.0, 8.6), Ada (8.9) and Hopper (9.0), and PTX that later cards compile at load.
-  "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden "${inc[@]}" -c "$here/src/packed_attention_kernel.cu" \
-    -o "$kernel_obj" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
-    -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]
-  sources+=("$here/src/packed_attention.cc" "$kernel_obj")
-  built_from=(matmul_epilogues.cc packed_attention.cc packed_attention_kernel.cu)
-  flags+=(-DBERTSERVE_PACKED_ATTENTION)
+  if "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden "${inc[@]}" -c "$here/src/packed_attention_kernel.cu" \
+      -o "$kernel_obj" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
+      -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]; then
+    sources+=("$here/src/packed_attention.cc" "$kernel_obj")
+    built_from=(matmul_epilogues.cc packed_attention.cc packed_attention_kernel.cu)
+    flags+=(-DBERTSERVE_PACKED_ATTENTION)
+  else  # an nvcc too old for these targets, say: the products' operators are still worth having
+    echo "build.sh: $NVCC could not compile the attention kernel (above): building without PackedAttention" >&2
+  fi
 else
   echo "build.sh: no nvcc (set NVCC or CUDA_HOME): building without PackedAttention" >&2
 fi
