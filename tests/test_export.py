@@ -361,6 +361,23 @@ def test_cuda_graphs_need_the_gpu_export(tiny_model_dir, tmp_path, capsys):
     assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err and not out.exists()
 
 
+@pytest.mark.parametrize("flag,want", [([], True), (["--attention-kernel"], True), (["--no-attention-kernel"], False)])
+def test_the_attention_kernel_choice_reaches_the_export(tiny_model_dir, tmp_path, monkeypatch, flag, want):
+    """--no-attention-kernel keeps ORT's attention in the kernels graph (its effect is tested on the GPU,
+    tests/test_export_gpu.py); the CLI hands the choice to export_artifact, on by default."""
+    import export.__main__ as cli
+
+    seen = {}
+
+    def fake_export(*args, **kwargs):
+        seen.update(kwargs)
+        raise ExportError("stopped here")
+
+    monkeypatch.setattr(cli, "export_artifact", fake_export)
+    assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "art"), *flag]) == 1
+    assert seen["attention_kernel"] is want
+
+
 def test_a_hugging_face_cache_snapshot_is_named_by_its_repository(tmp_path):
     """Checkpoints users already have often sit in the Hugging Face cache, whose folders are named by
     commit hash: the served name is then the repository's, not the hash."""
