@@ -162,23 +162,30 @@ def _packed_attention_nodes(g: _Graph) -> list[tuple[int, onnx.NodeProto, int]]:
     return found
 
 
+def packed_attention_model(heads: int, head_size: int, elem: int = onnx.TensorProto.FLOAT16,
+                           width: int | str | None = None) -> onnx.ModelProto:
+    """One bertserve.PackedAttention node over inputs q, k, v [T, width] (`elem`), token_offset [B, S] and cu
+    [B + 1]: the probe's graph, and the tests'. `width` defaults to heads · head_size; a name leaves it open."""
+    width = heads * head_size if width is None else width
+    graph = helper.make_graph(
+        [helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "cu"], ["out"], domain=DOMAIN,
+                          num_heads=heads, head_size=head_size, scale=head_size ** -0.5)], "packed_attention",
+        [helper.make_tensor_value_info(n, elem, ["T", width]) for n in "qkv"]
+        + [helper.make_tensor_value_info("token_offset", onnx.TensorProto.INT32, ["B", "S"]),
+           helper.make_tensor_value_info("cu", onnx.TensorProto.INT32, ["B1"])],
+        [helper.make_tensor_value_info("out", elem, ["T", width])])
+    # IR version 8 (opset 17's): onnx writes its newest, which an older onnxruntime refuses to load
+    return helper.make_model(graph, ir_version=8,
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+
+
 def offers_packed_attention(library, head_size: int) -> bool:
     """Whether our operator library (a path) runs PackedAttention at `head_size` on this machine's GPU
     (build.sh leaves the operator out without nvcc, and the kernel needs compute capability 8.0): a
     one-node graph opens on the CUDA provider or it does not."""
     from artifact.session import SessionError, open_session
 
-    fp16, int32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.INT32
-    graph = helper.make_graph(
-        [helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "cu"], ["out"], domain=DOMAIN,
-                          num_heads=1, head_size=head_size, scale=1.0)], "probe",
-        [helper.make_tensor_value_info(n, fp16, ["T", head_size]) for n in "qkv"]
-        + [helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
-           helper.make_tensor_value_info("cu", int32, ["B1"])],
-        [helper.make_tensor_value_info("out", fp16, ["T", head_size])])
-    # IR version 8 (opset 17's): onnx writes its newest, which an older onnxruntime refuses to load
-    model = helper.make_model(graph, ir_version=8,
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+    model = packed_attention_model(heads=1, head_size=head_size)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.onnx"
         onnx.save(model, str(path))

@@ -23,9 +23,10 @@ from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
 from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
                                    fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention,
-                                   packed_attention_head_sizes)
+                                   packed_attention_head_sizes, packed_attention_model)
 from export import ExportError
 from export.pipeline import export_artifact
+from tests.attention_reference import softmax_attention
 from tests.feeds import padded_feed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,31 +273,8 @@ def test_a_graph_opens_on_its_kernels_variant_or_falls_back_to_the_plain_one(tin
 
 
 def _packed_attention_node_graph(heads: int, size: int, elem=TensorProto.FLOAT) -> bytes:
-    width = "W"  # left open, so that the operator's own shape check is what a wrong width meets
-    node = helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "cu"], ["out"],
-                            domain=custom_kernels.DOMAIN, num_heads=heads, head_size=size, scale=size ** -0.5)
-    graph = helper.make_graph(
-        [node], "one", [helper.make_tensor_value_info(n, elem, ["T", width]) for n in "qkv"]
-        + [helper.make_tensor_value_info("token_offset", TensorProto.INT32, ["B", "S"]),
-           helper.make_tensor_value_info("cu", TensorProto.INT32, ["B1"])],
-        [helper.make_tensor_value_info("out", elem, ["T", width])])
-    return helper.make_model(graph, ir_version=8, opset_imports=[
-        helper.make_opsetid("", 17), helper.make_opsetid(custom_kernels.DOMAIN, 1)]).SerializeToString()
-
-
-def _attention_reference(q, k, v, lengths, heads):
-    """softmax(Q·Kᵀ/√d)·V for each sequence and head on its own, in float64."""
-    out, start = np.zeros(q.shape), 0
-    size = q.shape[1] // heads
-    for n in lengths:
-        for h in range(heads):
-            cols = slice(h * size, (h + 1) * size)
-            qs, ks, vs = (x[start:start + n, cols].astype(np.float64) for x in (q, k, v))
-            scores = qs @ ks.T / math.sqrt(size)
-            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-            out[start:start + n, cols] = (weights / weights.sum(axis=1, keepdims=True)) @ vs
-        start += n
-    return out
+    # the width left open, so that the operator's own shape check is what a wrong width meets
+    return packed_attention_model(heads, size, elem, width="W").SerializeToString()
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
@@ -312,7 +290,7 @@ def test_packed_attention_attends_within_each_sequence_only(hostref_library, dty
             "cu": np.array([0, 3, 4, 10], np.int32)}
     (out,) = session.run(None, feed)
     assert out.dtype == dtype
-    np.testing.assert_allclose(out, _attention_reference(q, k, v, lengths, heads), atol=2e-6 if dtype == np.float32 else 2e-3)
+    np.testing.assert_allclose(out, softmax_attention(q, k, v, lengths, heads), atol=2e-6 if dtype == np.float32 else 2e-3)
     # a row of another sequence changes nothing in this one
     k2 = k.copy()
     k2[4:] += 5

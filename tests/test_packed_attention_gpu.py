@@ -4,16 +4,13 @@ sides of its 64-row tiles and 128-key copy rounds, both head sizes it is built f
 narrower than the longest sequence. Needs the library built with nvcc (bash custom_kernels/build.sh)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper
 
-import custom_kernels
 from artifact.session import kernels_library, open_session
-from custom_kernels.fusion import PACKED_ATTENTION, offers_packed_attention
+from custom_kernels.fusion import offers_packed_attention, packed_attention_model
+from tests.attention_reference import softmax_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -26,32 +23,9 @@ def library():
 
 
 def _session(tmp_path, library, heads: int, size: int):
-    node = helper.make_node(PACKED_ATTENTION, ["q", "k", "v", "token_offset", "cu"], ["out"],
-                            domain=custom_kernels.DOMAIN, num_heads=heads, head_size=size, scale=size ** -0.5)
-    fp16 = TensorProto.FLOAT16
-    graph = helper.make_graph(
-        [node], "one", [helper.make_tensor_value_info(n, fp16, ["T", heads * size]) for n in "qkv"]
-        + [helper.make_tensor_value_info("token_offset", TensorProto.INT32, ["B", "S"]),
-           helper.make_tensor_value_info("cu", TensorProto.INT32, ["B1"])],
-        [helper.make_tensor_value_info("out", fp16, ["T", heads * size])])
-    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17),
-                                                                  helper.make_opsetid(custom_kernels.DOMAIN, 1)])
     path = tmp_path / f"attention_{heads}x{size}.onnx"
-    onnx.save(model, str(path))
+    onnx.save(packed_attention_model(heads, size), str(path))
     return open_session(path, "cuda", library=library)
-
-
-def _reference(q, k, v, lengths, heads):
-    out, start, size = np.zeros(q.shape), 0, q.shape[1] // heads
-    for n in lengths:
-        for h in range(heads):
-            cols = slice(h * size, (h + 1) * size)
-            qs, ks, vs = (x[start:start + n, cols].astype(np.float64) for x in (q, k, v))
-            scores = qs @ ks.T / math.sqrt(size)
-            weights = np.exp(scores - scores.max(axis=1, keepdims=True))
-            out[start:start + n, cols] = weights / weights.sum(axis=1, keepdims=True) @ vs
-        start += n
-    return out
 
 
 @pytest.mark.parametrize("heads,size", [(12, 64), (12, 32), (4, 64)])
@@ -65,7 +39,7 @@ def test_kernel_matches_softmax_attention_per_sequence(tmp_path, library, heads,
     cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     (got,) = session.run(None, {"q": q, "k": k, "v": v, "cu": cu,
                                 "token_offset": np.zeros((len(lengths), max(lengths)), np.int32)})
-    want = _reference(q, k, v, lengths, heads)
+    want = softmax_attention(q, k, v, lengths, heads)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got.astype(np.float64), want, atol=1e-2, rtol=0)
     per_head = lambda x: x.reshape(len(x), heads, size)  # noqa: E731
@@ -82,7 +56,7 @@ def test_sequences_longer_than_token_offset_says_are_still_attended_in_full(tmp_
     q, k, v = (rng.normal(0, 1, (sum(lengths), heads * size)).astype(np.float16) for _ in range(3))
     cu = np.array([0, 200, 270], np.int32)
     (got,) = session.run(None, {"q": q, "k": k, "v": v, "cu": cu, "token_offset": np.zeros((2, 16), np.int32)})
-    np.testing.assert_allclose(got.astype(np.float64), _reference(q, k, v, lengths, heads), atol=1e-2, rtol=0)
+    np.testing.assert_allclose(got.astype(np.float64), softmax_attention(q, k, v, lengths, heads), atol=1e-2, rtol=0)
 
 
 def test_a_head_size_the_kernel_lacks_keeps_the_session_from_opening(tmp_path, library):
