@@ -38,6 +38,7 @@
 #include <tuple>
 #include <vector>
 
+#include "op_common.h"
 #include "ort_abi.h"
 #include "packed_attention.h"
 
@@ -48,7 +49,10 @@
 
 namespace {
 
-constexpr uint32_t kOpVersion = 16;  // OrtCustomOp layout and OrtApi version asked for (ORT >= 1.16)
+using op_common::dims_str;
+using op_common::kOpVersion;
+using op_common::type_and_shape;
+
 constexpr const char* kDomain = "bertserve";
 
 const OrtApi* api = nullptr;  // set by RegisterCustomOps
@@ -56,31 +60,6 @@ const OrtApi* api = nullptr;  // set by RegisterCustomOps
 // `op`: the operator's name, which starts every message.
 OrtStatusPtr fail(const char* op, OrtErrorCode code, const std::string& msg) {
   return api->CreateStatus(code, (std::string(op) + ": " + msg).c_str());
-}
-
-#define RETURN_IF_ERROR(expr)                          \
-  do {                                                 \
-    if (OrtStatusPtr status_ = (expr)) return status_; \
-  } while (0)
-
-std::string dims_str(const std::vector<int64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
-OrtStatusPtr type_and_shape(const OrtValue* v, ONNXTensorElementDataType* type, std::vector<int64_t>* dims) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  RETURN_IF_ERROR(api->GetTensorTypeAndShape(v, &info));
-  size_t n = 0;
-  OrtStatusPtr s = api->GetTensorElementType(info, type);
-  if (!s) s = api->GetDimensionsCount(info, &n);
-  if (!s) {
-    dims->resize(n);
-    s = api->GetDimensions(info, dims->data(), n);
-  }
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  return s;
 }
 
 // One registered operator: its name and epilogue, element type and execution provider.
@@ -428,7 +407,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   for (size_t i = 0; i < 3; ++i) {
     RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
     if (!in[i]) return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
-    RETURN_IF_ERROR(type_and_shape(in[i], &type[i], &dims[i]));
+    RETURN_IF_ERROR(type_and_shape(api, in[i], &type[i], &dims[i]));
     if (type[i] != k.def->type)
       return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " has an unexpected element type");
   }
@@ -456,7 +435,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
 OpDef make_op(const char* name, bool gelu, ONNXTensorElementDataType type, const char* provider) {
   OpDef op;
   std::memset(static_cast<void*>(&op), 0, sizeof(op));
-  op.version = kOpVersion;
+  op_common::set_common_fields(op);
   op.name = name;
   op.gelu = gelu;
   op.type = type;
@@ -466,15 +445,7 @@ OpDef make_op(const char* name, bool gelu, ONNXTensorElementDataType type, const
   op.GetInputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
   return op;

@@ -20,7 +20,12 @@
 #include <string>
 #include <vector>
 
+#include "op_common.h"
+
 namespace {
+
+using op_common::dims_str;
+using op_common::type_and_shape;
 
 const OrtApi* api = nullptr;
 constexpr const char* kName = "PackedAttention";
@@ -29,11 +34,6 @@ constexpr int kInputs = 5;
 OrtStatusPtr fail(OrtErrorCode code, const std::string& msg) {
   return api->CreateStatus(code, (std::string(kName) + ": " + msg).c_str());
 }
-
-#define RETURN_IF_ERROR(expr)                          \
-  do {                                                 \
-    if (OrtStatusPtr status_ = (expr)) return status_; \
-  } while (0)
 
 struct OpDef : OrtCustomOp {
   ONNXTensorElementDataType type;  // of query, key, value and the output
@@ -45,26 +45,6 @@ struct Kernel {
   int64_t num_heads = 0, head_size = 0;
   float scale = 0.0f;
 };
-
-OrtStatusPtr shape_of(const OrtValue* v, ONNXTensorElementDataType* type, std::vector<int64_t>* dims) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  RETURN_IF_ERROR(api->GetTensorTypeAndShape(v, &info));
-  size_t n = 0;
-  OrtStatusPtr s = api->GetTensorElementType(info, type);
-  if (!s) s = api->GetDimensionsCount(info, &n);
-  if (!s) {
-    dims->resize(n);
-    s = api->GetDimensions(info, dims->data(), n);
-  }
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  return s;
-}
-
-std::string dims_str(const std::vector<int64_t>& d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
 
 #ifdef BERTSERVE_HOST_REFERENCE
 
@@ -154,7 +134,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   for (int i = 0; i < kInputs; ++i) {
     RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
     if (!in[i]) return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
-    RETURN_IF_ERROR(shape_of(in[i], &type[i], &dims[i]));
+    RETURN_IF_ERROR(type_and_shape(api, in[i], &type[i], &dims[i]));
     if (type[i] != (i < 3 ? k.def->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32))
       return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " has an unexpected element type");
   }
@@ -198,7 +178,7 @@ OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernel
 OpDef make_op(ONNXTensorElementDataType type, const char* provider) {
   OpDef op;
   std::memset(static_cast<void*>(&op), 0, sizeof(op));
-  op.version = 16;
+  op_common::set_common_fields(op);
   op.type = type;
   op.provider = provider;
   op.GetName = [](const OrtCustomOp*) { return kName; };
@@ -208,15 +188,7 @@ OpDef make_op(ONNXTensorElementDataType type, const char* provider) {
   };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return kInputs; };
   op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
-  op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_REQUIRED; };
-  op.GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op.GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
-  op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
   return op;
