@@ -12,6 +12,7 @@ TRAINING_SUMMARY_FILE = "training_summary.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SENTENCE_BERT_CONFIG_FILE = "sentence_bert_config.json"
 MODULES_FILE = "modules.json"
+SBERT_MODEL_CONFIG_FILE = "config_sentence_transformers.json"
 # The module class, by its name: sentence-transformers < 6 writes "sentence_transformers.models.Transformer",
 # 6 "sentence_transformers.base.modules.transformer.Transformer".
 _TRANSFORMER_MODULE = "Transformer"

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import numpy as np
 
+from artifact.source_folder import MODULES_FILE, SBERT_MODEL_CONFIG_FILE
 from artifact.source_folder import SENTENCE_BERT_CONFIG_FILE as SBERT_CONFIG_FILE
 from export import ExportError
 from training import bert_family
 from training.model_folder import read_state_dict
 
-MODULES_FILE = "modules.json"
-SBERT_MODEL_CONFIG_FILE = "config_sentence_transformers.json"
 MODULE_CONFIG_FILE = "config.json"  # a Pooling / Normalize module's settings, in its own folder
 # Pooling config keys of sentence-transformers < 5 (booleans; several true = concatenated) -> our names.
 _LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",

@@ -318,7 +318,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
 
 
-@pytest.mark.parametrize("case", ["other_files", "a_file", "working_folder", "init_from_itself"])
+@pytest.mark.parametrize("case", ["other_files", "a_file", "working_folder", "init_from_itself", "user_file",
+                                  "exported_artifact", "run_dir_inside", "cache_dir_inside", "corpus_inside",
+                                  "working_folder_inside"])
 def test_an_out_that_is_not_a_model_folder_is_refused_and_left_as_it_is(case, tmp_path, capsys, monkeypatch,
                                                                       tiny_model_dir):
     """The model folder is written whole over --out: where that would destroy something else, the run is
@@ -327,7 +329,31 @@ def test_an_out_that_is_not_a_model_folder_is_refused_and_left_as_it_is(case, tm
 
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=10)
     out = tmp_path / "out"
-    if case == "other_files":
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    if case in ("user_file", "exported_artifact", "run_dir_inside", "cache_dir_inside", "corpus_inside",
+                "working_folder_inside"):
+        shutil.copytree(tiny_model_dir, out)  # an earlier model folder: retraining into it is allowed
+    if case == "user_file":
+        (out / "notes.md").write_text("what this model is for")
+        expected = "holds what a model folder does not (notes.md)"
+    elif case == "exported_artifact":
+        (out / "onnx").mkdir()
+        (out / "onnx" / "model.onnx").write_bytes(b"an export")
+        expected = "holds what a model folder does not (onnx/)"
+    elif case == "run_dir_inside":
+        run_dir = out / "run"  # not there yet: the run would make it, and the model folder replace it
+        expected = f"holds --run-dir {run_dir}"
+    elif case == "cache_dir_inside":
+        cache = out / "cache"
+        expected = f"holds --cache-dir {cache}"
+    elif case == "corpus_inside":
+        corpus = Path(shutil.move(corpus, out / "corpus.txt"))
+        expected = f"holds --corpus {corpus}"
+    elif case == "working_folder_inside":
+        (out / "1_Pooling").mkdir()  # a folder no modules.json names: not the model's
+        monkeypatch.chdir(out / "1_Pooling")
+        expected = "holds the working folder"
+    elif case == "other_files":
         (out / "sub").mkdir(parents=True)
         (out / "thesis.tex").write_text("months of work")
         expected = "is not a model folder"
@@ -342,13 +368,33 @@ def test_an_out_that_is_not_a_model_folder_is_refused_and_left_as_it_is(case, tm
         out = Path(shutil.copytree(tiny_model_dir, tmp_path / "mine"))
         expected = "is the --init-from folder itself"
     before = {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} if out.is_dir() else out.read_bytes()
-    args = small_args(corpus, tmp_path / "cache", out, tmp_path / "run")
+    args = small_args(corpus, cache, out, run_dir)
     if case == "init_from_itself":
         args = [a for a in args if a not in ("--vocab-size", "300")] + ["--init-from", str(out)]
     fails_in_one_line(capsys, args, expected)
     after = {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} if out.is_dir() else out.read_bytes()
     assert after == before
-    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # refused before the data
+    assert not cache.exists() or not any(cache.iterdir())  # refused before the data
+    assert not run_dir.exists()
+
+
+def test_retraining_into_an_earlier_model_folder_replaces_it(tmp_path, capsys, tiny_model_dir):
+    """What a model folder holds (a sentence-transformers model's module folders too) is no reason to
+    refuse: the new model replaces it whole, and nothing of the old one stays."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    out = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text('{"pooling_mode": "mean"}')
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    old_weights = (out / "model.safetensors").read_bytes()
+    assert main(small_args(corpus, tmp_path / "cache", out, tmp_path / "run", "--max-steps", "2")) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json",
+         "training_summary.json", "vocab.txt"])
+    assert (out / "model.safetensors").read_bytes() != old_weights
+    load_model_folder(out)
 
 
 def test_undecodable_bytes_and_a_huge_line_still_train(tmp_path):

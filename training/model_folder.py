@@ -17,8 +17,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SENTENCE_BERT_CONFIG_FILE, TOKENIZER_CONFIG_FILE,
-                                    transformer_folder)
+from artifact.source_folder import (CONFIG_FILE, MODULES_FILE, SBERT_MODEL_CONFIG_FILE, SENTENCE_BERT_CONFIG_FILE,
+                                    TOKENIZER_CONFIG_FILE, TRAINING_SUMMARY_FILE, transformer_folder)
 from artifact.source_folder import ModelFolderError  # noqa: F401 (raised here; callers import it from here)
 from training import bert_family
 from training.model import BertConfig, BertForPreTraining
@@ -68,12 +68,25 @@ def sentence_transformers_files(folder: Path | str) -> dict[str, Path | str]:
             module["path"] = ""
         elif module.get("path") and (folder / module["path"]).exists():
             found[module["path"]] = folder / module["path"]
-    for name in (SENTENCE_BERT_CONFIG_FILE, "config_sentence_transformers.json"):
+    for name in (SENTENCE_BERT_CONFIG_FILE, SBERT_MODEL_CONFIG_FILE):
         source = next((d / name for d in (transformer, folder) if (d / name).is_file()), None)
         if source is not None:
             found[name] = source
     found[MODULES_FILE] = json.dumps(modules, indent=2) + "\n"
     return found
+
+
+def model_folder_entries(folder: Path | str) -> set[str]:
+    """The names save_model_folder may write in a folder: what retraining into `folder` may replace. A
+    sentence-transformers module folder counts where the folder's own modules.json names it."""
+    names = {CONFIG_FILE, WEIGHTS_FILE, *TOKENIZER_FILES, TRAINING_SUMMARY_FILE, MODULES_FILE,
+             SENTENCE_BERT_CONFIG_FILE, SBERT_MODEL_CONFIG_FILE}
+    try:
+        modules = json.loads((Path(folder) / MODULES_FILE).read_text())
+        names |= {str(m["path"]).split("/")[0] for m in modules if isinstance(m, dict) and m.get("path")}
+    except (OSError, ValueError, TypeError):
+        pass  # no modules.json, or one that is not ours: no module folder is ours either
+    return names
 
 
 def save_model_folder(

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from artifact.source_folder import trained_max_length
+from artifact.source_folder import TRAINING_SUMMARY_FILE, trained_max_length
 from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
                                  remove_stale_temporaries)
 from training.corpus import CorpusError, resolve_corpus_files
 from training.data import DataConfig, named_tokenizer, prepare_data
 from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
-from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, save_model_folder,
-                                   sentence_transformers_files)
+from training.model_folder import (LoadedModel, ModelFolderError, load_model_folder, model_folder_entries,
+                                   save_model_folder, sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
 from training.stop_signals import forget_caught_interrupt, sigterm_as_interrupt, sigterm_stops_between_steps
@@ -396,7 +396,8 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
 
     # Decide how the run starts before spending time on data: a wrong checkpoint or a folder that
     # cannot be written fails fast.
-    check_model_out(out, args.init_from)
+    check_model_out(out, args.init_from, model_folder_entries(out),
+                    {"--run-dir": [run_dir], "--cache-dir": [args.cache_dir], "--corpus": args.corpus})
     check_writable(out, "--out", replaced_whole=True)  # on every rank: one refused alone would leave the others waiting
     check_writable(run_dir, "--run-dir")
     if dist.is_main:
@@ -508,7 +509,7 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
         "versions": _versions(),
     }
     if dist.is_main:
-        save_model_folder(model, prepared[0].tokenizer_dir, out, extra_files={"training_summary.json": summary},
+        save_model_folder(model, prepared[0].tokenizer_dir, out, extra_files={TRAINING_SUMMARY_FILE: summary},
                           max_length=max_length,
                           copies=sentence_transformers_files(args.init_from) if args.init_from else None)
     barrier(dist)

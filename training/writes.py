@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from artifact.source_folder import CONFIG_FILE
@@ -33,19 +34,34 @@ def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> 
                          f"choose a writable folder") from e
 
 
-def check_model_out(out: Path, init_from: Path | None) -> None:
+def check_model_out(out: Path, init_from: Path | None, model_entries: Collection[str],
+                    inputs: dict[str, Iterable[Path | str | None]]) -> None:
     """Fail now when writing the model folder at `out` (replaced whole) would destroy what is not an
-    earlier model folder: a file, a folder of other things, the working folder, or the --init-from folder."""
+    earlier model folder: a file, an entry a model folder does not hold (`model_entries` are the names it
+    may), the working folder, the --init-from folder, or a path of `inputs` (flag -> paths: the run's
+    other files and folders) inside it."""
     out = Path(out)
     if out.name in ("", ".", ".."):
         raise WriteError(f"--out {out}: name the model folder to write (e.g. models/mine), not {out}")
     if init_from is not None and out.resolve() == Path(init_from).resolve():
         raise WriteError(f"--out {out} is the --init-from folder itself; write the new model to another folder")
+    for flag, paths in {"the working folder": [Path.cwd()], **inputs}.items():
+        for path in (Path(p) for p in paths if p is not None):
+            if path.resolve() == out.resolve() or path.resolve().is_relative_to(out.resolve()):
+                where = flag if flag == "the working folder" else f"{flag} {path}"
+                raise WriteError(f"--out {out} holds {where}, which writing the model folder would delete (it "
+                                 f"replaces --out whole); choose an --out outside it")
     if out.exists() and not out.is_dir():
         raise WriteError(f"--out {out} exists and is not a folder; refusing to replace it")
-    if out.is_dir() and any(out.iterdir()) and not (out / CONFIG_FILE).is_file():
-        raise WriteError(f"--out {out} exists and is not a model folder (no {CONFIG_FILE}); refusing to replace "
-                         f"it: choose another folder, or empty this one")
+    if not out.is_dir():
+        return
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in model_entries)
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        kind = ("is not a model folder" if not (out / CONFIG_FILE).is_file()
+                else "holds what a model folder does not")
+        raise WriteError(f"--out {out} {kind} ({shown}); writing the model replaces --out whole, so it refuses: "
+                         f"choose another folder, or move those out")
 
 
 def write_failed(path: Path, error: BaseException) -> WriteError:
