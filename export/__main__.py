@@ -13,7 +13,8 @@ from artifact.manifest import ManifestError  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
-from training.stop_signals import forget_caught_interrupt, sigterm_as_interrupt  # noqa: E402
+from training.stop_signals import (forget_caught_interrupt, interrupted_exit_code,  # noqa: E402
+                                   sigterm_as_interrupt)
 from training.writes import write_failed  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         forget_caught_interrupt()
         print(f"export interrupted; nothing was written to {args.out}", file=sys.stderr)
-        return 130
+        return interrupted_exit_code()
     print(f"serves up to {manifest.max_length} tokens (of {manifest.max_position_embeddings} positions); default "
           f"pooling {manifest.default_pooling}"
           + "".join(f", Dense {d['in_features']} -> {d['out_features']} ({d['activation']})"

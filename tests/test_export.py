@@ -191,7 +191,17 @@ def broken_copies(src, root):
     d = copy("wrong-shape")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 256}))
-    cases["config disagrees with weights"] = (d, "weights do not match")
+    cases["config disagrees with weights"] = (d, "weights do not match config.json: 6 tensors have another shape "
+                                                 "than config.json gives (e.g. bert.encoder.layer.0.intermediate")
+    d = copy("config-a-list")
+    (d / "config.json").write_text("[768, 12]")
+    cases["config.json not an object"] = (d, "holds a JSON list, not an object of settings")
+    d = copy("negative-width")
+    (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": -128}))
+    cases["negative hidden_size"] = (d, "hidden_size must be a positive whole number, got -128")
+    d = copy("layers-left-out")
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_hidden_layers"}))
+    cases["num_hidden_layers left out"] = (d, "config.json leaves out num_hidden_layers, so BERT-base's 12 was taken")
     return cases
 
 
@@ -418,7 +428,7 @@ def test_sigterm_mid_export_leaves_nothing_and_says_so_in_one_line(tiny_model_di
     assert proc.poll() is None, "the export ended before it could be stopped"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130 and err.strip() == f"export interrupted; nothing was written to {out}", err
+    assert proc.returncode == 128 + signal.SIGTERM and err.strip() == f"export interrupted; nothing was written to {out}", err
     assert no_leftovers(out)
 
 

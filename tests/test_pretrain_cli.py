@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -318,6 +319,44 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
 
 
+@pytest.mark.parametrize("case", ["a_token_twice", "not_utf8"])
+def test_a_vocab_file_that_cannot_size_a_model_is_one_line_and_writes_nothing(case, tmp_path, capsys):
+    """A token on two lines would leave an id unused and the embeddings one row short of the ids; a file in
+    another encoding is not read as garbage tokens."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    words = sorted(set(corpus.read_text().lower().replace(".", " ").split()))
+    vocab = tmp_path / "vocab.txt"
+    if case == "a_token_twice":
+        vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, words[3]]) + "\n")
+        expected = f"line {5 + 3 + 1} ({words[3]!r}) appears again on a later line"
+    else:
+        vocab.write_bytes("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, "café"]).encode("latin-1"))
+        expected = f"is not UTF-8 text (line {5 + len(words) + 1})"
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2")
+    i = args.index("--vocab-size")
+    fails_in_one_line(capsys, [*args[:i], *args[i + 2:], "--vocab-file", str(vocab)], f"vocab file {vocab}", expected)
+    assert not (tmp_path / "model").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_vocabulary_that_does_not_fit_the_corpus_is_warned_of(tmp_path, caplog):
+    """A vocab.txt of another language (here: two words) reads most of the corpus as [UNK]; the run goes on,
+    since the file may be what the user means, but says so before the hours of training."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "in"]) + "\n")
+    args = small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "1")
+    i = args.index("--vocab-size")
+    with caplog.at_level("WARNING"):
+        assert main([*args[:i], *args[i + 2:], "--vocab-file", str(vocab)]) == 0
+    warned = [r.getMessage() for r in caplog.records if "[UNK]" in r.getMessage()]
+    assert len(warned) == 1 and "its vocabulary does not fit this text" in warned[0], caplog.text
+    stats = json.loads((tmp_path / "model" / "training_summary.json").read_text())["data_stats"][0]
+    assert stats["unknown_token_rate"] > 0.5  # recorded with the run
+    caplog.clear()  # a vocabulary trained on the corpus: no warning
+    assert main(small_args(corpus, tmp_path / "cache", tmp_path / "model2", tmp_path / "run2", "--max-steps", "1")) == 0
+    assert not [r for r in caplog.records if "[UNK]" in r.getMessage()]
+
+
 @pytest.mark.parametrize("case", ["other_files", "a_file", "working_folder", "init_from_itself", "user_file",
                                   "exported_artifact", "run_dir_inside", "cache_dir_inside", "corpus_inside",
                                   "working_folder_inside"])
@@ -475,7 +514,10 @@ def test_sigterm_while_the_data_is_prepared_stops_at_once(tmp_path):
     returncode, err = _sigterm_once(
         small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "100000"),
         started=cache.is_dir, poll_s=0.01, to_group=True, stop_within_s=60)  # the preparation has begun
-    assert returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
+    # 143, as a shell reports a process SIGTERM ended; no checkpoint to resume from: none is suggested
+    assert returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == (f"interrupted before the first checkpoint in {tmp_path / 'run'}; run the "
+                                            f"same command again to start over"), err
     assert "Traceback" not in err, err
     assert not list_checkpoints(tmp_path / "run") and not (tmp_path / "model").exists()
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]  # no half-built data
@@ -495,7 +537,7 @@ def test_sigterm_stops_a_run_as_ctrl_c_does(to, tmp_path):
         # training steps are being logged: the workers are running
         started=lambda: len(metrics.read_text().splitlines() if metrics.is_file() else []) >= 3,
         poll_s=0.05, to_group=to == "process group", stop_within_s=120)
-    assert returncode == 130 and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
+    assert returncode == 128 + signal.SIGTERM and err.strip().splitlines()[-1] == "interrupted; continue with --resume", err
     assert "Traceback" not in err and "Exception" not in err, err
     assert not (tmp_path / "model").exists() and not list(tmp_path.glob(".model*"))
     steps = [r["step"] for r in read_metrics(tmp_path / "run")]

@@ -99,7 +99,7 @@ def test_data_workers_end_with_a_killed_trainer(cache_dir, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("flag", ["--out", "--run-dir"])
+@pytest.mark.parametrize("flag", ["--out", "--run-dir", "--cache-dir"])
 @pytest.mark.parametrize("how", ["read_only", "file_in_the_way"])
 def test_an_unwritable_folder_fails_before_training(corpus, cache_dir, tmp_path, capsys, mounts, flag, how):
     if how == "read_only":
@@ -112,9 +112,11 @@ def test_an_unwritable_folder_fails_before_training(corpus, cache_dir, tmp_path,
     else:
         folder = tmp_path / "a_file"
         folder.write_text("not a folder")
-    paths = {"--out": tmp_path / "model", "--run-dir": tmp_path / "run", flag: folder / "inside"}
+    paths = {"--out": tmp_path / "model", "--run-dir": tmp_path / "run", "--cache-dir": cache_dir,
+             flag: folder / "inside"}
     started = time.perf_counter()
-    fails_in_one_line(capsys, small_args(corpus, cache_dir, paths["--out"], paths["--run-dir"], "--max-steps", "2"),
+    fails_in_one_line(capsys, small_args(corpus, paths["--cache-dir"], paths["--out"], paths["--run-dir"],
+                                         "--max-steps", "2"),
            f"{flag} {folder / 'inside'}", "cannot write")
     assert time.perf_counter() - started < 5  # before data preparation and training
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()

@@ -7,6 +7,7 @@ corpus files (or the docstring corpus) → WordPiece → shards (cached under a 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -27,9 +28,9 @@ from training.docstring_corpus import docstring_corpus, docstring_corpus_path
 from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, draw_pairs, finish
 from training.masking import Masker
 from training.shards import TokenShards, write_shards
-from training.wordpiece import CLS, MASK, PAD, SEP, load_tokenizer_from_folder, save_tokenizer, tokenizer_from_vocab, \
-    train_wordpiece
-from training.writes import remove_stale_siblings
+from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder, save_tokenizer, \
+    tokenizer_from_vocab, train_wordpiece
+from training.writes import check_writable, remove_stale_siblings, write_failed
 
 log = logging.getLogger(__name__)
 
@@ -345,13 +346,29 @@ def _wait_for(done: Path) -> None:
         time.sleep(1.0)
 
 
+def _is_write_error(error: OSError, cache_dir: Path) -> bool:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return error.filename is not None and Path(error.filename).absolute().is_relative_to(cache_dir.absolute())
+
+
+# Above this share of [UNK] tokens a vocabulary does not fit the corpus: BERT's own on English text is
+# well under 1%.
+_UNKNOWN_WARN_RATE = 0.05
+
+
+def _unknown_rate(tokenizer: Tokenizer, shards: TokenShards) -> float:
+    counts, unk = shards.token_counts(), tokenizer.token_to_id(UNK)
+    return float(counts[unk] / counts.sum()) if unk is not None and unk < len(counts) and counts.sum() else 0.0
+
+
 def named_tokenizer(cfg: DataConfig) -> Tokenizer | None:
     """The tokenizer the settings name (a model folder's, or one over a vocab file), else None: one is
     trained on the corpus."""
     if cfg.tokenizer_dir is not None:
         return folder_tokenizer(cfg.tokenizer_dir)
     if cfg.vocab_file is not None:
-        return tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase)
+        return tokenizer_from_vocab(cfg.vocab_file, cfg.lowercase, each_once=True)
     return None
 
 
@@ -366,13 +383,24 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
     built_now = False
     if not (folder / _DONE).is_file():
         if rank == 0:
-            _build(cfg, files, folder, show_progress, trained)
+            check_writable(Path(cfg.cache_dir), "--cache-dir")  # before the minutes a build takes
+            try:
+                _build(cfg, files, folder, show_progress, trained)
+            except OSError as e:
+                if _is_write_error(e, Path(cfg.cache_dir)):  # a full disk, or the folder made read-only since
+                    raise write_failed(folder, e) from e
+                raise
             built_now = True
         else:
             _wait_for(folder / _DONE)
 
     tokenizer = load_tokenizer_from_folder(folder / "tokenizer")
     shards = TokenShards(folder / "shards")
+    unknown_rate = _unknown_rate(tokenizer, shards)
+    if rank == 0 and unknown_rate > _UNKNOWN_WARN_RATE:
+        log.warning("the tokenizer reads %.0f%% of the corpus's tokens as %s: its vocabulary does not fit this "
+                    "text (another language or script, or cased text with --no-lowercase?), and the model "
+                    "learns nothing from those tokens", 100 * unknown_rate, UNK)
     train_ids, heldout_ids = split_documents(shards.n_documents, cfg.heldout_fraction)
     masker = Masker(tokenizer, cfg.masked_lm_prob, cfg.max_predictions_per_seq, cfg.whole_word_masking)
 
@@ -388,6 +416,6 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
     stats = {**corpus, "train_documents": len(train_ids), "heldout_documents": len(heldout_ids),
              "train_examples_epoch0": len(epoch0),
              "is_next_rate": float(np.mean(epoch0[:, NSP_LABEL] == IS_NEXT)) if len(epoch0) else 0.0,
-             "cache": str(folder), "built_now": built_now,
+             "unknown_token_rate": round(unknown_rate, 4), "cache": str(folder), "built_now": built_now,
              "corpus": "python docstrings (default)" if not cfg.corpus else ", ".join(cfg.corpus)}
     return PreparedData(tokenizer, folder / "tokenizer", train, heldout, stats)

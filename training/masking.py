@@ -23,7 +23,7 @@ class Masker:
     def __init__(self, tokenizer: Tokenizer, masked_lm_prob: float = 0.15, max_predictions: int = 20,
                  whole_word: bool = False):
         vocab = tokenizer.get_vocab()
-        size = tokenizer.get_vocab_size()
+        size = max(vocab.values()) + 1  # not the token count: a vocab.txt with a token twice skips an id
         self.masked_lm_prob, self.max_predictions, self.whole_word = masked_lm_prob, max_predictions, whole_word
         self.mask_id = vocab[MASK]
         # Special tokens (and [UNK]) are never chosen nor drawn as a random replacement.

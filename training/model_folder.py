@@ -158,16 +158,51 @@ def _config_json(folder: Path) -> dict:
         raise ModelFolderError(f"{folder}: no {CONFIG_FILE}; not a model folder (expected one written by "
                                f"`python -m training.pretrain` or a Hugging Face BERT checkpoint)")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelFolderError(f"{path} is not valid JSON ({e}); the folder is corrupt, re-create it") from e
+    if not isinstance(raw, dict):
+        raise ModelFolderError(f"{path} holds a JSON {type(raw).__name__}, not an object of settings; the folder "
+                               f"is corrupt, re-create it")
+    return raw
+
+
+# The settings that decide the weights' shapes: where config.json leaves one out, BERT-base's value is
+# taken (as transformers does), and weights of another shape then look wrong when the config is.
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+               "max_position_embeddings", "type_vocab_size")
+
+
+def _defaults_taken(raw_config: dict) -> str:
+    """What to add to a message blaming the weights when config.json left out shape settings."""
+    try:
+        given = bert_family.bert_config(raw_config)
+    except (TypeError, ValueError):  # a config that is wrong in other ways: its own message says so
+        return ""
+    left_out = [k for k in _SHAPE_KEYS if given.get(k) is None]
+    if not left_out:
+        return ""
+    defaults = BertConfig()
+    return (f"; config.json leaves out {', '.join(left_out)}, so BERT-base's "
+            f"{', '.join(str(getattr(defaults, k)) for k in left_out)} was taken: give the model's own")
+
+
+def _shape_mismatch(model: BertForPreTraining, state: dict[str, torch.Tensor]) -> str:
+    """The first tensor whose shape in the weights differs from the config's, and how many do, in words."""
+    wrong = [(k, list(v.shape), list(state[k].shape)) for k, v in model.state_dict().items()
+             if k in state and state[k].shape != v.shape]
+    if not wrong:
+        return "they do not load"
+    name, wanted, found = wrong[0]
+    return (f"{len(wrong)} tensors have another shape than config.json gives (e.g. {name}: {found} in the "
+            f"weights, {wanted} by config.json)")
 
 
 def _bert_config(folder: Path, raw: dict) -> BertConfig:
     try:
         return BertConfig.from_hf_dict(bert_family.bert_config(raw))
     except (TypeError, ValueError) as e:
-        raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: {e}") from e
+        raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: {e}{_defaults_taken(raw)}") from e
 
 
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
@@ -233,7 +268,8 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     encoder_missing = sorted(k for k in missing if k.startswith("bert.") and not k.startswith("bert.pooler."))
     if encoder_missing:
         raise ModelFolderError(f"{folder}: the weights lack {len(encoder_missing)} encoder tensors "
-                               f"(e.g. {encoder_missing[0]}); the checkpoint is incomplete or not BERT")
+                               f"(e.g. {encoder_missing[0]}); the checkpoint is incomplete or not BERT"
+                               f"{_defaults_taken(raw_config)}")
     unexpected = sorted(state.keys() - expected)
     heads = sorted({k.split(".")[1] for k in unexpected if k.removeprefix("bert.").startswith(_TASK_HEADS)})
     if heads:
@@ -249,7 +285,8 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     try:
         model.load_state_dict(state, strict=False)
     except RuntimeError as e:  # shape mismatch: config and weights disagree
-        raise ModelFolderError(f"{folder}: weights do not match config.json: {e}") from e
+        raise ModelFolderError(f"{folder}: weights do not match config.json: {_shape_mismatch(model, state)}"
+                               f"{_defaults_taken(raw_config)}") from e
     has_pooler = not any(k.startswith("bert.pooler.") for k in missing)
     has_nsp = has_pooler and not any(k.startswith("cls.seq_relationship.") for k in missing)
     has_mlm = not any(k.startswith("cls.predictions.") for k in missing)

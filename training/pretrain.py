@@ -30,7 +30,8 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    save_model_folder, sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
-from training.stop_signals import forget_caught_interrupt, sigterm_as_interrupt, sigterm_stops_between_steps
+from training.stop_signals import (forget_caught_interrupt, interrupted_exit_code, sigterm_as_interrupt,
+                                   sigterm_stops_between_steps)
 from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_writable
 
@@ -385,8 +386,12 @@ def _versions() -> dict[str, str]:
             "tokenizers": tokenizers.__version__}
 
 
+def run_dir_of(args: argparse.Namespace) -> Path:
+    return Path(args.run_dir or Path("runs") / Path(args.out).name)
+
+
 def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
-    out, run_dir = Path(args.out), Path(args.run_dir or Path("runs") / Path(args.out).name)
+    out, run_dir = Path(args.out), run_dir_of(args)
     source = model_source(args)
     check_lengths(args, source)
     cfg = train_config(args, source.default_lr)
@@ -682,13 +687,16 @@ def main(argv: list[str] | None = None) -> int:
             summary = run(args, dist)
     except _RankZeroFailed:
         return 2  # rank 0 printed it
-    except (CorpusError, ModelFolderError, CheckpointError, WriteError, ValueError) as e:
+    except (CorpusError, ModelFolderError, CheckpointError, WriteError, ValueError, FloatingPointError) as e:
         print(f"error: {e}" if not dist.distributed else f"error (rank {dist.rank}): {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         forget_caught_interrupt()
-        print("interrupted; continue with --resume", file=sys.stderr)
-        return 130
+        run_dir = run_dir_of(args)
+        print("interrupted; continue with --resume" if list_checkpoints(run_dir) else
+              f"interrupted before the first checkpoint in {run_dir}; run the same command again to start over",
+              file=sys.stderr)
+        return interrupted_exit_code()
     finally:
         teardown_distributed()
     if dist.is_main:

@@ -26,7 +26,11 @@ def _on_sigterm(handler):
     return _on_signal(signal.SIGTERM, handler)
 
 
+_received: list[int] = []  # the signals that stopped this process, for its exit code
+
+
 def _interrupt(signum, frame):
+    _received.append(signum)
     raise KeyboardInterrupt
 
 
@@ -39,6 +43,7 @@ _stop = threading.Event()
 
 
 def _request_stop(signum, frame):
+    _received.append(signum)
     if _stop.is_set():
         raise KeyboardInterrupt
     _stop.set()
@@ -48,6 +53,7 @@ def _interrupt_or_stop(signum, frame):
     # Python drops an exception raised where it cannot propagate (inside a __del__, such as a data loader's
     # clean-up of its workers at a phase's start): should it drop this one, the run still stops, at the
     # step's end.
+    _received.append(signum)
     _stop.set()
     raise KeyboardInterrupt
 
@@ -59,6 +65,7 @@ def sigterm_stops_between_steps() -> Iterator[None]:
     a second SIGTERM interrupts at once. Ctrl-C (SIGINT) interrupts at once, and also asks for that stop,
     in case the interruption is lost."""
     _stop.clear()
+    _received.clear()
     try:
         with _on_sigterm(_request_stop), _on_signal(signal.SIGINT, _interrupt_or_stop):
             yield
@@ -67,11 +74,19 @@ def sigterm_stops_between_steps() -> Iterator[None]:
 
 
 def forget_caught_interrupt() -> None:
-    """Call where a KeyboardInterrupt was caught and the process then exits with its own code (130).
+    """Call where a KeyboardInterrupt was caught and the process then exits with its own code (130, 143).
     CPython marks an interrupt that ends a string exec or eval as unhandled even when a caller catches it
     (dataclasses make their methods so, many while torch imports), and under `python -m` the process then
     dies of SIGINT instead of exiting with its code. Each string exec clears the mark as it starts."""
     exec("pass", {})
+
+
+def interrupted_exit_code() -> int:
+    """128 + the number of the signal that stopped the process, as a shell reports a process killed by it:
+    143 for SIGTERM, so that a scheduler tells its own stop from a user's Ctrl-C (130, also the default)."""
+    code = 128 + (_received[0] if _received else signal.SIGINT)
+    _received.clear()
+    return code
 
 
 def stop_requested() -> bool:

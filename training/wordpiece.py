@@ -53,13 +53,26 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = Tru
     return _add_pair_template(tok)
 
 
-def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True) -> Tokenizer:
-    """A BERT tokenizer over an existing vocab.txt (one token per line, id = line number)."""
+def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each_once: bool = False) -> Tokenizer:
+    """A BERT tokenizer over an existing vocab.txt (one token per line, id = line number). `each_once`
+    refuses a token on two lines, for a vocabulary a new model is sized by: the later line's id wins, as
+    in transformers, which leaves the earlier id unused and one more id than there are tokens."""
     vocab_file = Path(vocab_file)
     if not vocab_file.is_file():
         raise ValueError(f"vocab file {vocab_file} does not exist")
+    try:
+        lines = vocab_file.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        line = vocab_file.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"vocab file {vocab_file} is not UTF-8 text (line {line}); convert it to UTF-8") from e
     model = models.WordPiece.from_file(str(vocab_file), unk_token=UNK, max_input_chars_per_word=100)
-    return _add_pair_template(_pipeline(model, lowercase))
+    tok = _pipeline(model, lowercase)
+    if each_once:
+        used = set(tok.get_vocab().values())
+        if (unused := next((i for i in range(len(lines)) if i not in used), None)) is not None:
+            raise ValueError(f"vocab file {vocab_file}: line {unused + 1} ({lines[unused]!r}) appears again on a "
+                             f"later line; each token must be on one line only (its line number is its id)")
+    return _add_pair_template(tok)
 
 
 def is_lowercase(tok: Tokenizer) -> bool:
