@@ -15,11 +15,14 @@ from app.batcher import DynamicBatcher, Sequences, collate
 from app.engine import EngineError, OrtEngine, resolve_device_precision
 from app.metrics import Metrics
 from app.settings import Settings
-from app.tokenization import TextTokenizer
-from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, Manifest, read_manifest
-from artifact.session import CPU
+from app.tokenization import TextTokenizer, TokenizerFileError
+from artifact.manifest import CLS_EMBEDDING, TOKENIZER_FILE, Manifest, ManifestError, read_manifest
+from artifact.session import CPU, SessionError
 
 log = logging.getLogger("app")
+
+# What loading an artifact raises when it cannot be served as it is: each says why in its message.
+UNSERVABLE = (ManifestError, TokenizerFileError, EngineError, SessionError)
 
 
 def batch_token_budget(settings: Settings, device: str) -> int:

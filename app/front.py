@@ -57,6 +57,9 @@ class ServingFront:
             service.drain(self.api.state.settings.drain_seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.api(scope, receive, self._startup_failure_in_one_line(send))
+            return
         if scope["type"] != "http":
             await self.api(scope, receive, send)
             return
@@ -81,6 +84,16 @@ class ServingFront:
             await self._handle(scope, receive, send_and_note)
         finally:
             self.metrics.request_answered(endpoint, status, time.perf_counter() - started, notes)
+
+    def _startup_failure_in_one_line(self, send: Send) -> Send:
+        """Starlette reports a lifespan that failed with the exception's traceback, which uvicorn logs; a
+        model the server cannot serve (a cause the lifespan names in `startup_error`) gets its one line."""
+        async def send_one_line(message: Message) -> None:
+            reason = getattr(self.api.state, "startup_error", None)
+            if message["type"] == "lifespan.startup.failed" and reason:
+                message = {**message, "message": reason}
+            await send(message)
+        return send_one_line
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         method = scope["method"]

@@ -57,17 +57,25 @@ class Tokenized:
         return [Encoded(ids[a:b], type_ids[a:b], enc) for a, b, enc in zip([0, *ends[:-1]], ends, encodings)]
 
 
+class TokenizerFileError(ValueError):
+    """The artifact's tokenizer.json cannot serve: unreadable, or not the one its manifest describes."""
+
+
 class TextTokenizer:
     """Wraps the artifact's tokenizer.json; safe to call from several threads at once."""
 
     def __init__(self, path: Path, max_length: int, max_input_chars: int, special_tokens: dict[str, int]):
         self.max_length = max_length
         self.max_input_chars = max_input_chars
-        config = json.loads(path.read_text(encoding="utf-8"))
-        same = equivalent_parts(config)
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+            same = equivalent_parts(config)
+            self._full = _load(path, max_length, truncate=False, replace=same)  # no truncation: for exact lengths
+        except Exception as e:  # tokenizers raises Exception itself for a file it cannot parse
+            raise TokenizerFileError(f"{path} cannot be read as a tokenizer ({' '.join(str(e).split())}); "
+                                     f"re-export the artifact") from e
         self._path, self._same = path, same
         self._left_truncating: dict[bool, Tokenizer] = {}  # plain ASCII or not -> made on first use
-        self._full = _load(path, max_length, truncate=False, replace=same)  # no truncation: for exact lengths
         self._truncating = _load(path, max_length, truncate=True, replace=same)
         # The same tokenizers for plain ASCII text, without BertNormalizer's and BertPreTokenizer's Unicode
         # work: about half the tokenising time per text, same ids, offsets and tokens (None: some other
@@ -80,11 +88,11 @@ class TextTokenizer:
         for token, expected in special_tokens.items():
             found = self._full.token_to_id(token)
             if found != expected:
-                raise ValueError(f"tokenizer.json gives {token} the id {found}, the manifest says {expected}: "
+                raise TokenizerFileError(f"tokenizer.json gives {token} the id {found}, the manifest says {expected}: "
                                  f"the artifact's files do not belong together; re-export it")
         probe = self._full.encode("a", "b")
         if probe.type_ids[-1] != 1:
-            raise ValueError("tokenizer.json has no BERT pair template (segment ids); re-export the artifact")
+            raise TokenizerFileError("tokenizer.json has no BERT pair template (segment ids); re-export the artifact")
         # How many special tokens the template adds to a text (index 0) and to a pair (1).
         self._specials = (self._full.num_special_tokens_to_add(False), self._full.num_special_tokens_to_add(True))
         self._words = AsciiWords.of(self._ascii_full, self._ascii, max_length) if self._ascii else None

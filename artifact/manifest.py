@@ -180,6 +180,10 @@ class Manifest:
                                 f"version of `python -m export`") from e
         if not manifest.graphs:
             raise ManifestError("manifest names no graph: re-export the model")
+        for name in ("hidden_size", "num_layers", "num_heads", "vocab_size", "max_position_embeddings"):
+            if getattr(manifest, name) <= 0:
+                raise ManifestError(f"manifest {name} {getattr(manifest, name)} is not a positive number: re-export "
+                                    f"the model")
         if manifest.default_pooling not in POOLINGS:
             raise ManifestError(f"manifest default_pooling {manifest.default_pooling!r} is not one of {', '.join(POOLINGS)}")
         width = manifest.hidden_size
