@@ -88,11 +88,12 @@ class TextTokenizer:
         for token, expected in special_tokens.items():
             found = self._full.token_to_id(token)
             if found != expected:
-                raise TokenizerFileError(f"tokenizer.json gives {token} the id {found}, the manifest says {expected}: "
-                                 f"the artifact's files do not belong together; re-export it")
+                raise TokenizerFileError(f"tokenizer.json gives {token} the id {found}, the manifest says "
+                                         f"{expected}: the artifact's files do not belong together; re-export it")
         probe = self._full.encode("a", "b")
         if probe.type_ids[-1] != 1:
-            raise TokenizerFileError("tokenizer.json has no BERT pair template (segment ids); re-export the artifact")
+            raise TokenizerFileError("tokenizer.json has no BERT pair template (segment ids); re-export the "
+                                     "artifact")
         # How many special tokens the template adds to a text (index 0) and to a pair (1).
         self._specials = (self._full.num_special_tokens_to_add(False), self._full.num_special_tokens_to_add(True))
         self._words = AsciiWords.of(self._ascii_full, self._ascii, max_length) if self._ascii else None
