@@ -282,7 +282,7 @@ def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
 @pytest.mark.parametrize("case", ["missing", "empty", "one_document", "unknown_preset", "bad_steps",
                                   "graphs_uncompiled", "graphs_on_cpu", "zero_lr", "nan_weight_decay",
                                   "negative_clip_norm", "zero_phase2_batch", "small_heldout_split",
-                                  "small_training_split", "too_many_predictions"])
+                                  "small_training_split", "too_many_predictions", "no_heldout", "nan_heldout"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     extra: list[str] = []
@@ -299,7 +299,8 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
                  "negative_clip_norm": ["--clip-norm", "-1"], "zero_phase2_batch": ["--phase2-batch-size", "0"],
                  "small_heldout_split": [],
                  "small_training_split": ["--heldout-fraction", "0.5", "--batch-size", "64"],
-                 "too_many_predictions": ["--max-predictions", "1000"]}[case]
+                 "too_many_predictions": ["--max-predictions", "1000"],
+                 "no_heldout": ["--heldout-fraction", "0"], "nan_heldout": ["--heldout-fraction", "nan"]}[case]
     out = tmp_path / "model"
     expected = {"missing": "does not exist", "empty": "", "one_document": "document",
                 "unknown_preset": "unknown preset 'huge'", "bad_steps": "--max-steps",
@@ -313,7 +314,8 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
                 "small_training_split": "training split has 10 sequence pairs at length 32, fewer than one batch "
                                         "of 64 x 1 processes; add text, lower --batch-size or lower "
                                         "--heldout-fraction",
-                "too_many_predictions": "--max-predictions must lie in [1, 29] at --max-seq-len 32, got 1000"}[case]
+                "too_many_predictions": "--max-predictions must lie in [1, 29] at --max-seq-len 32, got 1000",
+                "no_heldout": "--heldout-fraction must lie in (0, 0.5]", "nan_heldout": "got nan"}[case]
     fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either

@@ -352,6 +352,9 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--weight-decay", args.weight_decay), ("--clip-norm", args.clip_norm)):
         if not (value >= 0 and math.isfinite(value)):
             raise ValueError(f"{flag} must be 0 or more, got {value}")
+    if not 0 < args.heldout_fraction <= 0.5:  # (DataConfig takes 0 for evaluate's whole-corpus data)
+        raise ValueError(f"--heldout-fraction must lie in (0, 0.5]: the run is evaluated on the documents it holds "
+                         f"out, got {args.heldout_fraction}")
     if args.resume and args.fresh:
         raise ValueError("--resume and --fresh contradict each other; pass one")
 
