@@ -108,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         ServingServer(config, on_stop=front.drain).run()
     except KeyboardInterrupt:  # Ctrl-C raised again after the shutdown
         pass
+    except SystemExit:  # uvicorn's 3 for a failed start-up: 2 where the model cannot be served, as above
+        if getattr(front.state, "startup_error", None):
+            return 2
+        raise
     return 0
 
 

@@ -562,7 +562,7 @@ def test_an_artifact_whose_files_match_their_hashes_but_cannot_serve_stops_the_s
                         "--workers", workers, "--precision", "fp32"], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=60)
     said = [line for line in r.stderr.splitlines() if "cannot serve" in line]
-    assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(said) == 1 and f"cannot serve {art}: " in said[0] and expected in said[0], r.stderr
 
 

@@ -50,9 +50,12 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], device: str) -
         engines = [_start_engine(path, gpu, cores)
                    for path, gpu, cores in zip(sockets, settings.engine_devices, engine_cores)]
         os.environ[ENGINE_SOCKET_VAR] = ",".join(sockets)
+        ready = False
         try:
             if not all(_wait_for_socket(engine, path, stopping) for engine, path in zip(engines, sockets)):
-                return 0 if stopping.is_set() else 1
+                # 2: an engine said why it cannot serve the model (as `python -m app`'s own checks exit)
+                return 0 if stopping.is_set() else 2 if any(e.exitcode == 2 for e in engines) else 1
+            ready = True
             for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
             with listening_socket(settings.host, settings.port) as listener:
@@ -67,7 +70,7 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], device: str) -
                 if engine.is_alive():
                     engine.kill()
                     engine.join()
-                if engine.exitcode != 0:
+                if engine.exitcode != 0 and ready:  # before, _wait_for_socket said so
                     log.error("the engine process exited with %s (%s)", engine.exitcode, engine.name)
     return 0 if all(engine.exitcode == 0 for engine in engines) else 1
 
