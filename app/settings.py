@@ -132,7 +132,7 @@ class Settings(BaseSettings):
                                  "seconds (Docker's default is 10 s; Kubernetes: terminationGracePeriodSeconds > "
                                  "preStop sleep + this + 5)")
     api_key: SecretStr | None = Field(None, description="when set (whitespace around it dropped, as a key file's "
-                                                        "newline), every route needs `Authorization: Bearer KEY` "
+                                                        "newline; a key of only whitespace is refused), every route needs `Authorization: Bearer KEY` "
                                                         "but the page (`GET /` and `/static/`), `/health`, `/ping`, "
                                                         "`/ready`, `/metrics` and the docs (`/docs`, `/redoc`, "
                                                         "`/openapi.json`)")
@@ -159,7 +159,11 @@ class Settings(BaseSettings):
     @classmethod
     def _key_without_edge_whitespace(cls, v):
         """A key read from a file (a Kubernetes Secret made --from-file) often ends in a newline, which no
-        client can send in a header: the key is what lies between."""
+        client can send in a header: the key is what lies between. One that is only whitespace (a blank
+        Secret) is refused rather than read as no key, which would serve without authentication."""
+        if isinstance(v, str) and v and not v.strip():
+            raise ValueError("the key is only whitespace (a blank key file?); give the key, or leave it unset "
+                             "to serve without one")
         return v.strip() if isinstance(v, str) else v
 
     @field_validator("cors_allow_origins")

@@ -512,6 +512,7 @@ def test_text_embeddings_inference_paths_under_tei(tiny_artifact_dir):
     (["--port", "0"], {}, "port"),
     ([], {"BERTSERVE_DEVICE": "tpu"}, "device"),
     ([], {"BERTSERVE_MAX_BATCH_TOKENS": "lots"}, "max_batch_tokens"),
+    ([], {"BERTSERVE_API_KEY": " \n"}, "api_key: Value error, the key is only whitespace"),  # not "no key"
 ])
 def test_bad_settings_stop_the_server_at_once(tiny_artifact_dir, args, env, words):
     cmd = [sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), *args]
