@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
+    from app.build import cannot_serve
     from app.engine import EngineError, resolve_device_precision
     from app.main import create_app
     from app.uvicorn_server import ServingServer, listening_socket, uvicorn_options
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                                              ort.get_available_providers())
         kernels_library(settings.custom_kernels, device)
     except (ManifestError, EngineError, SessionError) as e:
-        print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr)
+        print(cannot_serve(settings.model_dir, e), file=sys.stderr)
         return 2
     # uvicorn raises a stop signal again after its shutdown, for the signal's default action (SIGTERM: exit
     # 143). A drained stop is an orderly end: exit 0, as a supervisor expects of a clean stop.

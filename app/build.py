@@ -25,6 +25,11 @@ log = logging.getLogger("app")
 UNSERVABLE = (ManifestError, TokenizerFileError, EngineError, SessionError)
 
 
+def cannot_serve(model_dir: Path, error: Exception) -> str:
+    """The one line that says why the server will not start on `model_dir`."""
+    return f"cannot serve {model_dir}: {error}"
+
+
 def batch_token_budget(settings: Settings, device: str) -> int:
     """The configured budget, else the device's default (see Settings.max_batch_tokens)."""
     if settings.max_batch_tokens is not None:

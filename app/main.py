@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager, contextmanager
 from fastapi import FastAPI
 
 from app.backend import StartBackend
-from app.build import UNSERVABLE, load_tokenizer, start_in_process
+from app.build import UNSERVABLE, cannot_serve, load_tokenizer, start_in_process
 from app.errors import register_error_handlers
 from app.metrics import Metrics
 from app.front import ServingFront
@@ -55,7 +55,7 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
             backend = await start_backend(settings, manifest, tokenizer, metrics,
                                           lambda: setattr(app.state, "service", None))  # engine lost: 503
         except UNSERVABLE as e:  # said in one line (ServingFront), not as a traceback
-            app.state.startup_error = f"cannot serve {settings.model_dir}: {e}"
+            app.state.startup_error = cannot_serve(settings.model_dir, e)
             raise
         service = InferenceService(settings, manifest, tokenizer, backend, metrics)
         e = service.engine

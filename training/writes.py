@@ -45,9 +45,10 @@ def check_model_out(out: Path, init_from: Path | None, model_entries: Collection
         raise WriteError(f"--out {out}: name the model folder to write (e.g. models/mine), not {out}")
     if init_from is not None and out.resolve() == Path(init_from).resolve():
         raise WriteError(f"--out {out} is the --init-from folder itself; write the new model to another folder")
+    replaced = out.resolve()
     for flag, paths in {"the working folder": [Path.cwd()], **inputs}.items():
         for path in (Path(p) for p in paths if p is not None):
-            if path.resolve() == out.resolve() or path.resolve().is_relative_to(out.resolve()):
+            if path.resolve().is_relative_to(replaced):  # the folder itself, or anything in it
                 where = flag if flag == "the working folder" else f"{flag} {path}"
                 raise WriteError(f"--out {out} holds {where}, which writing the model folder would delete (it "
                                  f"replaces --out whole); choose an --out outside it")

@@ -11,7 +11,7 @@ import signal
 import sys
 
 from app.backend import EngineInfo
-from app.build import UNSERVABLE, build_engine, load_tokenizer
+from app.build import UNSERVABLE, build_engine, cannot_serve, load_tokenizer
 from app.heap import keep_freed_memory
 from app.metrics import Metrics
 from app.multiprocess.cpu_cores import pin
@@ -42,7 +42,7 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozens
     try:
         device_lost = asyncio.run(_serve(settings, socket_path))
     except UNSERVABLE as e:  # one line, not a traceback; the launcher then says that this process ended
-        print(f"cannot serve {settings.model_dir}: {e}", file=sys.stderr, flush=True)
+        print(cannot_serve(settings.model_dir, e), file=sys.stderr, flush=True)
         sys.exit(2)
     finally:
         remove_if_orphaned(launcher_pid, os.path.dirname(socket_path))
