@@ -17,12 +17,15 @@ from tests.test_server import start_server
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigterm_under_load_drains_answers_503_past_the_deadline_and_exits_0(tiny_artifact_dir, workers):
+@pytest.mark.parametrize("workers, to_group", [(1, False), (2, False), (2, True)],
+                         ids=["one-process", "workers", "workers-whole-group"])
+def test_sigterm_under_load_drains_answers_503_past_the_deadline_and_exits_0(tiny_artifact_dir, workers, to_group):
+    """to_group: the SIGTERM reaches every process of the server's group at once, as systemd, `timeout`
+    and `kill -- -PGID` send it; the engine process must keep serving the workers' drain."""
     drain_s = 1.0
     # No admission limits: the queue must hold more work than the drain deadline allows.
-    proc, base = start_server(tiny_artifact_dir, workers=workers, drain_seconds=drain_s, max_queued_sequences=100_000,
-                              max_concurrent_requests=100_000, max_queue_ms="")
+    proc, base = start_server(tiny_artifact_dir, new_session=to_group, workers=workers, drain_seconds=drain_s,
+                              max_queued_sequences=100_000, max_concurrent_requests=100_000, max_queue_ms="")
     texts = [f"text {i} of a request that keeps the engine busy " + "with many more words " * 20 for i in range(64)]
     answers, failures, stop = [], [], threading.Event()
 
@@ -45,7 +48,10 @@ def test_sigterm_under_load_drains_answers_503_past_the_deadline_and_exits_0(tin
             while len(answers) < 24 and time.monotonic() < deadline:  # answers flow; the queue stays full
                 time.sleep(0.1)
             signalled = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            if to_group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=drain_s + 30)
             stopped_after = time.monotonic() - signalled
             stop.set()
@@ -63,7 +69,8 @@ def test_sigterm_under_load_drains_answers_503_past_the_deadline_and_exits_0(tin
     for r in answers:
         if r.status_code == 503:
             error = r.json()["error"]
-            assert error["type"] == "shutting_down" and r.headers["retry-after"] == "1", r.text
+            assert error["type"] == "shutting_down", r.text  # never not_ready: the engine outlives the drain
+            assert r.headers["retry-after"] == "1", r.text
             assert r.headers["connection"] == "close", r.headers  # the client's next request opens a new one
             past_deadline += "drain deadline" in error["message"]
     assert past_deadline > 0, (statuses.count(200), statuses.count(503))

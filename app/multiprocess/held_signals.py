@@ -2,19 +2,21 @@
 
 Ctrl-C reaches every process of the terminal's group, the ones still starting too: a worker importing
 its modules or building its app would die there in a KeyboardInterrupt traceback, and a SIGTERM could
-land between two handlers and be lost. So a child starts with SIGINT and SIGTERM blocked (the signal
-mask is inherited across fork and exec, and a blocked signal stays pending, not lost) and releases them
-once its own handlers are in place: a stop that came during its start is then handled as any other."""
+land between two handlers and be lost. So a child starts with its stop signals blocked (SIGINT, SIGTERM
+and the engine process's own, SIGUSR1; the signal mask is inherited across fork and exec, and a blocked
+signal stays pending, not lost) and releases them once its own handlers are in place: a stop that came
+during its start is then handled as any other."""
 from __future__ import annotations
 
 import multiprocessing
 import signal
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+ENGINE_STOP_SIGNAL = signal.SIGUSR1  # the launcher's word to its engine processes: see engine_process
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, ENGINE_STOP_SIGNAL}
 
 
 def start_with_stop_signals_held(process: multiprocessing.Process) -> None:
-    """process.start(), the child holding SIGINT and SIGTERM until it calls release_stop_signals()."""
+    """process.start(), the child holding its stop signals until it calls release_stop_signals()."""
     # Blocked in this thread only, for the moment of the start: a signal for this process meanwhile is
     # delivered once the mask is restored (or to another thread), never lost.
     before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)

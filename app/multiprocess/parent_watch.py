@@ -11,12 +11,12 @@ import sys
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def end_with_parent(parent_pid: int) -> None:
-    """The kernel sends this process SIGTERM (an orderly stop) when its parent dies; Linux only."""
+def end_with_parent(parent_pid: int, stop_signal: int = signal.SIGTERM) -> None:
+    """The kernel sends this process `stop_signal` (its orderly stop) when its parent dies; Linux only."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, stop_signal)
     if os.getppid() != parent_pid:  # the parent died before the line above took effect
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), stop_signal)
 
 
 def remove_if_orphaned(parent_pid: int, run_folder: str) -> None:
