@@ -67,9 +67,12 @@ def usable_cores() -> int:
     return cores
 
 
-def load_tokenizer(settings: Settings) -> tuple[Manifest, TextTokenizer]:
-    manifest = read_manifest(settings.model_dir)
-    tokenizer = TextTokenizer(settings.model_dir / TOKENIZER_FILE, manifest.max_length, settings.max_input_chars,
+def load_tokenizer(settings: Settings, folder: Path | None = None) -> tuple[Manifest, TextTokenizer]:
+    """The manifest and tokenizer of the artifact at `folder` (default settings.model_dir; an engine
+    process's copy for its HTTP workers: app.multiprocess.worker_files)."""
+    folder = folder or settings.model_dir
+    manifest = read_manifest(folder, graphs=folder == settings.model_dir)
+    tokenizer = TextTokenizer(folder / TOKENIZER_FILE, manifest.max_length, settings.max_input_chars,
                               manifest.special_tokens)
     return manifest, tokenizer
 

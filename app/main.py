@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 
@@ -16,6 +17,7 @@ from app.errors import register_error_handlers
 from app.metrics import Metrics
 from app.front import ServingFront
 from app.routes import classify, embed, nsp, openai, page, system, tei
+from app.sentence_dense import SentenceDense
 from app.service import InferenceService
 from app.settings import Settings
 
@@ -44,20 +46,24 @@ def serving_gc():
         gc.unfreeze()
 
 
-def create_app(settings: Settings, start_backend: StartBackend = start_in_process) -> ServingFront:
-    """The ASGI app; `start_backend`: the deployment mode (default: the engine and batcher in this process)."""
+def create_app(settings: Settings, start_backend: StartBackend = start_in_process,
+               artifact_files: Path | None = None) -> ServingFront:
+    """The ASGI app; `start_backend`: the deployment mode (default: the engine and batcher in this process);
+    `artifact_files`: where the manifest, tokenizer and Dense layers are read (default settings.model_dir)."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        folder = artifact_files or settings.model_dir
         try:
-            manifest, tokenizer = load_tokenizer(settings)
+            manifest, tokenizer = load_tokenizer(settings, folder)
+            sentence_dense = SentenceDense.load(folder, manifest)
             backend = await start_backend(settings, manifest, tokenizer, metrics,
                                           lambda: setattr(app.state, "service", None))  # engine lost: 503
         except UNSERVABLE as e:  # said in one line (ServingFront), not as a traceback
             app.state.startup_error = cannot_serve(settings.model_dir, e)
             raise
-        service = InferenceService(settings, manifest, tokenizer, backend, metrics)
+        service = InferenceService(settings, manifest, tokenizer, backend, metrics, sentence_dense)
         e = service.engine
         metrics.model_loaded(service.model_name, e.precision, e.provider)
         log.info("serving %s (%s, %s on %s) from %s", service.model_name, e.precision, e.provider, e.device,

@@ -60,7 +60,7 @@ class Inference:
 
 class InferenceService:
     def __init__(self, settings: Settings, manifest: Manifest, tokenizer: TextTokenizer, backend: Backend,
-                 metrics: Metrics):
+                 metrics: Metrics, sentence_dense: SentenceDense | None = None):
         self.settings, self.manifest, self.tokenizer, self.metrics = settings, manifest, tokenizer, metrics
         self.engine, self.batcher = backend.engine, backend.batcher
         self._inline = backend.inline_tokenizing.applies  # tokenise on the event loop, else in a thread
@@ -69,7 +69,7 @@ class InferenceService:
         self.openai_pooling = settings.openai_pooling or manifest.default_pooling
         self.openai_normalize = (manifest.default_normalize if settings.openai_normalize is None
                                  else settings.openai_normalize)
-        self.sentence_dense = SentenceDense.load(settings.model_dir, manifest)
+        self.sentence_dense = sentence_dense  # the checkpoint's Dense modules, after its own pooling
         self._inflight = 0
         self.draining = False  # a stop signal came: new requests are refused
         self._expired = False  # the drain deadline passed: waiting requests are answered 503

@@ -68,23 +68,26 @@ class TextTokenizer:
         self.max_length = max_length
         self.max_input_chars = max_input_chars
         try:
-            config = json.loads(path.read_text(encoding="utf-8"))
+            # Read once: every tokenizer made from it, the ones made on first use too, is of this file,
+            # even when the artifact's folder is exported into again while the server runs.
+            text = path.read_text(encoding="utf-8")
+            config = json.loads(text)
             same = equivalent_parts(config)
-            self._full = _load(path, max_length, truncate=False, replace=same)  # no truncation: for exact lengths
+            self._full = _load(text, max_length, truncate=False, replace=same)  # no truncation: for exact lengths
         except Exception as e:  # tokenizers raises Exception itself for a file it cannot parse
             raise TokenizerFileError(f"{path} cannot be read as a tokenizer ({' '.join(str(e).split())}); "
                                      f"re-export the artifact") from e
-        self._path, self._same = path, same
+        self._text, self._same = text, same
         self._left_truncating: dict[bool, Tokenizer] = {}  # plain ASCII or not -> made on first use
-        self._truncating = _load(path, max_length, truncate=True, replace=same)
+        self._truncating = _load(text, max_length, truncate=True, replace=same)
         # The same tokenizers for plain ASCII text, without BertNormalizer's and BertPreTokenizer's Unicode
         # work: about half the tokenising time per text, same ids, offsets and tokens (None: some other
         # normalizer).
         self._ascii = ascii_path(config)
         self._ascii_full = self._ascii_truncating = None
         if self._ascii is not None:
-            self._ascii_full = _load(path, max_length, truncate=False, replace={**same, **self._ascii.parts})
-            self._ascii_truncating = _load(path, max_length, truncate=True, replace={**same, **self._ascii.parts})
+            self._ascii_full = _load(text, max_length, truncate=False, replace={**same, **self._ascii.parts})
+            self._ascii_truncating = _load(text, max_length, truncate=True, replace={**same, **self._ascii.parts})
         for token, expected in special_tokens.items():
             found = self._full.token_to_id(token)
             if found != expected:
@@ -213,7 +216,7 @@ class TextTokenizer:
     def _left_truncating_tokenizer(self, plain: bool) -> Tokenizer:
         if plain not in self._left_truncating:
             replace = {**self._same, **self._ascii.parts} if plain else self._same
-            self._left_truncating[plain] = _load(self._path, self.max_length, truncate=True, replace=replace,
+            self._left_truncating[plain] = _load(self._text, self.max_length, truncate=True, replace=replace,
                                                  direction="left")
         return self._left_truncating[plain]
 
@@ -255,10 +258,11 @@ class TextTokenizer:
                                    f"ignored characters?)")
 
 
-def _load(path: Path, max_length: int, truncate: bool, replace: dict | None = None,
+def _load(text: str, max_length: int, truncate: bool, replace: dict | None = None,
           direction: str = "right") -> Tokenizer:
-    """`replace`: pipeline parts by attribute (normalizer, ...) set in place of tokenizer.json's."""
-    tokenizer = Tokenizer.from_file(str(path))
+    """A tokenizer of tokenizer.json's `text`; `replace`: pipeline parts by attribute (normalizer, ...) set
+    in place of its own."""
+    tokenizer = Tokenizer.from_str(text)
     tokenizer.no_padding()
     if truncate:
         tokenizer.enable_truncation(max_length, strategy="longest_first", direction=direction)

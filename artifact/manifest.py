@@ -262,7 +262,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(folder: Path | str) -> Manifest:
+def read_manifest(folder: Path | str, graphs: bool = True) -> Manifest:
+    """The manifest of the artifact at `folder`, after checking that every file it names is there and has a
+    sha256. graphs=False: a folder holding only the files the HTTP side reads (tokenizer, Dense layers)."""
     folder = Path(folder)
     path = folder / MANIFEST_FILE
     if not path.is_file():
@@ -274,7 +276,8 @@ def read_manifest(folder: Path | str) -> Manifest:
         raise ManifestError(f"{path} is not valid JSON: {e}") from e
     except ManifestError as e:
         raise ManifestError(f"{path}: {e}") from e
-    files = [f for g in manifest.graphs.values() for f in g.files()] + ([DENSE_FILE] if manifest.sentence_dense else [])
+    files = [f for g in manifest.graphs.values() for f in g.files()] if graphs else []
+    files += [DENSE_FILE] if manifest.sentence_dense else []
     for needed in [TOKENIZER_FILE, *files]:
         if not (folder / needed).is_file():
             raise ManifestError(f"{folder} lacks {needed}, which its manifest names; re-export it")

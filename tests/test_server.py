@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -314,6 +316,51 @@ def test_a_dead_http_worker_is_replaced(tiny_artifact_dir):
                     assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 128
                     pids.add(c.get("/info").json()["pid"])
         assert victim not in pids
+
+
+def test_a_worker_started_after_an_export_into_the_served_folder_keeps_the_engines_model(tiny_artifact_dir, tmp_path):
+    """An export into the folder being served (another tokenizer and model), then a worker lost: its
+    replacement tokenises as the engine's graph was trained, not with the new tokenizer.json; the new
+    model is served after a restart, as in one process."""
+    import torch
+
+    from export.pipeline import export_artifact
+    from tests.conftest import SAMPLE_TEXT
+    from training.model import BertForPreTraining, preset_config
+    from training.model_folder import save_model_folder
+    from training.wordpiece import save_tokenizer, train_wordpiece
+
+    save_tokenizer(train_wordpiece([t.upper() for t in SAMPLE_TEXT], vocab_size=200, min_frequency=1,
+                                   lowercase=False), tmp_path / "tokenizer")
+    torch.manual_seed(1)
+    vocab = json.loads((tmp_path / "tokenizer" / "tokenizer.json").read_text())["model"]["vocab"]
+    model = BertForPreTraining(preset_config("tiny", vocab_size=len(vocab), max_position_embeddings=128))
+    other = tmp_path / "other"
+    export_artifact(save_model_folder(model, tmp_path / "tokenizer", tmp_path / "model"), other, device="cpu")
+    served = tmp_path / "served"
+    shutil.copytree(tiny_artifact_dir, served)
+    text = "The Quick brown fox: naïve café"
+
+    def answers(c: httpx.Client) -> tuple[dict, list[float], int]:
+        ids = c.post("/tokenize", json={"inputs": text}).json()
+        vector = c.post("/embed", json={"inputs": text}).json()["data"][0]["embedding"]
+        return ids, vector, c.get("/info").json()["pid"]
+
+    with running_server(served, workers=2) as base:
+        with httpx.Client(base_url=base, timeout=30) as c:
+            ids, vector, victim = answers(c)
+        shutil.rmtree(served)
+        shutil.copytree(other, served)
+        os.kill(victim, signal.SIGKILL)
+        deadline, pids = time.monotonic() + 60, set()
+        while len(pids - {victim}) < 2:  # both workers answer, one of them started after the export
+            assert time.monotonic() < deadline, f"workers answering: {pids}"
+            with httpx.Client(base_url=base, timeout=30) as c, contextlib.suppress(httpx.TransportError):
+                got_ids, got_vector, pid = answers(c)
+                assert got_ids == ids and np.allclose(got_vector, vector, atol=1e-6), (pid, got_ids, ids)
+                pids.add(pid)
+    with running_server(served) as base:  # restarted: the new model
+        assert httpx.post(f"{base}/tokenize", json={"inputs": text}, timeout=30).json() != ids
 
 
 def _serving_a_request(base: str) -> bool:

@@ -18,6 +18,7 @@ from app.multiprocess.cpu_cores import pin
 from app.multiprocess.engine_link import serve_workers
 from app.multiprocess.held_signals import ENGINE_STOP_SIGNAL, release_stop_signals
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
+from app.multiprocess.worker_files import copy_worker_files, worker_files_dir
 from app.settings import Settings, configure_logging
 
 log = logging.getLogger("app.engine_process")
@@ -56,7 +57,9 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozens
 async def _serve(settings: Settings, socket_path: str) -> bool:
     """Serves the HTTP workers until ENGINE_STOP_SIGNAL, or until the engine's device is lost (then True)."""
     metrics = Metrics()
-    manifest, tokenizer = load_tokenizer(settings)
+    worker_files = worker_files_dir(socket_path)
+    copy_worker_files(settings.model_dir, worker_files)  # what the HTTP workers read, as this process serves it
+    manifest, tokenizer = load_tokenizer(settings, worker_files)
     stop, lost = asyncio.Event(), asyncio.Event()
 
     def engine_lost() -> None:  # the device is unusable: stop serving, and the process exits 1

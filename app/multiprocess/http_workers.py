@@ -34,6 +34,7 @@ from app.multiprocess.cpu_cores import pin
 from app.multiprocess.engine_link import connect_to_engine
 from app.multiprocess.held_signals import release_stop_signals, start_with_stop_signals_held
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
+from app.multiprocess.worker_files import worker_files_dir
 from app.settings import ENV_PREFIX, Settings, configure_logging
 from app.uvicorn_server import SHUTDOWN_MARGIN_S, ServingServer, uvicorn_options
 
@@ -176,7 +177,7 @@ class _Worker:
 # -- inside a worker process ------------------------------------------------------------------------------
 def create_worker_app(index: int = 0) -> ServingFront:
     """The app of HTTP worker `index`: settings from BERTSERVE_* variables (set by the launcher), its
-    batcher an engine process's."""
+    batcher an engine process's, its tokenizer that engine's copy."""
     # The processes are a worker's parallelism. The tokenizers' own thread pool only adds CPU per request
     # here (a hand-off to it and back, its threads spinning after each batch), and more of it once the
     # event loop tokenises a request itself (WORKER_INLINE_TOKENIZING).
@@ -184,7 +185,8 @@ def create_worker_app(index: int = 0) -> ServingFront:
     settings = Settings()
     configure_logging(settings)
     sockets = os.environ[ENGINE_SOCKET_VAR].split(",")
-    return create_app(settings, connect_to_engine(sockets[index % len(sockets)]))
+    engine = sockets[index % len(sockets)]
+    return create_app(settings, connect_to_engine(engine), worker_files_dir(engine))
 
 
 def run_worker(channel: socket.socket, launcher_pid: int, index: int, cores: frozenset[int] | None = None) -> None:
