@@ -99,6 +99,34 @@ def test_data_workers_end_with_a_killed_trainer(cache_dir, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_second_training_into_a_run_folder_in_use_is_refused_until_the_first_ends(corpus, cache_dir, tmp_path,
+                                                                                    capsys):
+    """Two trainings into one --run-dir would interleave their checkpoints and metrics: the second is
+    refused in one line naming the first; once the first has ended (a kill -9 too), a run goes ahead."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "training.pretrain",
+           *small_args(corpus, cache_dir, tmp_path / "first", run_dir, "--max-steps", "100000", "--log-every", "1",
+                       "--eval-every", "0", "--checkpoint-every", "0")]
+    first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
+            assert first.poll() is None and time.monotonic() < deadline, "training did not start"
+            time.sleep(0.2)
+        before = (run_dir / "metrics.jsonl").read_text()
+        fails_in_one_line(capsys, small_args(corpus, cache_dir, tmp_path / "second", run_dir, "--max-steps", "2",
+                                             "--fresh"),
+                          f"--run-dir {run_dir} is in use by another training (pid {first.pid} on")
+        assert (run_dir / "metrics.jsonl").read_text().startswith(before)  # --fresh deleted nothing of the first's
+        assert not (tmp_path / "second").exists()
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+    finally:
+        first.kill()
+    assert main(small_args(corpus, cache_dir, tmp_path / "second", run_dir, "--max-steps", "2", "--fresh")) == 0
+    assert not (run_dir / ".lock").exists()
+
+
 @pytest.mark.parametrize("flag", ["--out", "--run-dir", "--cache-dir"])
 @pytest.mark.parametrize("how", ["read_only", "file_in_the_way"])
 def test_an_unwritable_folder_fails_before_training(corpus, cache_dir, tmp_path, capsys, mounts, flag, how):

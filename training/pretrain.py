@@ -33,7 +33,7 @@ from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_confi
 from training.stop_signals import (forget_caught_interrupt, interrupted_exit_code, sigterm_as_interrupt,
                                    sigterm_stops_between_steps)
 from training.wordpiece import fingerprint
-from training.writes import WriteError, check_model_out, check_writable
+from training.writes import WriteError, check_model_out, check_writable, run_dir_held
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
@@ -394,6 +394,11 @@ def run_dir_of(args: argparse.Namespace) -> Path:
 
 
 def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
+    with contextlib.ExitStack() as held:  # --run-dir, from its check to the end of the run
+        return _run(args, dist, held)
+
+
+def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -> dict[str, Any]:
     out, run_dir = Path(args.out), run_dir_of(args)
     source = model_source(args)
     check_lengths(args, source)
@@ -408,16 +413,10 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
                     {"--run-dir": [run_dir], "--cache-dir": [args.cache_dir], "--corpus": args.corpus})
     check_writable(out, "--out", replaced_whole=True)  # on every rank: one refused alone would leave the others waiting
     check_writable(run_dir, "--run-dir")
-    if dist.is_main:
-        remove_stale_temporaries(run_dir)
     existing = list_checkpoints(run_dir)
     if existing and not args.resume and not args.fresh:
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
                               f"pass --resume to continue it, --fresh to start over, or another --run-dir")
-    if args.fresh and dist.is_main:
-        for path in existing:
-            path.unlink()  # and metrics.jsonl starts over with step 0 (MetricsLog)
-    barrier(dist)
     resume_from = existing[-1] if args.resume and existing else None
     resume_state = _paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
@@ -434,6 +433,16 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
             named = named_tokenizer(dcfgs[0])
             if named is not None:  # a changed --vocab-file or --init-from: refused before the data is prepared
                 check_tokenizer(resume_from, trained_with, named, dcfgs[0])
+
+    # The checks above only read. Rank 0 writes the run's files: from here on it holds --run-dir, and a
+    # refusal there (another training in it) stops every rank.
+    _rank0_first(dist, lambda: held.enter_context(run_dir_held(run_dir)) if dist.is_main else None)
+    if dist.is_main:
+        remove_stale_temporaries(run_dir)
+        if args.fresh:
+            for path in existing:
+                path.unlink(missing_ok=True)  # and metrics.jsonl starts over with step 0 (MetricsLog)
+    barrier(dist)
 
     started = time.perf_counter()
     # No step to finish yet: SIGTERM stops the preparation at once, as Ctrl-C does. Sent to the whole group,

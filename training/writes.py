@@ -2,12 +2,15 @@
 names the file (a full disk as such) instead of torch's `[enforce fail at inline_container.cc]`."""
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import re
 import shutil
+import socket
 import tempfile
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from artifact.source_folder import CONFIG_FILE
@@ -32,6 +35,58 @@ def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> 
     except OSError as e:
         raise WriteError(f"{flag} {folder}: cannot write in {existing} ({e.strerror or e}); "
                          f"choose a writable folder") from e
+
+
+RUN_LOCK_FILE = ".lock"  # in --run-dir while a training writes into it
+
+
+@contextlib.contextmanager
+def run_dir_held(run_dir: Path) -> Iterator[None]:
+    """Holds --run-dir for this training: a second training into it (its checkpoints and metrics would
+    interleave with this one's, and one would delete the other's with --fresh) is refused in one line.
+    A POSIX record lock: the kernel lets go of it when this process ends, however it ends, so no stale
+    lock needs clearing, and unlike an flock the data loader's forked workers do not hold it on after a
+    kill -9. The file is removed when the run ends."""
+    run_dir = Path(run_dir)
+    path = run_dir / RUN_LOCK_FILE
+    made = [f for f in [run_dir, *run_dir.parents] if not f.exists()]  # innermost first
+    while True:
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held = open(path, "a+")
+        except OSError as e:
+            raise WriteError(f"--run-dir {run_dir}: cannot write in it ({e.strerror or e}); choose a writable "
+                             f"folder") from e
+        try:
+            fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                break  # a filesystem without locks (some NFS mounts): the run goes on unguarded
+            held.seek(0)
+            owner = held.read().strip() or "another process"
+            held.close()
+            raise WriteError(f"--run-dir {run_dir} is in use by another training ({owner}); wait for it to end, "
+                             f"or pass another --run-dir (or --out)") from None
+        try:  # the file locked is still the one at `path`, not one its last holder removed meanwhile
+            current = os.stat(path).st_ino == os.fstat(held.fileno()).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        held.close()
+    with held:
+        held.truncate(0)
+        held.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        held.flush()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while still held: see the check above
+            for folder in made:  # a run that ended before it wrote anything leaves no folder behind
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: the run's files
+                    break
 
 
 def check_model_out(out: Path, init_from: Path | None, model_entries: Collection[str],
