@@ -87,9 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         # differs from what export wrote (hashed once here, for every process the server starts)
         manifest = read_manifest(settings.model_dir)
         manifest.verify(settings.model_dir, manifest.files_sha256)
-        if settings.precision != "auto":
-            manifest.graph(settings.precision)  # one the artifact lacks is named now, not in a traceback later
-        # a device this onnxruntime cannot run, or operators asked for but not found, likewise
+        # a device this onnxruntime cannot run, a precision it or the artifact lacks, or operators asked for
+        # but not found: said now, not in a traceback later
         device, _ = resolve_device_precision(settings.device, settings.precision, manifest,
                                              ort.get_available_providers())
         kernels_library(settings.custom_kernels, device)

@@ -57,6 +57,21 @@ class Tokenized:
         return [Encoded(ids[a:b], type_ids[a:b], enc) for a, b, enc in zip([0, *ends[:-1]], ends, encodings)]
 
 
+class ItemNames(str):
+    """A request field whose items have names of their own in error messages (TEI's /similarity embeds
+    `inputs.source_sentence` and `inputs.sentences[i]` as one list); a plain field names item i `field[i]`."""
+
+    def __new__(cls, field: str, names: Sequence[str]):
+        named = super().__new__(cls, field)
+        named.names = tuple(names)
+        return named
+
+
+def item_name(field: str, i: int) -> str:
+    """How an error names item `i` of `field`."""
+    return field.names[i] if isinstance(field, ItemNames) else f"{field}[{i}]"
+
+
 class TokenizerFileError(ValueError):
     """The artifact's tokenizer.json cannot serve: unreadable, or not the one its manifest describes."""
 
@@ -115,10 +130,10 @@ class TextTokenizer:
     def check(self, items: Sequence[Item], field: str) -> None:
         for i, item in enumerate(items):
             if isinstance(item, str):
-                self.check_text(item, f"{field}[{i}]")
+                self.check_text(item, item_name(field, i))
             else:
-                self.check_text(item[0], f"{field}[{i}][0] (text_a)")
-                self.check_text(item[1], f"{field}[{i}][1] (text_b)")
+                self.check_text(item[0], f"{item_name(field, i)}[0] (text_a)")
+                self.check_text(item[1], f"{item_name(field, i)}[1] (text_b)")
 
     # -- encoding ---------------------------------------------------------------------------------------
     def _prefix(self, text: str) -> str:
@@ -184,7 +199,7 @@ class TextTokenizer:
                 if isinstance(x, str) and len(x) > self.max_length * _PREFIX_CHARS_PER_TOKEN:
                     prefix = self._prefix(x)
                     if prefix is not x:
-                        raise InputTooLong(f"{field}[{i}] is too long: its first {len(prefix)} of {len(x)} "
+                        raise InputTooLong(f"{item_name(field, i)} is too long: its first {len(prefix)} of {len(x)} "
                                            f"characters already make more than the {self.max_length} tokens the "
                                            f"model accepts (send truncate: true to cut it)")
             batch = list(texts)
@@ -201,7 +216,7 @@ class TextTokenizer:
                     try:
                         part.encode("utf-8")
                     except UnicodeEncodeError as ue:
-                        raise InvalidInput(f"{field}[{i}] is not valid Unicode text ({ue.reason} at "
+                        raise InvalidInput(f"{item_name(field, i)} is not valid Unicode text ({ue.reason} at "
                                            f"character {ue.start})") from None
             raise InvalidInput(f"{field} could not be tokenised: {e}") from e
         if left and prompt:  # what the truncation cut off was the prompt
@@ -251,10 +266,10 @@ class TextTokenizer:
         cheaper than reading each mask). The first failing index is named."""
         for i, (item, n) in enumerate(zip(items, lengths)):
             if n > self.max_length:
-                raise InputTooLong(f"{field}[{i}] has {n} tokens; the model accepts at most {self.max_length} "
+                raise InputTooLong(f"{item_name(field, i)} has {n} tokens; the model accepts at most {self.max_length} "
                                    f"(send truncate: true to cut it)")
             if n == self._specials[not isinstance(item, str)]:
-                raise InvalidInput(f"{field}[{i}] has no tokens after normalisation (only control or "
+                raise InvalidInput(f"{item_name(field, i)} has no tokens after normalisation (only control or "
                                    f"ignored characters?)")
 
 

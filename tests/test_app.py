@@ -507,14 +507,18 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
                     await c.post("/similarity", json={"inputs": {"source_sentence": "", "sentences": ["x"]}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", " "]}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 512}}),
-                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 511}}))
-    direct, root, null_parameters, not_cut, prompt, empty, no_source, empty_source, blank, too_many, most = run(go())
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 511}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", long_text]},
+                                                      "parameters": {"truncate": False}}))
+    (direct, root, null_parameters, not_cut, prompt, empty, no_source, empty_source, blank, too_many, most,
+     sentence_not_cut) = run(go())
     vectors = np.array([reference(text)[0]["cls_embedding"] for text in sentences])
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     np.testing.assert_allclose(direct.json(), unit @ unit[0], atol=1e-5)
     assert direct.json()[0] == pytest.approx(1, abs=1e-5) and root.json() == direct.json()
     assert null_parameters.json() == direct.json()
-    assert_error(not_cut, 413, "input_too_long", "inputs[0]")
+    assert_error(not_cut, 413, "input_too_long", "inputs.source_sentence is too long")  # as sent, not inputs[0]
+    assert_error(sentence_not_cut, 413, "input_too_long", "inputs.sentences[1] is too long")
     assert_error(prompt, 400, "unsupported", "prompt_name 'query'")
     assert_error(empty, 422, "invalid_request", "sentences")
     assert_error(no_source, 422, "invalid_request", "source_sentence")

@@ -392,6 +392,7 @@ def test_ctrl_c_lets_the_workers_answer_then_stops_every_process(tiny_artifact_d
     log = proc.stdout.read()
     assert r.status_code == 200 and len(r.json()["data"]) == 512, r.text[:300]
     assert rc == 0 and "Traceback" not in log and "lost the engine" not in log, f"exit {rc}:\n{log}"
+    assert f"listening on {base}: 2 HTTP workers, 1 engine process(es)" in log, log  # where to send requests
 
 
 @pytest.mark.parametrize("after_engine_ready_s", [0.0, 0.7])
@@ -716,6 +717,20 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
     err = r.stderr.strip()
     named = artifact if case == "no_int8" else artifact / "manifest.json"
     assert r.returncode == 2 and "\n" not in err and words in err and str(named) in err, err
+
+
+def test_fp16_asked_of_a_cpu_artifact_is_one_line_that_says_what_to_do(tiny_artifact_dir):
+    """`--precision fp16` (device auto) on the CPU artifact: without CUDA the line says what the CPU runs,
+    not to export an fp16 graph (which needs a GPU); with CUDA, how to export one."""
+    import onnxruntime as ort
+
+    r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), "--port", str(free_port()),
+                        "--precision", "fp16"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    err = r.stderr.strip()
+    expected = ("no fp16 graph (it has fp32, int8); export one on a GPU with `python -m export --device cuda`"
+                if "CUDAExecutionProvider" in ort.get_available_providers() else
+                "the fp16 graph runs on CUDA only; use precision fp32 or int8 on the CPU")
+    assert r.returncode == 2 and "\n" not in err and expected in err, err
 
 
 @pytest.mark.parametrize("entry", ["app.__main__", "export.__main__"])

@@ -3,6 +3,7 @@ buckets, static graph, bf16 all-reduce, buffer broadcast and how a compiled mode
 and bench/ddp_scaling.py both wrap through here, so that the benchmark measures what training runs."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,19 @@ def wrap_ddp(model: nn.Module, device: torch.device, options: DDPOptions) -> Dis
     size = {} if options.bucket_mb is None else {"bucket_cap_mb": options.bucket_mb}  # torch's own default otherwise
     ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                   gradient_as_bucket_view=options.bucket_view, static_graph=options.static_graph,
-                                  broadcast_buffers=options.broadcast_buffers,
-                                  **size)
+                                  **_buffer_sync(options.broadcast_buffers), **size)
     if options.bf16_grads:
         ddp.register_comm_hook(None, bf16_all_reduce)  # None: the default group
     return ddp
+
+
+def _buffer_sync(each_step: bool) -> dict[str, bool]:
+    """DDP's switch for sending rank 0's buffers before each forward pass: `forward_sync_buffers` where
+    this torch has it (it deprecates `broadcast_buffers`, with a warning from every rank). Off, it still
+    syncs them once at start, unlike `broadcast_buffers`: no matter for this model's one buffer, a constant."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": each_step}
+    return {"broadcast_buffers": each_step}
 
 
 def compile_ddp(ddp: DistributedDataParallel, options: DDPOptions, mode: str | None = None) -> nn.Module:

@@ -89,7 +89,7 @@ def evaluate_folder(model_dir: Path | str, corpus: list[str], *, max_seq_len: in
     dataset = data.train  # no held-out share: every document
     sequences = min(dataset.num_examples(0), max_sequences or dataset.num_examples(0))
     batches = tqdm(dataset.every_batch(0, batch_size, SEED, max_sequences), total=math.ceil(sequences / batch_size),
-                   unit="batch", desc="evaluate", file=sys.stderr, disable=not show_progress)
+                   unit="batch", desc="evaluate", file=sys.stderr, disable=None if show_progress else True)
     dev = torch.device(device)
     sums = pretraining_sums(loaded.model.to(dev), batches, cfg.max_predictions_per_seq,
                             dataset.most_frequent_token_id(), dev)

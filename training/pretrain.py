@@ -169,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--checkpoint-every", type=int, default=400, help="checkpoint every N steps (and at the end)")
     g.add_argument("--keep-checkpoints", type=int, default=t.keep_checkpoints, help="newest checkpoints kept")
     g.add_argument("--log-every", type=int, default=t.log_every, help="a metrics line every N steps")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true",
+                   help="no progress bars; the training's loss still gets a line at each log step")
 
     g = p.add_argument_group("hardware")
     g.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")

@@ -116,7 +116,7 @@ def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: P
     # "[SEP]" written in the text (docstrings about BERT have it) must stay text, not become the special id.
     tokenizer.encode_special_tokens = True
     try:
-        with tqdm(desc="tokenising", unit="doc", disable=not show_progress, mininterval=1.0) as bar:
+        with tqdm(desc="tokenising", unit="doc", disable=None if show_progress else True, mininterval=1.0) as bar:
             for lengths, ids in _encoded_documents(documents, tokenizer, _BATCH_SENTENCES):
                 writer.add(lengths, ids)
                 bar.update(1)

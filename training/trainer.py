@@ -361,7 +361,7 @@ class RunLog:
         # disable=None: a bar on a terminal only; elsewhere (a log file) plain lines at each log step.
         self.progress = tqdm(total=total_steps, initial=step, disable=None if show_progress and dist.is_main else True,
                              unit="step", dynamic_ncols=True, desc="pretrain")
-        self.plain_lines = show_progress and dist.is_main and self.progress.disable
+        self.plain_lines = dist.is_main and self.progress.disable  # --no-progress, or not a terminal
 
     def start(self, **fields: Any) -> None:
         self.metrics.write("start", **fields)

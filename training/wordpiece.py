@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -47,7 +48,8 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = Tru
     tok = _pipeline(models.WordPiece(unk_token=UNK, max_input_chars_per_word=100), lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
-        continuing_subword_prefix="##", show_progress=show_progress,
+        # its bar redraws with carriage returns: only on a terminal, not into a log file
+        continuing_subword_prefix="##", show_progress=show_progress and sys.stderr.isatty(),
     )
     tok.train_from_iterator(texts, trainer)
     return _add_pair_template(tok)

@@ -59,6 +59,9 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], device: str) -
             for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
             with listening_socket(settings.host, settings.port) as listener:
+                host = f"[{settings.host}]" if ":" in settings.host else settings.host
+                log.info("listening on http://%s:%d: %d HTTP workers, %d engine process(es)", host,
+                         listener.getsockname()[1], settings.workers, len(engines))
                 HttpWorkers(settings.workers, worker_stop_s(settings), worker_cores).serve(listener, stopping)
         finally:
             stopping.set()

@@ -19,7 +19,8 @@ router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_k
 async def nsp(body: NspRequest, request: Request, service: InferenceService = Depends(get_service)) -> Response:
     """For each [text_a, text_b]: the probability that B follows A, and the raw [is_next, not_next] logits."""
     if not service.manifest.has_nsp_head:
-        raise Unsupported("this model has no next-sentence-prediction head (it was exported without one)")
+        raise Unsupported("this model has no next-sentence-prediction head: the checkpoint it was exported from "
+                          "has none (BertForPreTraining and BertForNextSentencePrediction checkpoints have one)")
     pairs = [(a, b) for a, b in body.pairs]
     result = await service.infer(request, pairs, body.truncate, frozenset({NSP_LOGITS}), "pairs")
     logits = result.outputs[NSP_LOGITS]  # [n, 2]

@@ -29,6 +29,7 @@ from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankResponse, Predi
                          RerankRequest, SimilarityParameters, TeiEmbedAllRequest, TeiEmbedRequest,
                          TeiSimilarityRequest, as_items)
 from app.service import InferenceService
+from app.tokenization import ItemNames
 from artifact.manifest import TOKEN_EMBEDDINGS
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["tei"])
@@ -76,13 +77,11 @@ async def similarity(body: TeiSimilarityRequest, request: Request,
     if len(body.inputs.sentences) + 1 > limit:  # counted with the source sentence, which is embedded too
         raise TooManyInputs(f"inputs.sentences has {len(body.inputs.sentences)} sentences; with the source sentence "
                             f"the server accepts at most {limit - 1}")
-    service.tokenizer.check_text(body.inputs.source_sentence, "inputs.source_sentence")
-    for i, text in enumerate(body.inputs.sentences):
-        service.tokenizer.check_text(text, f"inputs.sentences[{i}]")
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
+    field = ItemNames("inputs", ["inputs.source_sentence", *(f"inputs.sentences[{i}]" for i in range(len(texts) - 1))])
     pooling = service.manifest.default_pooling
     result = await service.infer(request, texts, parameters.truncates, frozenset({POOLING_OUTPUT[pooling]}),
-                                 "inputs", direction=parameters.direction,
+                                 field, direction=parameters.direction,
                                  prompt=service.prompt_for(texts, parameters.prompt_name))
     vectors = service.sentence_vectors(result.outputs, pooling, normalize=True)
     cosines = np.clip(vectors[1:] @ vectors[0], -1.0, 1.0)  # unit vectors' products stray past 1 by rounding
