@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from app.multiprocess.worker_files import copy_worker_files, worker_files_dir  # noqa: E402
 from bench.engine_link_load import _cpu_seconds  # noqa: E402
 from bench.http_load import _fast_loop, make_texts, open_connections  # noqa: E402
 
@@ -285,6 +286,7 @@ def main() -> None:
         folder = Path(folder)
         artifact = args.artifact or make_worker_artifact(folder / "artifact", args.hidden, make_texts(5000, seed=1))
         socket_path = str(folder / "engine.sock")
+        copy_worker_files(artifact, worker_files_dir(socket_path))  # what an engine process keeps for its workers
         engine = multiprocessing.get_context("spawn").Process(target=_engine, daemon=True,
                                                               args=(socket_path, load_core, args.hidden))
         engine.start()
