@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     front = create_app(settings)
     config = uvicorn.Config(front, host=settings.host, port=settings.port, **uvicorn_options(settings, front.metrics))
     try:
-        ServingServer(config, on_stop=front.drain).run()
+        ServingServer(config, on_stop=front.drain, busy=front.busy).run()
     except KeyboardInterrupt:  # Ctrl-C raised again after the shutdown
         pass
     except SystemExit:  # uvicorn's 3 for a failed start-up: 2 where the model cannot be served, as above

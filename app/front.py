@@ -56,6 +56,15 @@ class ServingFront:
         if service is not None:
             service.drain(self.api.state.settings.drain_seconds)
 
+    def _draining(self) -> bool:
+        service = self.api.state.service
+        return service is not None and service.draining
+
+    def busy(self) -> bool:
+        """Whether requests are being served (the stop waits for them with the connections open)."""
+        service = self.api.state.service
+        return service is not None and service.inflight > 0
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             await self.api(scope, receive, self._startup_failure_in_one_line(send))
@@ -78,6 +87,10 @@ class ServingFront:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self._draining() and not _closes(message):
+                    # Answered while the server stops: the client's next request goes on a new connection
+                    # (to another replica), never into this one as the server closes it.
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
             await send(message)
 
         try:
@@ -177,3 +190,8 @@ def _replayed(scope: Scope, receive: Receive, body: bytes) -> tuple[Scope, Recei
     scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-encoding")]
     scope["headers"].append((b"content-type", b"application/json"))
     return scope, replay
+
+
+def _closes(start: Message) -> bool:
+    """Whether a response's headers already say `Connection: close` (a 503 `shutting_down` does)."""
+    return any(k.lower() == b"connection" and v.lower() == b"close" for k, v in start.get("headers", []))

@@ -113,6 +113,11 @@ class InferenceService:
         if dimensions is not None and not 1 <= dimensions <= width:  # the value itself may be 300 digits long
             raise InvalidInput(f"dimensions must be between 1 and {width} (the model's width)")
 
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet answered."""
+        return self._inflight
+
     def drain(self, seconds: float) -> None:
         """Refuse new requests from now on; answer those still waiting after `seconds` with 503."""
         if not self.draining:

@@ -57,17 +57,26 @@ def _fast_protocols() -> tuple[str, str]:
 
 
 class ServingServer(uvicorn.Server):
-    """uvicorn's Server, calling `on_stop` on the event loop when the first stop signal comes, as uvicorn
-    starts its graceful shutdown (no new connections; idle ones closed): the app drains from there."""
+    """uvicorn's Server, whose shutdown (on the first stop signal) stops accepting, then calls `on_stop`
+    (the app drains from there: new requests are answered 503 with `Connection: close`), and keeps the
+    open connections while `busy()` (the app has requests in flight), up to uvicorn's own deadline, before
+    uvicorn's shutdown closes the rest. In that order a client told 503 reconnects to a closed port, not
+    into the listener's backlog, which the kernel resets when it closes; and a keep-alive client's next
+    request meets the 503, not a connection closed under it, as when uvicorn closes every idle connection
+    at the signal."""
 
-    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None], busy: Callable[[], bool] = lambda: False):
         super().__init__(config)
-        self._on_stop = on_stop
+        self._on_stop, self._busy = on_stop, busy
 
-    def handle_exit(self, sig: int, frame) -> None:
-        if not self.should_exit:
-            try:
-                asyncio.get_running_loop().call_soon_threadsafe(self._on_stop)
-            except RuntimeError:  # no loop yet (a signal during start-up): nothing to drain
-                pass
-        super().handle_exit(sig, frame)
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # stop accepting, as uvicorn's shutdown does first
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        self._on_stop()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.timeout_graceful_shutdown
+        while self._busy() and loop.time() < deadline and not self.force_exit:
+            await asyncio.sleep(0.02)
+        await super().shutdown(sockets)

@@ -16,7 +16,7 @@ from app.heap import keep_freed_memory
 from app.metrics import Metrics
 from app.multiprocess.cpu_cores import pin
 from app.multiprocess.engine_link import serve_workers
-from app.multiprocess.held_signals import ENGINE_STOP_SIGNAL, release_stop_signals
+from app.multiprocess.held_signals import LAUNCHER_STOP_SIGNAL, release_stop_signals
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.multiprocess.worker_files import copy_worker_files, worker_files_dir
 from app.settings import Settings, configure_logging
@@ -30,13 +30,13 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozens
     pin(cores, "the engine process")  # first: every thread made from here on inherits them
     # Ctrl-C, and a SIGTERM to the whole group (systemd, `timeout`, `kill -- -PGID`), reach this process
     # with the launcher and the HTTP workers. The workers then drain through this engine: it stops only
-    # when `python -m app` says so (ENGINE_STOP_SIGNAL), after the workers have answered what they hold,
+    # when `python -m app` says so (LAUNCHER_STOP_SIGNAL), after the workers have answered what they hold,
     # or when the launcher dies.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(ENGINE_STOP_SIGNAL, lambda *_: sys.exit(0))  # until the event loop handles it
+    signal.signal(LAUNCHER_STOP_SIGNAL, lambda *_: sys.exit(0))  # until the event loop handles it
     release_stop_signals()
-    end_with_parent(launcher_pid, ENGINE_STOP_SIGNAL)
+    end_with_parent(launcher_pid, LAUNCHER_STOP_SIGNAL)
     keep_freed_memory()
     settings = Settings(cuda_device_id=cuda_device_id)
     configure_logging(settings)
@@ -55,7 +55,7 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozens
 
 
 async def _serve(settings: Settings, socket_path: str) -> bool:
-    """Serves the HTTP workers until ENGINE_STOP_SIGNAL, or until the engine's device is lost (then True)."""
+    """Serves the HTTP workers until LAUNCHER_STOP_SIGNAL, or until the engine's device is lost (then True)."""
     metrics = Metrics()
     worker_files = worker_files_dir(socket_path)
     copy_worker_files(settings.model_dir, worker_files)  # what the HTTP workers read, as this process serves it
@@ -72,7 +72,7 @@ async def _serve(settings: Settings, socket_path: str) -> bool:
     batcher.start()
     info = EngineInfo.of(engine, batcher)
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(ENGINE_STOP_SIGNAL, stop.set)
+    loop.add_signal_handler(LAUNCHER_STOP_SIGNAL, stop.set)
     # The socket file appears once the model is loaded and checked: `python -m app` waits for it.
     server = await loop.create_unix_server(serve_workers(batcher, info), path=socket_path)
     log.info("engine process %d ready on %s", os.getpid(), socket_path)

@@ -32,7 +32,7 @@ from app.main import create_app
 from app.metrics import process_ended
 from app.multiprocess.cpu_cores import pin
 from app.multiprocess.engine_link import connect_to_engine
-from app.multiprocess.held_signals import release_stop_signals, start_with_stop_signals_held
+from app.multiprocess.held_signals import LAUNCHER_STOP_SIGNAL, release_stop_signals, start_with_stop_signals_held
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.multiprocess.worker_files import worker_files_dir
 from app.settings import ENV_PREFIX, Settings, configure_logging
@@ -82,7 +82,11 @@ class HttpWorkers:
                             self._on_message(key.data, selector)
                     self._restart_dead(selector)
             finally:
-                listener.close()  # stop accepting first: new connections are refused, not left in the backlog
+                # Stop accepting first: new connections are refused. The ones the kernel has accepted already
+                # are taken in (the workers answer them 503), as closing resets the backlog's.
+                with contextlib.suppress(OSError):
+                    self._hand_out(listener)
+                listener.close()
                 self._stop_all()
 
     # -- connections ------------------------------------------------------------------------------------
@@ -141,10 +145,11 @@ class HttpWorkers:
             self._start(i, selector)
 
     def _stop_all(self) -> None:
-        """SIGTERM to every worker (each drains: see ServingFront.drain), then wait; kill stragglers."""
+        """Tells every worker to stop (each drains: see ServingFront.drain), then waits; kills stragglers."""
         alive = [w for w in self._workers if w is not None]
         for worker in alive:
-            worker.process.terminate()
+            with contextlib.suppress(ProcessLookupError):  # one that died meanwhile
+                os.kill(worker.process.pid, LAUNCHER_STOP_SIGNAL)
         deadline = time.monotonic() + self.stop_s
         for worker in alive:
             worker.process.join(max(0.0, deadline - time.monotonic()))
@@ -192,7 +197,7 @@ def create_worker_app(index: int = 0) -> ServingFront:
 def run_worker(channel: socket.socket, launcher_pid: int, index: int, cores: frozenset[int] | None = None) -> None:
     pin(cores, f"HTTP worker {index}")  # first: every thread made from here on inherits them
     # A worker notices its launcher's end on its channel and drains; this covers the time before its loop runs.
-    end_with_parent(launcher_pid)
+    end_with_parent(launcher_pid, LAUNCHER_STOP_SIGNAL)
     keep_freed_memory()
     front = create_worker_app(index)
     config = uvicorn.Config(front, **uvicorn_options(front.state.settings, front.metrics))
@@ -200,22 +205,30 @@ def run_worker(channel: socket.socket, launcher_pid: int, index: int, cores: fro
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            _HandedConnectionsServer(config, channel, on_stop=front.drain).run()
+            _HandedConnectionsServer(config, channel, on_stop=front.drain, busy=front.busy).run()
     finally:
         remove_if_orphaned(launcher_pid, os.path.dirname(os.environ[ENGINE_SOCKET_VAR].split(",")[0]))
 
 
 def worker_stop_s(settings: Settings) -> float:
-    """How long a worker may take from SIGTERM to its exit: its drain, uvicorn's margin, and ours."""
+    """How long a worker may take from the launcher's stop to its exit: its drain, uvicorn's margin, and ours."""
     return settings.drain_seconds + SHUTDOWN_MARGIN_S + _STOP_MARGIN_S
 
 
 class _HandedConnectionsServer(ServingServer):
-    """uvicorn's server without a listening socket: it serves the connections the launcher sends."""
+    """uvicorn's server without a listening socket: it serves the connections the launcher sends, and
+    stops when the launcher says so (LAUNCHER_STOP_SIGNAL), once it has stopped accepting."""
 
-    def __init__(self, config, channel: socket.socket, on_stop):
-        super().__init__(config, on_stop)
+    def __init__(self, config, channel: socket.socket, on_stop, busy):
+        super().__init__(config, on_stop, busy)
         self._channel = channel
+        self._protocol = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """Ctrl-C as uvicorn takes it (a second one ends at once); SIGTERM only from the launcher."""
+        if sig == signal.SIGTERM:  # to the whole group: the launcher got it too, and stops this worker in turn
+            return
+        super().handle_exit(signal.SIGTERM if sig == LAUNCHER_STOP_SIGNAL else sig, frame)
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=[])  # the app's lifespan; no socket of its own
@@ -226,11 +239,13 @@ class _HandedConnectionsServer(ServingServer):
             return config.http_protocol_class(config=config, server_state=self.server_state,
                                               app_state=self.lifespan.state)
 
+        self._protocol = protocol
         self._channel.setblocking(False)
         loop.add_reader(self._channel.fileno(), self._receive, loop, protocol)
         self._channel.send(_READY)
-        # uvicorn's handlers are in place (serve() installs them before startup): a stop that came while
-        # this worker was starting now drains it as any other.
+        # uvicorn's handlers are in place (serve() installs them before startup), and the launcher's: a stop
+        # that came while this worker was starting now drains it as any other.
+        signal.signal(LAUNCHER_STOP_SIGNAL, self.handle_exit)
         release_stop_signals()
 
     def _receive(self, loop: asyncio.AbstractEventLoop, protocol) -> None:
@@ -243,18 +258,17 @@ class _HandedConnectionsServer(ServingServer):
                 message, fds = b"", []
             if not message and not fds:  # the launcher is gone: drain and exit
                 loop.remove_reader(self._channel.fileno())
-                self.handle_exit(signal.SIGTERM, None)
+                self.handle_exit(LAUNCHER_STOP_SIGNAL, None)
                 return
-            for fd in fds:
-                connection = socket.socket(fileno=fd)
-                if self.should_exit:
-                    connection.close()
-                    continue
-                loop.create_task(_serve_connection(loop, protocol, connection, self.config.ssl))
+            for fd in fds:  # served while stopping too: its client was accepted, and gets the drain's 503
+                loop.create_task(_serve_connection(loop, protocol, socket.socket(fileno=fd), self.config.ssl))
 
     async def shutdown(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
         with contextlib.suppress(ValueError, OSError):
-            asyncio.get_running_loop().remove_reader(self._channel.fileno())
+            loop.remove_reader(self._channel.fileno())
+        if self._protocol is not None:  # the connections sent before the launcher's stop are served (503)
+            self._receive(loop, self._protocol)
         await super().shutdown(sockets)
 
 

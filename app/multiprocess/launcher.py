@@ -22,7 +22,7 @@ from pathlib import Path
 from app.metrics import MULTIPROC_DIR_VAR
 from app.multiprocess.cpu_cores import describe, split_cores
 from app.multiprocess.engine_process import run as run_engine
-from app.multiprocess.held_signals import ENGINE_STOP_SIGNAL, start_with_stop_signals_held
+from app.multiprocess.held_signals import LAUNCHER_STOP_SIGNAL, start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
 from app.settings import ENV_PREFIX, Settings
 from app.shared_metrics import SUFFIX as SHARED_SUFFIX
@@ -67,7 +67,7 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], device: str) -
             stopping.set()
             for engine in engines:
                 if engine.is_alive():  # it finishes running batches and exits
-                    os.kill(engine.pid, ENGINE_STOP_SIGNAL)
+                    os.kill(engine.pid, LAUNCHER_STOP_SIGNAL)
             for engine in engines:
                 engine.join(30)
                 if engine.is_alive():
