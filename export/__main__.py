@@ -13,7 +13,7 @@ from artifact.manifest import ManifestError  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
-from training.stop_signals import (forget_caught_interrupt, interrupted_exit_code,  # noqa: E402
+from training.stop_signals import (exit_with, forget_caught_interrupt, interrupted_exit_code,  # noqa: E402
                                    sigterm_as_interrupt)
 from training.writes import write_failed  # noqa: E402
 
@@ -101,4 +101,4 @@ def _head(labels: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -253,6 +253,20 @@ def test_an_interrupt_caught_after_it_ended_a_string_exec_still_exits_with_the_p
     assert done.returncode == 130, done.stderr
 
 
+@pytest.mark.parametrize("code", [0, 2])
+def test_a_stop_while_a_finished_command_exits_keeps_its_exit_code(code):
+    """pretrain and export end with exit_with: once a run has succeeded, a SIGTERM while the interpreter
+    ends (about a second with torch loaded; here from an atexit callback) no longer turns exit 0 into
+    143. A failed run still dies of it."""
+    program = ("import atexit, os, signal, time\n"
+               "from training.stop_signals import exit_with\n"
+               "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5)))\n"
+               f"exit_with({code})\n")
+    done = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == (0 if code == 0 else -signal.SIGTERM), (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
 def test_an_interrupt_while_the_temporary_folder_is_made_leaves_none(tmp_path):
     """remove_unfinished with no folder yet (the interrupt came as temporary_sibling made it) removes this
     process's own unfinished sibling of the destination, and nothing else: another live writer's, or an

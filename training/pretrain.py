@@ -30,7 +30,7 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    save_model_folder, sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
-from training.stop_signals import (forget_caught_interrupt, interrupted_exit_code, sigterm_as_interrupt,
+from training.stop_signals import (exit_with, forget_caught_interrupt, interrupted_exit_code, sigterm_as_interrupt,
                                    sigterm_stops_between_steps)
 from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_writable, run_dir_held
@@ -718,4 +718,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -4,8 +4,10 @@ Training stops at a step's end with a checkpoint there; export stops where it is
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
+from typing import NoReturn
 from contextlib import contextmanager
 
 
@@ -91,3 +93,14 @@ def interrupted_exit_code() -> int:
 
 def stop_requested() -> bool:
     return _stop.is_set()
+
+
+
+def exit_with(code: int) -> NoReturn:
+    """sys.exit(code), a command's last step. After a success its output is written and said: a SIGTERM or
+    Ctrl-C while the interpreter ends (up to a second with torch loaded) is ignored: the exit is 0, not 143
+    or 130, for the job did not stop short."""
+    if code == 0 and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)
