@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,13 @@ def _has_cuda() -> bool:
         return "CUDAExecutionProvider" in ort.get_available_providers() and torch.cuda.is_available()
     except Exception:
         return False
+
+
+def pytest_configure(config):
+    # Tests send Ctrl-C to the servers and runs they start. A test run started in the background (`&` in a
+    # script, nohup) ignores SIGINT, and its children would inherit that: Ctrl-C as a terminal sends it.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
