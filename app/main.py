@@ -46,6 +46,14 @@ def serving_gc():
         gc.unfreeze()
 
 
+def engine_lost(app: FastAPI) -> None:
+    """The engine can run nothing more (its process ended, or a CUDA error left its device unusable):
+    every request is answered 503 from now on, saying so."""
+    app.state.service = None
+    app.state.not_ready_reason = ("the engine is gone (its process ended, or its GPU failed); the server must be "
+                                  "restarted")
+
+
 def create_app(settings: Settings, start_backend: StartBackend = start_in_process,
                artifact_files: Path | None = None) -> ServingFront:
     """The ASGI app; `start_backend`: the deployment mode (default: the engine and batcher in this process);
@@ -58,8 +66,7 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
         try:
             manifest, tokenizer = load_tokenizer(settings, folder)
             sentence_dense = SentenceDense.load(folder, manifest)
-            backend = await start_backend(settings, manifest, tokenizer, metrics,
-                                          lambda: setattr(app.state, "service", None))  # engine lost: 503
+            backend = await start_backend(settings, manifest, tokenizer, metrics, lambda: engine_lost(app))
         except UNSERVABLE as e:  # said in one line (ServingFront), not as a traceback
             app.state.startup_error = cannot_serve(settings.model_dir, e)
             raise

@@ -71,6 +71,7 @@ def test_the_one_process_app_answers_503_once_the_device_is_lost(tiny_artifact_d
     assert first.json()["error"]["type"] == "not_ready"
     assert "CUDA error 700" in first.json()["error"]["message"]
     assert later.status_code == 503 and ready.status_code == 503
+    assert "the engine is gone" in later.json()["error"]["message"], later.text  # not "not loaded yet"
 
 
 def test_the_engine_process_answers_503_then_stops(tiny_artifact_dir, short_tmp_dir, device_fails, monkeypatch):

@@ -492,6 +492,21 @@ def test_openai_client(server):
         client.embeddings.create(model="tiny", input=[[101, 2023, 102]])  # ids from another tokenizer
 
 
+def test_openai_client_retrieves_a_model_named_as_on_the_hub(tiny_artifact_dir):
+    """A Hub-style name (ORG/NAME, as a Hugging Face cache snapshot or --model-name gives) has a slash:
+    models.retrieve asks for /v1/models/ORG/NAME, which the route must take whole."""
+    import openai
+
+    with running_server(tiny_artifact_dir, model_name="acme/tiny-bert") as base:
+        for client in (openai.OpenAI(base_url=f"{base}/v1", api_key="unused"), openai.OpenAI(base_url=base, api_key="unused")):
+            listed = client.models.list().data
+            assert [m.id for m in listed] == ["acme/tiny-bert"]
+            assert client.models.retrieve("acme/tiny-bert") == listed[0]
+            with pytest.raises(openai.NotFoundError, match="acme/other"):
+                client.models.retrieve("acme/other")
+        assert httpx.get(f"{base}/v1/models/acme%2Ftiny-bert", timeout=10).json()["id"] == "acme/tiny-bert"
+
+
 def test_huggingface_inference_client_as_against_text_embeddings_inference(tiny_artifact_dir):
     """huggingface_hub's InferenceClient (what LangChain's HuggingFaceEndpointEmbeddings and Haystack's TEI
     embedders call) pointed at the server's URL, as at a text-embeddings-inference server; with HTTP workers,
@@ -597,7 +612,7 @@ def test_an_artifact_whose_files_match_their_hashes_but_cannot_serve_stops_the_s
     manifest = json.loads((art / "manifest.json").read_text())
     if damage == "tokenizer":
         (art / "tokenizer.json").write_text('{"version": "1.0", "model": "WordPiece"}')
-        expected = "tokenizer.json cannot be read as a tokenizer"
+        expected = f"{art / 'tokenizer.json'} cannot be read as a tokenizer"  # the user's file, in every mode
     elif damage == "graph":
         (art / "model.onnx").write_bytes(b"not a protobuf")
         expected = "onnxruntime could not load model.onnx"

@@ -20,6 +20,8 @@ from app.multiprocess.held_signals import LAUNCHER_STOP_SIGNAL, release_stop_sig
 from app.multiprocess.parent_watch import end_with_parent, remove_if_orphaned
 from app.multiprocess.worker_files import copy_worker_files, worker_files_dir
 from app.settings import Settings, configure_logging
+from app.tokenization import TokenizerFileError
+from artifact.manifest import ManifestError
 
 log = logging.getLogger("app.engine_process")
 
@@ -59,7 +61,10 @@ async def _serve(settings: Settings, socket_path: str) -> bool:
     metrics = Metrics()
     worker_files = worker_files_dir(socket_path)
     copy_worker_files(settings.model_dir, worker_files)  # what the HTTP workers read, as this process serves it
-    manifest, tokenizer = load_tokenizer(settings, worker_files)
+    try:
+        manifest, tokenizer = load_tokenizer(settings, worker_files)
+    except (ManifestError, TokenizerFileError) as e:  # said of the artifact's file, not of this process's copy
+        raise type(e)(str(e).replace(str(worker_files), str(settings.model_dir))) from e
     stop, lost = asyncio.Event(), asyncio.Event()
 
     def engine_lost() -> None:  # the device is unusable: stop serving, and the process exits 1

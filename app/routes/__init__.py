@@ -33,7 +33,8 @@ async def get_service(request: Request) -> InferenceService:
 def service_of(request: Request) -> InferenceService:
     service = getattr(request.app.state, "service", None)
     if service is None:
-        raise NotReady()
+        reason = getattr(request.app.state, "not_ready_reason", None)
+        raise NotReady(reason) if reason else NotReady()
     return service
 
 

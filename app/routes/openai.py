@@ -61,7 +61,7 @@ def _model_object(service: InferenceService) -> dict:
     return {"id": service.model_name, "object": "model", "created": created, "owned_by": "bertserve"}
 
 
-@router.get("/v1/models/{model_id}", responses={404: {"model": ErrorResponse}, **ERROR_RESPONSES})
+@router.get("/v1/models/{model_id:path}", responses={404: {"model": ErrorResponse}, **ERROR_RESPONSES})
 async def model(model_id: str, service: InferenceService = Depends(get_service)) -> Response:
     """The model by its name, as OpenAI's models.retrieve reads it; 404 for any other name."""
     listed = _model_object(service)
@@ -72,6 +72,6 @@ async def model(model_id: str, service: InferenceService = Depends(get_service))
 
 
 router.add_api_route("/models", models, methods=["GET"], include_in_schema=False)
-router.add_api_route("/models/{model_id}", model, methods=["GET"], include_in_schema=False)
+router.add_api_route("/models/{model_id:path}", model, methods=["GET"], include_in_schema=False)
 
 DIRECT_ROUTES = {path: DirectRoute(embeddings, OpenAIEmbeddingRequest) for path in ("/v1/embeddings", "/embeddings")}
