@@ -102,21 +102,23 @@ def test_data_workers_end_with_a_killed_trainer(cache_dir, tmp_path):
 def test_a_second_training_into_a_run_folder_in_use_is_refused_until_the_first_ends(corpus, cache_dir, tmp_path,
                                                                                     capsys):
     """Two trainings into one --run-dir would interleave their checkpoints and metrics: the second is
-    refused in one line naming the first; once the first has ended (a kill -9 too), a run goes ahead."""
+    refused in one line naming the first, whatever its flags (before the checks that read the folder's
+    checkpoints speak of them); once the first has ended (a kill -9 too), a run goes ahead."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "training.pretrain",
            *small_args(corpus, cache_dir, tmp_path / "first", run_dir, "--max-steps", "100000", "--log-every", "1",
-                       "--eval-every", "0", "--checkpoint-every", "0")]
+                       "--eval-every", "0", "--checkpoint-every", "2")]
     first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not ((run_dir / "metrics.jsonl").exists() and read_metrics(run_dir)):
+        while not list_checkpoints(run_dir):
             assert first.poll() is None and time.monotonic() < deadline, "training did not start"
             time.sleep(0.2)
         before = (run_dir / "metrics.jsonl").read_text()
-        fails_in_one_line(capsys, small_args(corpus, cache_dir, tmp_path / "second", run_dir, "--max-steps", "2",
-                                             "--fresh"),
-                          f"--run-dir {run_dir} is in use by another training (pid {first.pid} on")
+        for flags in ([], ["--fresh"], ["--resume", "--seed", "5"]):
+            fails_in_one_line(capsys, small_args(corpus, cache_dir, tmp_path / "second", run_dir, "--max-steps", "2",
+                                                 *flags),
+                              f"--run-dir {run_dir} is in use by another training (pid {first.pid} on")
         assert (run_dir / "metrics.jsonl").read_text().startswith(before)  # --fresh deleted nothing of the first's
         assert not (tmp_path / "second").exists()
         os.kill(first.pid, signal.SIGKILL)

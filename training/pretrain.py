@@ -33,7 +33,7 @@ from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_confi
 from training.stop_signals import (exit_with, forget_caught_interrupt, interrupted_exit_code, sigterm_as_interrupt,
                                    sigterm_stops_between_steps)
 from training.wordpiece import fingerprint
-from training.writes import WriteError, check_model_out, check_writable, run_dir_held
+from training.writes import WriteError, check_model_out, check_run_dir_free, check_writable, run_dir_held
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
@@ -414,6 +414,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
                     {"--run-dir": [run_dir], "--cache-dir": [args.cache_dir], "--corpus": args.corpus})
     check_writable(out, "--out", replaced_whole=True)  # on every rank: one refused alone would leave the others waiting
     check_writable(run_dir, "--run-dir")
+    _rank0_first(dist, lambda: check_run_dir_free(run_dir) if dist.is_main else None)  # before its files are read
     existing = list_checkpoints(run_dir)
     if existing and not args.resume and not args.fresh:
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "

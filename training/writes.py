@@ -40,6 +40,29 @@ def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> 
 RUN_LOCK_FILE = ".lock"  # in --run-dir while a training writes into it
 
 
+def check_run_dir_free(run_dir: Path) -> None:
+    """Fail now, in one line that names it, when another training holds --run-dir (run_dir_held), before
+    any other check of the folder speaks of its files. Reads only: a refused run writes nothing."""
+    try:
+        held = open(Path(run_dir) / RUN_LOCK_FILE, "r+")
+    except OSError:  # none (no training holds the folder), or unreadable: run_dir_held says so
+        return
+    with held:
+        try:
+            fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EACCES, errno.EAGAIN):
+                raise _in_use(run_dir, held) from None
+        # closing lets go of the lock just taken (a POSIX lock ends with any of its process's descriptors)
+
+
+def _in_use(run_dir: Path, held) -> WriteError:
+    held.seek(0)
+    owner = held.read().strip() or "another process"
+    return WriteError(f"--run-dir {run_dir} is in use by another training ({owner}); wait for it to end, or pass "
+                      f"another --run-dir (or --out)")
+
+
 @contextlib.contextmanager
 def run_dir_held(run_dir: Path) -> Iterator[None]:
     """Holds --run-dir for this training: a second training into it (its checkpoints and metrics would
@@ -62,11 +85,8 @@ def run_dir_held(run_dir: Path) -> Iterator[None]:
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 break  # a filesystem without locks (some NFS mounts): the run goes on unguarded
-            held.seek(0)
-            owner = held.read().strip() or "another process"
-            held.close()
-            raise WriteError(f"--run-dir {run_dir} is in use by another training ({owner}); wait for it to end, "
-                             f"or pass another --run-dir (or --out)") from None
+            with held:
+                raise _in_use(run_dir, held) from None
         try:  # the file locked is still the one at `path`, not one its last holder removed meanwhile
             current = os.stat(path).st_ino == os.fstat(held.fileno()).st_ino
         except FileNotFoundError:
