@@ -142,6 +142,28 @@ def test_resume_takes_more_steps_and_new_optimiser_settings_and_says_so(tmp_path
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.5, 0.0]  # not the checkpoint's
 
 
+def test_resume_into_another_out_of_the_same_name_is_refused_from_the_default_run_folder(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """The default --run-dir is runs/<--out's folder name>: a new --out elsewhere with that name must not
+    continue the other model's run (`make` always passes --resume); with its own --run-dir it may."""
+    monkeypatch.chdir(tmp_path)  # runs/ is made in the working folder
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+
+    def args(out: Path, *extra: str) -> list[str]:
+        flags = small_args(corpus, tmp_path / "cache", out, tmp_path / "unused", "--max-steps", "2",
+                           "--checkpoint-every", "2", "--eval-every", "0", *extra)
+        at = flags.index("--run-dir")
+        return flags[:at] + flags[at + 2:]  # the default run folder
+
+    assert main(args(tmp_path / "a" / "model")) == 0
+    assert list_checkpoints(tmp_path / "runs" / "model")
+    fails_in_one_line(capsys, args(tmp_path / "b" / "model", "--resume"),
+                      f"is of the run that writes {tmp_path / 'a' / 'model'}, not --out {tmp_path / 'b' / 'model'}",
+                      "pass --run-dir")
+    assert not (tmp_path / "b").exists()
+    assert main(args(tmp_path / "a" / "model", "--max-steps", "3", "--resume")) == 0  # its own run goes on
+
+
 def test_resume_takes_a_corpus_however_it_is_spelt_and_refuses_other_files(tmp_path, capsys):
     """A folder, a glob of it and its files are one corpus: a run made with one resumes with the others, a
     checkpoint that recorded the spelling (as checkpoints did before) too; other files, or the same in

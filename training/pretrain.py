@@ -424,6 +424,8 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
     named = None  # with it: the one --vocab-file or --init-from gives; None: one trained on the corpus
     if resume_state is not None:
+        if args.run_dir is None:  # the default, runs/<--out's name>: another --out of that name may own it
+            check_same_out(resume_from, resume_state.get("out"), out)
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         changes = check_resume(resume_from, resume_state, flags)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
@@ -465,6 +467,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         raise ValueError(f"the tokenizer of {source.name} has {vocab_size} tokens but the model only "
                          f"{model_config.vocab_size} embeddings; tokenizer and weights do not belong together")
     meta = {
+        "out": absolute_path(str(out)),  # whose run this is: see check_same_out
         "model_source": source.record(),
         "model_config": asdict(model_config),
         "data_config": _comparable(dcfgs[0]),
@@ -612,6 +615,15 @@ def _paths_as_recorded_now(state: dict[str, Any]) -> dict[str, Any]:
     if "--vocab-file" in flags:
         state["flags"] = {**flags, "--vocab-file": absolute_path(flags["--vocab-file"])}
     return state
+
+
+def check_same_out(path: Path, had: str | None, out: Path) -> None:
+    """Refuse to resume, from the default run folder (runs/<--out's folder name>), the run of another --out
+    that has the same folder name: it would continue that model's training into this one."""
+    if had is not None and had != absolute_path(str(out)):
+        raise CheckpointError(f"checkpoint {path} is of the run that writes {had}, not --out {out} (the default "
+                              f"--run-dir is runs/<--out's folder name>); pass --run-dir to give this model a run "
+                              f"folder of its own, or --out {had} to continue that run")
 
 
 def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
