@@ -35,7 +35,7 @@ import numpy as np
 
 from app.engine import Batch
 from app.backlog import EngineSpeed, retry_after_s
-from app.errors import EngineLost, NotReady, Overloaded
+from app.errors import EngineLost, NotReady, Overloaded, TooManyInputs
 from app.metrics import Metrics
 
 log = logging.getLogger("app.batcher")
@@ -262,6 +262,9 @@ class DynamicBatcher:
         if self._closed:
             raise NotReady("the server is shutting down")
         n = len(sequences)
+        if n > self.max_queued:  # could never be queued: no use retrying it
+            raise TooManyInputs(f"the request has {n} sequences; the server queues at most {self.max_queued} at once "
+                                f"(max_queued_sequences): send fewer per request")
         if self._queued_rows + n > self.max_queued:
             raise Overloaded(f"the queue is full ({self._queued_rows} sequences waiting, limit {self.max_queued}); "
                              f"retry later", retry_after_s(self.expected_wait_s()))

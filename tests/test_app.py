@@ -825,8 +825,10 @@ def test_overload_answers_429_with_retry_after(artifact):
             _slow_engine(app, 0.2)
             rs = await asyncio.gather(*(c.post("/embed", json={"inputs": ["a b", "c d"]}) for _ in range(8)))
             after = await c.post("/embed", json={"inputs": "fine again"})
-            return rs, after, (await c.get("/metrics")).text
-    rs, after, metrics = run(go())
+            never = await c.post("/embed", json={"inputs": ["a", "b", "c", "d", "e"]})  # more than the queue holds
+            return rs, after, never, (await c.get("/metrics")).text
+    rs, after, never, metrics = run(go())
+    assert_error(never, 413, "too_many_inputs", "5 sequences", "at most 4")  # not a 429 to retry forever
     codes = sorted(r.status_code for r in rs)
     assert 200 in codes and 429 in codes, codes
     for r in rs:
