@@ -9,6 +9,7 @@ import time
 from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from app.body_encoding import decoded
@@ -41,7 +42,7 @@ class ServingFront:
         self.endpoints = endpoints  # the paths metrics name; any other is "other" (bounded label values)
         self._handle = self._serve
         if cors_origins:  # Starlette's CORS middleware around what answers, inside the metrics
-            self._handle = CORSMiddleware(self._serve, allow_origins=cors_origins, allow_methods=["GET", "POST"],
+            self._handle = _Cors(self._serve, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                                           allow_headers=["*"], expose_headers=[*TIMING_HEADERS, "retry-after"],
                                           max_age=600)
 
@@ -195,3 +196,17 @@ def _replayed(scope: Scope, receive: Receive, body: bytes) -> tuple[Scope, Recei
 def _closes(start: Message) -> bool:
     """Whether a response's headers already say `Connection: close` (a 503 `shutting_down` does)."""
     return any(k.lower() == b"connection" and v.lower() == b"close" for k, v in start.get("headers", []))
+
+
+class _Cors(CORSMiddleware):
+    """Starlette's CORS handling, its refused preflight (an origin, method or header not allowed) answered
+    in the error shape every other error has, not as plain text."""
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        cors = {k: v for k, v in response.headers.items() if k.startswith("access-control-")}
+        what = response.body.decode().removeprefix("Disallowed CORS ")  # origin, method, headers
+        setting = " (cors_allow_origins)" if "origin" in what else ""
+        return error_response(400, "invalid_request", f"CORS preflight refused: {what} not allowed{setting}", cors)

@@ -45,6 +45,8 @@ def test_an_allowed_origin_gets_preflights_and_headers_on_answers_and_errors(tin
     assert "authorization" in pre.headers["access-control-allow-headers"].lower()
     other = out["other_preflight"]
     assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    assert other.json() == {"error": {"type": "invalid_request",  # the shape of every error
+                                      "message": "CORS preflight refused: origin not allowed (cors_allow_origins)"}}
     embed = out["embed"]
     assert embed.status_code == 200 and embed.headers["access-control-allow-origin"] == ALLOWED
     assert {"x-tokenize-ms", "x-queue-ms", "x-inference-ms", "retry-after"} <= {
