@@ -13,8 +13,8 @@ from artifact.manifest import ManifestError  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.pipeline import export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
-from training.stop_signals import (exit_with, forget_caught_interrupt, interrupted_exit_code,  # noqa: E402
-                                   sigterm_as_interrupt)
+from training.stop_signals import (exit_with, finishing, forget_caught_interrupt,  # noqa: E402
+                                   interrupted_exit_code, sigterm_as_interrupt)
 from training.writes import write_failed  # noqa: E402
 
 
@@ -66,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         forget_caught_interrupt()
         print(f"export interrupted; nothing was written to {args.out}", file=sys.stderr)
         return interrupted_exit_code()
+    with finishing():  # the artifact is complete
+        _summary(args.out, manifest)
+    return 0
+
+
+def _summary(out: str, manifest) -> None:
+    """What the export wrote: the model's serving defaults, then each graph with its parity."""
     print(f"serves up to {manifest.max_length} tokens (of {manifest.max_position_embeddings} positions); default "
           f"pooling {manifest.default_pooling}"
           + "".join(f", Dense {d['in_features']} -> {d['out_features']} ({d['activation']})"
@@ -78,19 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     for precision, info in manifest.graphs.items():
         fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
         worst = ", ".join(f"{k} {v:.3g}" for k, v in info.parity.items() if k != "batches")
-        print(f"{precision}: {args.out}/{info.file} on {info.device}; fused: {fused}; parity over "
+        print(f"{precision}: {out}/{info.file} on {info.device}; fused: {fused}; parity over "
               f"{int(info.parity['batches'])} batches: {worst}")
         if kernels := info.custom_kernels:
             ops = ", ".join(f"{k} {v}" for k, v in kernels.operators.items())
             worst = ", ".join(f"{k} {v:.3g}" for k, v in kernels.parity.items() if k != "batches")
-            print(f"{precision} with custom kernels: {args.out}/{kernels.file}; {ops}; parity: {worst}")
+            print(f"{precision} with custom kernels: {out}/{kernels.file}; {ops}; parity: {worst}")
         if replayed := info.host_packed:
             worst = ", ".join(f"{k} {v:.3g}" for k, v in replayed.parity.items() if k != "batches")
-            print(f"{precision} host-packed (CUDA graphs): {args.out}/{replayed.file}"
+            print(f"{precision} host-packed (CUDA graphs): {out}/{replayed.file}"
                   + (f" and {replayed.custom_kernels.file}" if replayed.custom_kernels else "") + f"; parity: {worst}")
         elif info.padded:
-            print(f"{precision}: CUDA graphs replay {args.out}/{info.padded.file} itself")
-    return 0
+            print(f"{precision}: CUDA graphs replay {out}/{info.padded.file} itself")
 
 
 def _head(labels: list[str]) -> str:

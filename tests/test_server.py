@@ -498,7 +498,8 @@ def test_openai_client_retrieves_a_model_named_as_on_the_hub(tiny_artifact_dir):
     import openai
 
     with running_server(tiny_artifact_dir, model_name="acme/tiny-bert") as base:
-        for client in (openai.OpenAI(base_url=f"{base}/v1", api_key="unused"), openai.OpenAI(base_url=base, api_key="unused")):
+        for url in (f"{base}/v1", base):
+            client = openai.OpenAI(base_url=url, api_key="unused")
             listed = client.models.list().data
             assert [m.id for m in listed] == ["acme/tiny-bert"]
             assert client.models.retrieve("acme/tiny-bert") == listed[0]

@@ -214,7 +214,8 @@ def extract_docstrings(files: list[Path], show_progress: bool = True, workers: i
     """{"text", "source"} per distinct docstring of `files`, in file order (whatever `workers` is)."""
     workers = _default_workers() if workers is None else workers
     seen: set[bytes] = set()
-    with tqdm(total=len(files), desc="docstrings", unit="file", disable=None if show_progress else True, mininterval=1.0) as bar:
+    with tqdm(total=len(files), desc="docstrings", unit="file", disable=None if show_progress else True,
+              mininterval=1.0) as bar:
         if workers > 1:
             pool = multiprocessing.get_context("spawn").Pool(workers)
             per_file = pool.imap(file_documents, files, chunksize=32)

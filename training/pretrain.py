@@ -30,8 +30,8 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    save_model_folder, sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
-from training.stop_signals import (exit_with, forget_caught_interrupt, interrupted_exit_code, sigterm_as_interrupt,
-                                   sigterm_stops_between_steps)
+from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
+                                   sigterm_as_interrupt, sigterm_stops_between_steps)
 from training.wordpiece import fingerprint
 from training.writes import WriteError, check_model_out, check_run_dir_free, check_writable, run_dir_held
 
@@ -726,7 +726,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         teardown_distributed()
     if dist.is_main:
-        print(summary_line(summary, Path(args.out)), flush=True)
+        with finishing():  # the model folder is written
+            print(summary_line(summary, Path(args.out)), flush=True)
     return 0
 
 

@@ -96,6 +96,14 @@ def stop_requested() -> bool:
 
 
 
+@contextmanager
+def finishing() -> Iterator[None]:
+    """The output is written: what is left (the summary lines) is not cut short by a SIGTERM or Ctrl-C,
+    which would otherwise end a finished job with a traceback and 130 or 143."""
+    with _on_signal(signal.SIGINT, signal.SIG_IGN), _on_sigterm(signal.SIG_IGN):
+        yield
+
+
 def exit_with(code: int) -> NoReturn:
     """sys.exit(code), a command's last step. After a success its output is written and said: a SIGTERM or
     Ctrl-C while the interpreter ends (up to a second with torch loaded) is ignored: the exit is 0, not 143
