@@ -157,6 +157,7 @@ class PretrainingDataset:
         rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
         pairs = yield from draw_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng,
                                       documents_per_step)
+        self.pairs_drawn = len(pairs)  # before balancing: what --no-nsp-balance keeps
         return balance_labels(pairs, rng) if self.balance_nsp else pairs
 
     def __getstate__(self) -> dict:

@@ -484,11 +484,17 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
     for i, (p, c) in enumerate(zip(prepared, dcfgs)):
         batch = args.batch_size if i == 0 else phase2_batch
         for split, data in (("training", p.train), ("held-out", p.heldout)):
-            if data.num_examples(0) < batch * dist.world_size:
-                raise ValueError(f"the {split} split has {data.num_examples(0)} sequence pairs at length "
-                                 f"{c.max_seq_len}, fewer than one batch of {batch} x {dist.world_size} processes; "
-                                 f"add text, lower --batch-size or "
-                                 f"{'lower' if split == 'training' else 'raise'} --heldout-fraction")
+            kept, needed = data.num_examples(0), batch * dist.world_size
+            if kept >= needed:
+                continue
+            fix = f"add text, lower --batch-size or {'lower' if split == 'training' else 'raise'} --heldout-fraction"
+            drawn = getattr(data, "pairs_drawn", 0)
+            if data.balance_nsp and drawn >= needed and kept * 4 < drawn:  # under 1 in 8 IsNext before balancing
+                fix = (f"balancing the next-sentence labels kept {kept} of its {drawn}: few of its "
+                       f"documents have the two sentences or more that an IsNext pair needs; give longer documents, "
+                       f"or pass --no-nsp-balance")
+            raise ValueError(f"the {split} split has {kept} sequence pairs at length {c.max_seq_len}, fewer than one "
+                             f"batch of {batch} x {dist.world_size} processes; {fix}")
     phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
                     steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
                     max_predictions=c.max_predictions_per_seq,
