@@ -51,6 +51,13 @@ def test_report_plots_a_run_still_going(run_dir, tmp_path):
     _assert_a_drawn_plot(going / "training.png")
 
 
+def test_an_out_that_cannot_be_written_is_named_in_one_line(run_dir, tmp_path):
+    out = tmp_path / "missing" / "plot.png"
+    done = subprocess.run([sys.executable, "-m", "training.report", str(run_dir), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr == f"cannot plot: No such file or directory writing {out}\n", done.stderr
+
+
 @pytest.mark.parametrize("case,words", [("missing", "is not a folder"), ("no_metrics", "has no metrics.jsonl"),
                                         ("empty", "has no training records")])
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, case, words):

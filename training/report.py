@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from training.writes import WriteError, write_failed
+
 log = logging.getLogger(__name__)
 
 PLOT_FILE = "training.png"
@@ -58,6 +60,8 @@ def write_plots(run_dir: Path | str, out: Path | str | None = None) -> Path:
     try:
         figure.savefig(tmp, format="png", dpi=90)
         os.replace(tmp, out)
+    except OSError as e:  # said of the file asked for, not of the temporary one beside it
+        raise write_failed(out, e) from e
     finally:
         tmp.unlink(missing_ok=True)
     return out
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         print(write_plots(args.run_dir, args.out))
-    except (ReportError, OSError) as e:
+    except (ReportError, WriteError, OSError) as e:
         print(f"cannot plot: {e}", file=sys.stderr)
         return 2
     return 0
