@@ -120,7 +120,9 @@ def test_the_link_carries_errors_and_cancellations(tiny_artifact_dir, tmp_path):
     async def go():
         async with linked(tiny_artifact_dir, tmp_path, max_queued_sequences=3, inference_workers=1) as (
                 tokenizer, batcher, client):
-            with pytest.raises(errors.Overloaded, match="queue is full"):
+            # More than the queue holds: never queued, so 413 and not a 429 to retry (Overloaded crosses the
+            # link in test_an_engine_error_crosses_the_link_with_its_retry_after and test_server).
+            with pytest.raises(errors.TooManyInputs, match="4 sequences; the server queues at most 3"):
                 await client.submit_group(_sequences(tokenizer, ["one", "two", "three", "four"]), ALL)
             # Cancelled in the worker: the engine drops it before inference, and keeps answering.
             future = client.submit_group(_sequences(tokenizer, ["dropped"]), ALL)
