@@ -75,8 +75,12 @@ class ServingServer(uvicorn.Server):
         for sock in sockets or []:
             sock.close()
         self._on_stop()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.timeout_graceful_shutdown
-        while self._busy() and loop.time() < deadline and not self.force_exit:
-            await asyncio.sleep(0.02)
+        limit = self.config.timeout_graceful_shutdown
+        if limit is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + limit
+            while self._busy() and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.02)
+            # uvicorn's own wait gets what is left of the one deadline, not a second one (and a moment to close)
+            self.config.timeout_graceful_shutdown = max(1.0, deadline - loop.time())
         await super().shutdown(sockets)
