@@ -132,8 +132,8 @@ class Settings(BaseSettings):
                                  "seconds (Docker's default is 10 s; Kubernetes: terminationGracePeriodSeconds > "
                                  "preStop sleep + this + 5)")
     api_key: SecretStr | None = Field(None, description="when set (whitespace around it dropped, as a key file's "
-                                                        "newline; a key of only whitespace is refused), every route needs `Authorization: Bearer KEY` "
-                                                        "but the page (`GET /` and `/static/`), `/health`, `/ping`, "
+                                                        "newline; a key of only whitespace is refused), every "
+                                                        "route needs `Authorization: Bearer KEY` but the page (`GET /` and `/static/`), `/health`, `/ping`, "
                                                         "`/ready`, `/metrics` and the docs (`/docs`, `/redoc`, "
                                                         "`/openapi.json`)")
     cors_allow_origins: str | None = Field(None, description="origins whose web pages may call the API from a browser, "

@@ -123,6 +123,7 @@ class PretrainingDataset:
         self.cls_id, self.sep_id, self.pad_id = (tokenizer.token_to_id(t) for t in (CLS, SEP, PAD))
         self._pairs: tuple[int, np.ndarray] | None = None  # the last epoch's
         self._ahead: _PairsAhead | None = None  # the next epoch's, being drawn (draw_ahead)
+        self.pairs_drawn = 0  # the last epoch drawn's pairs before balancing: what --no-nsp-balance keeps
 
     @property
     def num_documents(self) -> int:
@@ -157,7 +158,7 @@ class PretrainingDataset:
         rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
         pairs = yield from draw_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng,
                                       documents_per_step)
-        self.pairs_drawn = len(pairs)  # before balancing: what --no-nsp-balance keeps
+        self.pairs_drawn = len(pairs)
         return balance_labels(pairs, rng) if self.balance_nsp else pairs
 
     def __getstate__(self) -> dict:

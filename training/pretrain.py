@@ -488,7 +488,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
             if kept >= needed:
                 continue
             fix = f"add text, lower --batch-size or {'lower' if split == 'training' else 'raise'} --heldout-fraction"
-            drawn = getattr(data, "pairs_drawn", 0)
+            drawn = data.pairs_drawn
             if data.balance_nsp and drawn >= needed and kept * 4 < drawn:  # under 1 in 8 IsNext before balancing
                 fix = (f"balancing the next-sentence labels kept {kept} of its {drawn}: few of its "
                        f"documents have the two sentences or more that an IsNext pair needs; give longer documents, "

@@ -48,12 +48,20 @@ def check_run_dir_free(run_dir: Path) -> None:
     except OSError:  # none (no training holds the folder), or unreadable: run_dir_held says so
         return
     with held:
-        try:
-            fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno in (errno.EACCES, errno.EAGAIN):
-                raise _in_use(run_dir, held) from None
+        if not _try_lock(held):
+            raise _in_use(run_dir, held)
         # closing lets go of the lock just taken (a POSIX lock ends with any of its process's descriptors)
+
+
+def _try_lock(held) -> bool:
+    """Takes the lock on `held`'s file; False when another process holds it. A filesystem without locks
+    (some NFS mounts) counts as taken: the run goes on unguarded."""
+    try:
+        fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            return False
+    return True
 
 
 def _in_use(run_dir: Path, held) -> WriteError:
@@ -80,13 +88,9 @@ def run_dir_held(run_dir: Path) -> Iterator[None]:
         except OSError as e:
             raise WriteError(f"--run-dir {run_dir}: cannot write in it ({e.strerror or e}); choose a writable "
                              f"folder") from e
-        try:
-            fcntl.lockf(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN):
-                break  # a filesystem without locks (some NFS mounts): the run goes on unguarded
+        if not _try_lock(held):
             with held:
-                raise _in_use(run_dir, held) from None
+                raise _in_use(run_dir, held)
         try:  # the file locked is still the one at `path`, not one its last holder removed meanwhile
             current = os.stat(path).st_ino == os.fstat(held.fileno()).st_ino
         except FileNotFoundError:
