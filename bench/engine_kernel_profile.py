@@ -37,7 +37,7 @@ from bench.engine_throughput import (PACKED_KINDS, VOCAB_SIZE, DeviceBoundSessio
 
 # First match wins: attention and LayerNorm kernels before the generic product names.
 KINDS = [("attention", r"fmha|flash|attention|Attention|softmax"),
-         ("layernorm", r"[Ll]ayer[Nn]orm|LayerNormalization"),
+         ("layernorm", r"[Ll]ayer_?[Nn]orm|LayerNormalization"),
          ("gelu", r"[Gg]elu"),
          ("gemm", r"gemm|Gemm|xmma|cutlass|sm90|sm80|ampere|hopper|cublas|nvjet|Kernel2"),
          ("cast/copy", r"[Cc]ast|copy|Copy|transpose|Transpose|elementwise|Memcpy")]
