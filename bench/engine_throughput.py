@@ -181,6 +181,11 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
+def _with_env(make, **env):
+    with mock.patch.dict(os.environ, env):
+        return make()
+
+
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
     with mock.patch.dict(os.environ, BERTSERVE_KERNELS_AUTOTUNE="0"):
@@ -210,6 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--text-batches", default="32,128", help="batch sizes of the varying-length workload")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every engine this many times, in turn, and report each one's median: differences of "
+                        "a few percent then outlast the card's drift in clock from one engine to the next")
     p.add_argument("--texts", type=int, default=8000, help="docstrings to read (fewer: faster start)")
     p.add_argument("--threads", type=int, default=2, help="CPU mode: threads per engine")
     p.add_argument("--no-cuda-graph", action="store_true")
@@ -316,6 +324,11 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                 if (ort_attention := with_ort_attention(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-attention"] = (
                         lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
+                if kind != "padded":  # EXPERIMENT s27: the skip added by the LayerNorm kernel instead of the product
+                    engines[f"ort fp16 {kind}+kernels skip-in-ln"] = (
+                        lambda kind=kind: _with_env(lambda: DeviceBoundSession(kernels_file(kind), "cuda",
+                                                                              kernels_library=library),
+                                                    BERTSERVE_SKIP_IN_PRODUCT="0"))
                 if (ort_layer_norm := with_ort_layer_norm(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-layernorm"] = (
                         lambda path=ort_layer_norm: DeviceBoundSession(path, "cuda", kernels_library=library))
@@ -345,10 +358,18 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         print(f"{workload:>10} b={batch:<4} {name:<36} {rows[-1]['ms_per_batch']:9.3f} ms  "
               f"{rows[-1]['seq_per_s']:10,.0f} seq/s", flush=True)
 
+    def in_turn(feeds, iters) -> dict[str, float]:
+        """Each engine's median seconds a pass over `feeds`, over args.rounds rounds of every engine in turn."""
+        passes = {name: [] for name in built}
+        for _ in range(args.rounds):
+            for name, engine in built.items():
+                passes[name].append(timed(engine, feeds, iters))
+        return {name: float(np.median(seconds)) for name, seconds in passes.items()}
+
     for b in batches:
         feeds = [fixed_batch(b, args.seq, rng)]
-        for name, engine in built.items():
-            record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
+        for name, seconds in in_turn(feeds, args.iters).items():
+            record(f"fixed{args.seq}", b, name, seconds, feeds)
         graphs = {"ort fp16 padded+cudagraph": (graph_file("padded", "fp16"), None)} if cuda else {}
         if cuda and kernels_file("padded"):
             graphs["ort fp16 padded+kernels+cudagraph"] = (kernels_file("padded"), library)
@@ -364,8 +385,8 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         feeds = text_batches(tokenizer, texts, b, count=max(4, 256 // b))
         real = sum(int(f["attention_mask"].sum()) for f in feeds) / sum(f["attention_mask"].size for f in feeds)
         print(f"docstrings b={b}: {len(feeds)} batches, {100 * (1 - real):.0f}% padding", flush=True)
-        for name, engine in built.items():
-            record("docstrings", b, name, timed(engine, feeds, max(2, args.iters // 4)), feeds)
+        for name, seconds in in_turn(feeds, max(2, args.iters // 4)).items():
+            record("docstrings", b, name, seconds, feeds)
 
     print(f"\n{args.preset} ({model.config.num_hidden_layers}L/{model.config.hidden_size}H), {args.device} on {card}")
     print(f"{'workload':>10} {'batch':>5} {'engine':<36} {'ms/batch':>9} {'seq/s':>10} {'tokens/s':>11} {'vs ' + baseline:>16}")

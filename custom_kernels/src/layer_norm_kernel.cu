@@ -21,10 +21,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // Pieces: 16-byte pieces (8 values) a lane holds; a row has width / 8 of them, lane l takes l, l + 32, ...
-template <int Pieces>
+template <int Pieces, bool AddSkip>
 __global__ void __launch_bounds__(32 * kWarps)
-    layer_norm_in_place(__half* __restrict__ y, const __half* __restrict__ gamma, const __half* __restrict__ beta,
-                        int64_t rows, int width, float epsilon) {
+    layer_norm_in_place(__half* __restrict__ y, const __half* __restrict__ skip, const __half* __restrict__ gamma,
+                        const __half* __restrict__ beta, int64_t rows, int width, float epsilon) {
   const int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (row >= rows) return;
   const int lane = threadIdx.x % 32, pieces = width / 8;
@@ -35,10 +35,15 @@ __global__ void __launch_bounds__(32 * kWarps)
   for (int i = 0; i < Pieces; ++i) {
     const int c = lane + i * 32;
     uint4 raw = c < pieces ? line[c] : make_uint4(0, 0, 0, 0);  // zeros past the row add nothing
-    const __half2* h = reinterpret_cast<const __half2*>(&raw);
+    uint4 added = AddSkip && c < pieces ? reinterpret_cast<const uint4*>(skip + row * width)[c] : make_uint4(0, 0, 0, 0);
+    const __half2 *h = reinterpret_cast<const __half2*>(&raw), *a = reinterpret_cast<const __half2*>(&added);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float2 f = __half22float2(h[j]);
+      float2 f = __half22float2(h[j]);
+      if (AddSkip) {
+        const float2 g = __half22float2(a[j]);
+        f.x += g.x, f.y += g.y;
+      }
       x[i][2 * j] = f.x, x[i][2 * j + 1] = f.y;
       sum += f.x + f.y;
     }
@@ -70,10 +75,13 @@ __global__ void __launch_bounds__(32 * kWarps)
 }
 
 template <int Pieces>
-cudaError_t launch(__half* y, const __half* gamma, const __half* beta, int64_t rows, int width, float epsilon,
-                   cudaStream_t stream) {
-  const int64_t blocks = (rows + kWarps - 1) / kWarps;
-  layer_norm_in_place<Pieces><<<dim3(unsigned(blocks)), 32 * kWarps, 0, stream>>>(y, gamma, beta, rows, width, epsilon);
+cudaError_t launch(__half* y, const __half* skip, const __half* gamma, const __half* beta, int64_t rows, int width,
+                   float epsilon, cudaStream_t stream) {
+  const dim3 blocks(unsigned((rows + kWarps - 1) / kWarps));
+  if (skip)
+    layer_norm_in_place<Pieces, true><<<blocks, 32 * kWarps, 0, stream>>>(y, skip, gamma, beta, rows, width, epsilon);
+  else
+    layer_norm_in_place<Pieces, false><<<blocks, 32 * kWarps, 0, stream>>>(y, skip, gamma, beta, rows, width, epsilon);
   return cudaGetLastError();
 }
 
@@ -81,26 +89,26 @@ cudaError_t launch(__half* y, const __half* gamma, const __half* beta, int64_t r
 
 bool layer_norm_supports(int64_t width) { return width > 0 && width % 8 == 0 && width <= kLayerNormMaxWidth; }
 
-cudaError_t layer_norm_in_place_launch(void* y, const void* gamma, const void* beta, int64_t rows, int64_t width,
-                                       float epsilon, cudaStream_t stream) {
+cudaError_t layer_norm_in_place_launch(void* y, const void* skip, const void* gamma, const void* beta, int64_t rows,
+                                       int64_t width, float epsilon, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   if (!layer_norm_supports(width) || rows > int64_t(kWarps) * 0x7fffffff) return cudaErrorInvalidValue;
   auto* out = static_cast<__half*>(y);
-  auto *g = static_cast<const __half*>(gamma), *b = static_cast<const __half*>(beta);
+  auto *s = static_cast<const __half*>(skip), *g = static_cast<const __half*>(gamma), *b = static_cast<const __half*>(beta);
   const int w = int(width);
   switch ((w / 8 + 31) / 32) {  // 16-byte pieces a lane holds
-    case 1: return launch<1>(out, g, b, rows, w, epsilon, stream);
-    case 2: return launch<2>(out, g, b, rows, w, epsilon, stream);
-    case 3: return launch<3>(out, g, b, rows, w, epsilon, stream);
-    case 4: return launch<4>(out, g, b, rows, w, epsilon, stream);
-    case 5: return launch<5>(out, g, b, rows, w, epsilon, stream);
-    case 6: return launch<6>(out, g, b, rows, w, epsilon, stream);
-    case 7: return launch<7>(out, g, b, rows, w, epsilon, stream);
-    default: return launch<8>(out, g, b, rows, w, epsilon, stream);
+    case 1: return launch<1>(out, s, g, b, rows, w, epsilon, stream);
+    case 2: return launch<2>(out, s, g, b, rows, w, epsilon, stream);
+    case 3: return launch<3>(out, s, g, b, rows, w, epsilon, stream);
+    case 4: return launch<4>(out, s, g, b, rows, w, epsilon, stream);
+    case 5: return launch<5>(out, s, g, b, rows, w, epsilon, stream);
+    case 6: return launch<6>(out, s, g, b, rows, w, epsilon, stream);
+    case 7: return launch<7>(out, s, g, b, rows, w, epsilon, stream);
+    default: return launch<8>(out, s, g, b, rows, w, epsilon, stream);
   }
 }
 
 cudaError_t layer_norm_available() {
   cudaFuncAttributes attributes;  // fails where the library holds no code for this device
-  return cudaFuncGetAttributes(&attributes, layer_norm_in_place<3>);
+  return cudaFuncGetAttributes(&attributes, layer_norm_in_place<3, false>);
 }

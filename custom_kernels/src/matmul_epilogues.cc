@@ -161,7 +161,14 @@ std::string lt_error(const char* what, cublasStatus_t s) {
   } while (0)
 
 constexpr int64_t kTuneMinRows = 4096;  // smaller products take a few microseconds whatever the algorithm
-constexpr int kTuneCandidates = 8;
+int tune_candidates() {  // BERTSERVE_KERNELS_AUTOTUNE_CANDIDATES (experiments), else 8
+  static const int n = [] {
+    const char* v = std::getenv("BERTSERVE_KERNELS_AUTOTUNE_CANDIDATES");
+    const int parsed = v ? std::atoi(v) : 0;
+    return parsed > 0 && parsed <= 64 ? parsed : 8;
+  }();
+  return n;
+}
 constexpr int kTuneRuns = 5;  // timed calls of a candidate per pass
 constexpr int kTunePasses = 4;  // over all candidates, alternately in order and in reverse
 
@@ -201,6 +208,7 @@ struct Plan {
 struct Kernel {
   const OpDef* def = nullptr;
   float epsilon = 0.0f;  // MatMulSkipLayerNorm's
+  bool skip_in_product = true;  // BERTSERVE_SKIP_IN_PRODUCT=0: the LayerNorm kernel adds the skip (experiments)
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -229,6 +237,8 @@ OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernel
   const char* name = k->def->name;
   if (k->def->epilogue == Epilogue::kSkipLayerNorm) {
     RETURN_IF_ERROR(read_epsilon(name, info, &k->epsilon));
+    const char* in_product = std::getenv("BERTSERVE_SKIP_IN_PRODUCT");
+    k->skip_in_product = !(in_product && std::strcmp(in_product, "0") == 0);
 #ifdef BERTSERVE_LAYER_NORM
     // At session start, so that a device the kernel cannot run on keeps the plain graph (artifact/session.py).
     const cudaError_t available = layer_norm_available();
@@ -291,10 +301,10 @@ OrtStatusPtr query_heuristic(Kernel& k, int64_t M, int64_t K, int64_t N, int ali
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, &a, sizeof(a));
-  candidates->assign(kTuneCandidates, cublasLtMatmulHeuristicResult_t{});
+  candidates->assign(tune_candidates(), cublasLtMatmulHeuristicResult_t{});
   int found = 0;
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulAlgoGetHeuristic(k.lt, p->op, p->w, p->x, p->y, p->y, pref, kTuneCandidates,
+    s = cublasLtMatmulAlgoGetHeuristic(k.lt, p->op, p->w, p->x, p->y, p->y, pref, tune_candidates(),
                                        candidates->data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) return fail(name, ORT_EP_FAIL, lt_error("cublasLtMatmulAlgoGetHeuristic", s));
@@ -405,13 +415,16 @@ OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, cons
     if (!layer_norm_supports(N))
       return fail(name, ORT_INVALID_ARGUMENT, "the LayerNorm kernel takes widths that are a multiple of 8 up to " +
                                                   std::to_string(kLayerNormMaxWidth) + ", not " + std::to_string(N));
-    if ((uintptr_t(y) | uintptr_t(ln.gamma) | uintptr_t(ln.beta)) % 16)
-      return fail(name, ORT_INVALID_ARGUMENT, "the LayerNorm kernel needs 16-byte aligned Y, gamma and beta");
+    if ((uintptr_t(y) | uintptr_t(ln.skip) | uintptr_t(ln.gamma) | uintptr_t(ln.beta)) % 16)
+      return fail(name, ORT_INVALID_ARGUMENT, "the LayerNorm kernel needs 16-byte aligned Y, skip, gamma and beta");
 #else
     return fail(name, ORT_EP_FAIL, "this library was built without its LayerNorm kernel (no nvcc)");
 #endif
   }
-  const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y) | uintptr_t(ln.skip);
+  // The skip goes in as the product's C, or into the LayerNorm kernel
+  const void* product_skip = layer_norm && k.skip_in_product ? ln.skip : nullptr;
+  const void* norm_skip = layer_norm && !k.skip_in_product ? ln.skip : nullptr;
+  const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y) | uintptr_t(product_skip);
   int align = 256;
   while (align > 2 && (bits & uintptr_t(align - 1))) align >>= 1;
 
@@ -437,22 +450,22 @@ OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, cons
   Plan& p = it->second;
   LT_CHECK(name, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)));
   if (new_plan) {
-    if (OrtStatusPtr st = choose_algo(k, p, M, K, N, align, x, w, ln.skip, y, s, &from_bucket)) {
+    if (OrtStatusPtr st = choose_algo(k, p, M, K, N, align, x, w, product_skip, y, s, &from_bucket)) {
       p.release();
       k.plans.erase(it);
       return st;
     }
   }
-  cublasStatus_t st = matmul(k, p, p.algo, x, w, ln.skip, y, s);
+  cublasStatus_t st = matmul(k, p, p.algo, x, w, product_skip, y, s);
   if (st != CUBLAS_STATUS_SUCCESS && from_bucket) {  // the bucket's algorithm does not fit this M: its own
     std::vector<cublasLtMatmulHeuristicResult_t> candidates;
     if (OrtStatusPtr q = query_heuristic(k, M, K, N, align, &p, &candidates)) return q;
-    st = matmul(k, p, p.algo, x, w, ln.skip, y, s);
+    st = matmul(k, p, p.algo, x, w, product_skip, y, s);
   }
   if (st != CUBLAS_STATUS_SUCCESS) return fail(name, ORT_EP_FAIL, lt_error("cublasLtMatmul", st));
 #ifdef BERTSERVE_LAYER_NORM
   if (layer_norm) {
-    e = layer_norm_in_place_launch(y, ln.gamma, ln.beta, M, N, k.epsilon, s);
+    e = layer_norm_in_place_launch(y, norm_skip, ln.gamma, ln.beta, M, N, k.epsilon, s);
     if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("the LayerNorm kernel's launch", e));
   }
 #endif
