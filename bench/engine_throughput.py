@@ -2,8 +2,7 @@
 
 CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
 the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+kernels
-ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention; "+kernels
-ort-layernorm": with ORT's MatMul + SkipLayerNormalization in place of our MatMulSkipLayerNorm)
+ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
@@ -181,11 +180,6 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
-def _with_env(make, **env):
-    with mock.patch.dict(os.environ, env):
-        return make()
-
-
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
     with mock.patch.dict(os.environ, BERTSERVE_KERNELS_AUTOTUNE="0"):
@@ -246,35 +240,6 @@ def main(argv=None) -> int:
         return _measure(args, Path(work), texts, batches, text_sizes, card)
 
 
-def with_ort_layer_norm(path: Path) -> Path | None:
-    """The kernels graph at `path` with each bertserve.MatMulSkipLayerNorm split back into ORT's MatMul +
-    SkipLayerNormalization, written beside it (our fused LayerNorm against ORT's in one run); None when the
-    graph has none (a library built without nvcc)."""
-    import onnx
-    from onnx import helper
-
-    model = onnx.load(str(path))
-    nodes, split = [], 0
-    for node in model.graph.node:
-        if node.op_type == "MatMulSkipLayerNorm" and node.domain == "bertserve":
-            x, w, bias, skip, gamma, beta = node.input
-            product = f"{node.output[0]}_product"
-            epsilon = next(helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon")
-            nodes += [helper.make_node("MatMul", [x, w], [product], name=f"{node.name}_matmul"),
-                      helper.make_node("SkipLayerNormalization", [product, skip, gamma, beta, bias], list(node.output),
-                                       name=f"{node.name}_skip_layer_norm", domain="com.microsoft", epsilon=epsilon)]
-            split += 1
-        else:
-            nodes.append(node)
-    if not split:
-        return None
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    out = path.with_name(f"{path.stem}_ort_layer_norm.onnx")
-    onnx.save(model, str(out))
-    return out
-
-
 def with_ort_attention(path: Path) -> Path | None:
     """The kernels graph at `path` with each bertserve.PackedAttention put back to ORT's
     PackedMultiHeadAttention, written beside it (our attention kernel against ORT's in one run); None when
@@ -324,14 +289,6 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                 if (ort_attention := with_ort_attention(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-attention"] = (
                         lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
-                if kind != "padded":  # EXPERIMENT s27: the skip added by the LayerNorm kernel instead of the product
-                    engines[f"ort fp16 {kind}+kernels skip-in-ln"] = (
-                        lambda kind=kind: _with_env(lambda: DeviceBoundSession(kernels_file(kind), "cuda",
-                                                                              kernels_library=library),
-                                                    BERTSERVE_SKIP_IN_PRODUCT="0"))
-                if (ort_layer_norm := with_ort_layer_norm(kernels_file(kind))) is not None:
-                    engines[f"ort fp16 {kind}+kernels ort-layernorm"] = (
-                        lambda path=ort_layer_norm: DeviceBoundSession(path, "cuda", kernels_library=library))
                 if args.untuned:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",

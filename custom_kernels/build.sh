@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the custom-operator library: host code that calls cuBLASLt (g++), and where nvcc is found the
-# attention and LayerNorm kernels too (bertserve.PackedAttention, bertserve.MatMulSkipLayerNorm); no ONNX Runtime headers (the wheels ship none:
+# attention kernel too (bertserve.PackedAttention); no ONNX Runtime headers (the wheels ship none:
 # src/ort_abi.h declares the few C API pieces it uses).
 #
 #   bash custom_kernels/build.sh [OUT_DIR]                   # libbertserve_ops.so for the CUDA provider
@@ -50,28 +50,24 @@ for d in $CUDA_INC; do [ -d "$d" ] || continue; inc+=(-I"$d")
 for d in $CUDA_LIB; do [ -d "$d" ] && lib+=(-L"$d"); done
 [ -n "$have_lt" ] || { echo "build.sh: no cublasLt.h in: $CUDA_INC (set CUDA_INC; pip: the nvidia-cublas wheel's nvidia/cu13/include)" >&2; exit 1; }
 [ -n "$have_crt" ] || { echo "build.sh: no crt/host_defines.h in: $CUDA_INC (it comes with a CUDA toolkit, e.g. a CUDA devel image; set CUDA_INC)" >&2; exit 1; }
-# The attention and LayerNorm kernels need nvcc (a CUDA toolkit: NVCC, else $CUDA_HOME/bin or PATH).
-# Without it the library has no PackedAttention and no MatMulSkipLayerNorm, and export keeps ORT's
-# PackedMultiHeadAttention and SkipLayerNormalization in the graph it writes.
+# The attention kernel needs nvcc (a CUDA toolkit: NVCC, else $CUDA_HOME/bin or PATH). Without it the
+# library has no PackedAttention, and export keeps ORT's PackedMultiHeadAttention in the graph it writes.
 NVCC=${NVCC:-$(command -v "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || command -v nvcc || true)}
 sources=("$here/src/matmul_epilogues.cc") built_from=(matmul_epilogues.cc)
 if [ -n "$NVCC" ]; then
-  kernel_objs="$(mktemp -d)"; trap 'rm -rf "$exports" "$kernel_objs"' EXIT
+  kernel_obj="$(mktemp --suffix .o)"; trap 'rm -f "$exports" "$kernel_obj"' EXIT
   # SASS for Ampere (8.0, 8.6), Ada (8.9) and Hopper (9.0), and PTX that later cards compile at load.
-  compile() {
-    "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden "${inc[@]}" -c "$here/src/$1" -o "$kernel_objs/$1.o" \
-      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
-      -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]
-  }
-  if compile packed_attention_kernel.cu && compile layer_norm_kernel.cu; then
-    sources+=("$here/src/packed_attention.cc" "$kernel_objs/packed_attention_kernel.cu.o" "$kernel_objs/layer_norm_kernel.cu.o")
-    built_from=(matmul_epilogues.cc packed_attention.cc packed_attention_kernel.cu layer_norm_kernel.cu)
-    flags+=(-DBERTSERVE_PACKED_ATTENTION -DBERTSERVE_LAYER_NORM)
+  if "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden "${inc[@]}" -c "$here/src/packed_attention_kernel.cu" \
+      -o "$kernel_obj" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
+      -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]; then
+    sources+=("$here/src/packed_attention.cc" "$kernel_obj")
+    built_from=(matmul_epilogues.cc packed_attention.cc packed_attention_kernel.cu)
+    flags+=(-DBERTSERVE_PACKED_ATTENTION)
   else  # an nvcc too old for these targets, say: the products' operators are still worth having
-    echo "build.sh: $NVCC could not compile the kernels (above): building without PackedAttention and MatMulSkipLayerNorm" >&2
+    echo "build.sh: $NVCC could not compile the attention kernel (above): building without PackedAttention" >&2
   fi
 else
-  echo "build.sh: no nvcc (set NVCC or CUDA_HOME): building without PackedAttention and MatMulSkipLayerNorm" >&2
+  echo "build.sh: no nvcc (set NVCC or CUDA_HOME): building without PackedAttention" >&2
 fi
 "$CXX" "${flags[@]}" "${inc[@]}" "${sources[@]}" -o "$out/libbertserve_ops.so" "${lib[@]}" \
   -l:libcublasLt.so.13 -l:libcudart.so.13

@@ -1,8 +1,7 @@
 """Graph rewrites onto our operators (needs onnx; export runs them, the server never does):
 each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one bertserve.MatMulBiasGelu
-node, each MatMul -> com.microsoft.SkipLayerNormalization pair one bertserve.MatMulSkipLayerNorm node,
-the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that add the
-attention's bias themselves, and a PackedMultiHeadAttention left without its bias becomes
+node, the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
+add the attention's bias themselves, and a PackedMultiHeadAttention left without its bias becomes
 bertserve.PackedAttention."""
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -21,11 +19,7 @@ log = logging.getLogger("custom_kernels.fusion")
 
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
-MATMUL_SKIP_LAYER_NORM = "MatMulSkipLayerNorm"
 PACKED_ATTENTION = "PackedAttention"
-# Widths src/layer_norm_kernel.cu takes (one warp a row, eight 16-byte pieces a lane at most)
-LAYER_NORM_MAX_WIDTH = 2048
-SKIP_LAYER_NORM_EPSILON = 1e-12  # com.microsoft.SkipLayerNormalization's default
 # ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
@@ -76,61 +70,10 @@ def fuse_matmul_bias_gelu(model: onnx.ModelProto) -> int:
     if not fused:
         return 0
     _rewrite(model, fused, dropped)
-    _drop_value_info(model, {g.nodes[j].output[0] for j in dropped})
-    return len(fused)
-
-
-def fuse_skip_layer_norm(model: onnx.ModelProto) -> int:
-    """Rewrites `model` in place and returns how many MatMul + SkipLayerNormalization pairs became one
-    bertserve.MatMulSkipLayerNorm node. A pair fuses when one of the SkipLayerNormalization's two summands
-    comes from a MatMul read by it alone (weight a 2-D initializer, width a multiple of 8 up to
-    LAYER_NORM_MAX_WIDTH), its gamma, beta and bias are initializers of that width (a missing beta or bias
-    becomes zeros), and nothing reads its outputs but the first. The fused node keeps that output's name
-    and the SkipLayerNormalization's place, so everything downstream is untouched."""
-    g = _Graph(model.graph)
-    fused: dict[int, onnx.NodeProto] = {}
-    dropped: set[int] = set()
-    zeros: dict[tuple[int, int], str] = {}  # (element type, width) -> an initializer of zeros
-    new_initializers: list[onnx.TensorProto] = []
-    for i, node in enumerate(g.nodes):
-        if node.op_type != "SkipLayerNormalization" or node.domain != "com.microsoft" or len(node.input) < 3:
-            continue
-        if any(name and (g.uses[name] or name in g.outputs) for name in node.output[1:]):
-            continue
-        summand, skip, gamma, beta, bias = (list(node.input) + [""] * 5)[:5]
-        found = g.sole_matmul(summand)
-        if found is None:
-            summand, skip = skip, summand
-            found = g.sole_matmul(summand)
-        if found is None:
-            continue
-        j, matmul, weight = found
-        width = weight.dims[1]
-        gamma_tensor = g.initializers.get(gamma)
-        if width % 8 or width > LAYER_NORM_MAX_WIDTH or gamma_tensor is None or list(gamma_tensor.dims) != [width]:
-            continue
-        if any(name and (name not in g.initializers or list(g.initializers[name].dims) != [width])
-               for name in (beta, bias)):
-            continue
-        for name in (beta, bias):
-            if not name and (gamma_tensor.data_type, width) not in zeros:
-                zero = numpy_helper.from_array(np.zeros(width, helper.tensor_dtype_to_np_dtype(gamma_tensor.data_type)),
-                                               f"{MATMUL_SKIP_LAYER_NORM}_zeros_{width}_{gamma_tensor.data_type}")
-                zeros[(gamma_tensor.data_type, width)] = zero.name
-                new_initializers.append(zero)
-        zero = zeros.get((gamma_tensor.data_type, width), "")
-        epsilon = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"),
-                       SKIP_LAYER_NORM_EPSILON)
-        fused[i] = helper.make_node(MATMUL_SKIP_LAYER_NORM,
-                                    [matmul.input[0], matmul.input[1], bias or zero, skip, gamma, beta or zero],
-                                    [node.output[0]], name=f"{node.name or matmul.name}_fused", domain=DOMAIN,
-                                    epsilon=float(epsilon))
-        dropped.add(j)
-    if not fused:
-        return 0
-    model.graph.initializer.extend(new_initializers)
-    _rewrite(model, fused, dropped)
-    _drop_value_info(model, {g.nodes[j].output[0] for j in dropped})
+    gone = {g.nodes[j].output[0] for j in dropped}
+    value_info = [_copy(v) for v in model.graph.value_info if v.name not in gone]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(value_info)
     return len(fused)
 
 
@@ -236,43 +179,20 @@ def packed_attention_model(heads: int, head_size: int, elem: int = onnx.TensorPr
                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
 
 
-def matmul_skip_layer_norm_model(elem: int = onnx.TensorProto.FLOAT16, k: int | str = "K",
-                                 n: int | str = "N", epsilon: float = SKIP_LAYER_NORM_EPSILON) -> onnx.ModelProto:
-    """One bertserve.MatMulSkipLayerNorm node over inputs x [M, k], w [k, n], bias [n], skip [M, n], gamma
-    [n] and beta [n] (`elem`): the probe's graph, and the tests'."""
-    shapes = {"x": ["M", k], "w": [k, n], "bias": [n], "skip": ["M", n], "gamma": [n], "beta": [n]}
-    graph = helper.make_graph(
-        [helper.make_node(MATMUL_SKIP_LAYER_NORM, list(shapes), ["y"], domain=DOMAIN, epsilon=epsilon)],
-        "matmul_skip_layer_norm", [helper.make_tensor_value_info(name, elem, dims) for name, dims in shapes.items()],
-        [helper.make_tensor_value_info("y", elem, ["M", n])])
-    return helper.make_model(graph, ir_version=8,
-                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
-
-
 def offers_packed_attention(library, head_size: int) -> bool:
     """Whether our operator library (a path) runs PackedAttention at `head_size` on this machine's GPU
-    (build.sh leaves the operator out without nvcc, and the kernel needs compute capability 8.0)."""
-    return _opens_on_cuda(library, packed_attention_model(heads=1, head_size=head_size),
-                          f"PackedAttention at head size {head_size}")
-
-
-def offers_skip_layer_norm(library) -> bool:
-    """Whether our operator library (a path) runs MatMulSkipLayerNorm on this machine's GPU (build.sh leaves
-    it out without nvcc, and its LayerNorm kernel needs compute capability 8.0)."""
-    return _opens_on_cuda(library, matmul_skip_layer_norm_model(), MATMUL_SKIP_LAYER_NORM)
-
-
-def _opens_on_cuda(library, model: onnx.ModelProto, what: str) -> bool:
-    """Whether a one-node graph of our operator opens on the CUDA provider with `library`."""
+    (build.sh leaves the operator out without nvcc, and the kernel needs compute capability 8.0): a
+    one-node graph opens on the CUDA provider or it does not."""
     from artifact.session import SessionError, open_session
 
+    model = packed_attention_model(heads=1, head_size=head_size)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.onnx"
         onnx.save(model, str(path))
         try:
             open_session(path, "cuda", library=library)
         except SessionError as e:
-            log.info("no %s in %s: %s", what, library, e)
+            log.info("no PackedAttention at head size %d in %s: %s", head_size, library, e)
             return False
     return True
 
@@ -287,13 +207,6 @@ def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], droppe
     graph.node.extend(kept)
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
-
-
-def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
-    """Leaves out the value_info of values no node makes any more."""
-    kept = [_copy(v) for v in model.graph.value_info if v.name not in names]
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(kept)
 
 
 def _copy(message):

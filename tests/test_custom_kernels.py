@@ -21,10 +21,9 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
-from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, MATMUL_SKIP_LAYER_NORM, PACKED_ATTENTION,
-                                   attention_on_packed_kernel, fuse_attention_bias, fuse_matmul_bias_gelu,
-                                   fuse_skip_layer_norm, matmul_skip_layer_norm_model, offers_packed_attention,
-                                   offers_skip_layer_norm, packed_attention_head_sizes, packed_attention_model)
+from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
+                                   fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention,
+                                   packed_attention_head_sizes, packed_attention_model)
 from export import ExportError
 from export.pipeline import export_artifact
 from tests.attention_reference import softmax_attention
@@ -369,123 +368,3 @@ def test_the_packed_attention_probe_answers_no_where_it_cannot_run(hostref_libra
     """Export asks before it rewrites. Without CUDA the probe answers False rather than raising, and the
     kernels graph keeps PackedMultiHeadAttention (the GPU test checks the yes)."""
     assert offers_packed_attention(hostref_library, 64) is False
-
-
-def _with_distinct_layer_norms(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
-    """`model` with every SkipLayerNormalization's gamma, beta and bias its own random initializer: a random
-    model's are ones and zeros, shared (ORT folds equal initializers), and would hide a mixed-up input."""
-    rng = np.random.default_rng(seed)
-    for node in model.graph.node:
-        if node.op_type == "SkipLayerNormalization":
-            for i, centre in ((2, 1.0), (3, 0.0), (4, 0.0)):
-                values = centre + 0.5 * rng.standard_normal(
-                    next(t.dims for t in model.graph.initializer if t.name == node.input[i]))
-                model.graph.initializer.append(numpy_helper.from_array(values.astype(np.float32), f"{node.name}_{i}"))
-                node.input[i] = f"{node.name}_{i}"
-    return model
-
-
-def _layer_norm_reference(z: np.ndarray, gamma, beta, epsilon: float) -> np.ndarray:
-    z = z.astype(np.float64)
-    mean = z.mean(-1, keepdims=True)
-    return (z - mean) / np.sqrt(((z - mean) ** 2).mean(-1, keepdims=True) + epsilon) * gamma + beta
-
-
-def test_skip_layer_norm_fusion_gives_the_plain_graphs_outputs(tiny_artifact_dir, hostref_library):
-    """Each attention's and each feed-forward block's MatMul + SkipLayerNormalization becomes one node that
-    gives the same outputs: the product's bias, the skip, gamma and beta each land in their place."""
-    model = _with_distinct_layer_norms(onnx.load(str(tiny_artifact_dir / "model.onnx")))
-    plain = _session(model.SerializeToString())
-    layers = read_manifest(tiny_artifact_dir).num_layers
-    before = Counter(n.op_type for n in model.graph.node)
-    assert fuse_skip_layer_norm(model) == 2 * layers
-    after = Counter(n.op_type for n in model.graph.node)
-    assert after["SkipLayerNormalization"] == 0 and after[MATMUL_SKIP_LAYER_NORM] == 2 * layers
-    assert after["MatMul"] == before["MatMul"] - 2 * layers
-    epsilons = [helper.get_attribute_value(a) for n in model.graph.node if n.op_type == MATMUL_SKIP_LAYER_NORM
-                for a in n.attribute if a.name == "epsilon"]
-    assert epsilons == pytest.approx([1e-12] * 2 * layers)  # BERT's, carried over from each node
-    fused = _session(model.SerializeToString(), hostref_library)
-    feed = _padded_feed(tiny_artifact_dir)
-    names = [o.name for o in plain.get_outputs()]
-    for name, want, got in zip(names, plain.run(names, feed), fused.run(names, feed)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5, err_msg=name)
-
-
-def _skip_layer_norm_graph(beta: bool = True, bias: bool = True, width: int = 8, read_sum: bool = False,
-                           product_is_skip: bool = False) -> onnx.ModelProto:
-    """x -> MatMul -> SkipLayerNormalization(+ r) -> y, with what the cases below leave out or add."""
-    rng = np.random.default_rng(0)
-    init = [numpy_helper.from_array(rng.standard_normal((4, width)).astype(np.float32), "w"),
-            numpy_helper.from_array(1 + rng.standard_normal(width).astype(np.float32), "gamma"),
-            numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), "beta"),
-            numpy_helper.from_array(rng.standard_normal(width).astype(np.float32), "bias")]
-    summands = ["r", "mm"] if product_is_skip else ["mm", "r"]
-    outputs = ["y", "", "", "sum"] if read_sum else ["y"]
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]),
-             helper.make_node("SkipLayerNormalization", [*summands, "gamma", "beta" if beta else "",
-                                                         "bias" if bias else ""],
-                              outputs, domain="com.microsoft", epsilon=1e-5)]
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", 4]),
-                     helper.make_tensor_value_info("r", TensorProto.FLOAT, ["M", width])],
-        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "sum") if n in outputs], init)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-
-
-@pytest.mark.parametrize("case", [{}, {"beta": False, "bias": False}, {"product_is_skip": True}])
-def test_skip_layer_norm_fusion_takes_either_summand_and_fills_what_is_missing(hostref_library, case):
-    model = _skip_layer_norm_graph(**case)
-    feed = {"x": np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32),
-            "r": np.random.default_rng(2).standard_normal((5, 8)).astype(np.float32)}
-    (want,) = _session(model.SerializeToString()).run(None, feed)
-    assert fuse_skip_layer_norm(model) == 1
-    (node,) = model.graph.node
-    assert node.op_type == MATMUL_SKIP_LAYER_NORM and node.input[:2] == ["x", "w"] and node.input[3] == "r"
-    (got,) = _session(model.SerializeToString(), hostref_library).run(None, feed)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("case", [{"read_sum": True}, {"width": 12}])
-def test_skip_layer_norm_stays_when_its_sum_is_read_or_the_kernel_cannot_take_the_width(case):
-    model = _skip_layer_norm_graph(**case)
-    assert fuse_skip_layer_norm(model) == 0
-    assert [n.op_type for n in model.graph.node] == ["MatMul", "SkipLayerNormalization"]
-
-
-def test_skip_layer_norm_stays_when_its_product_is_read_elsewhere():
-    model = _skip_layer_norm_graph()
-    model.graph.node.append(helper.make_node("Identity", ["mm"], ["also"]))
-    model.graph.output.append(helper.make_tensor_value_info("also", TensorProto.FLOAT, None))
-    assert fuse_skip_layer_norm(model) == 0
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_matmul_skip_layer_norm_operator_against_numpy(hostref_library, dtype):
-    """The operator's contract, which the CUDA kernel is held to on the GPU: LayerNorm(X·W + bias + skip)."""
-    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
-    session = _session(matmul_skip_layer_norm_model(elem, epsilon=1e-5).SerializeToString(), hostref_library)
-    rng = np.random.default_rng(0)
-    feed = {"x": rng.standard_normal((7, 16)), "w": rng.standard_normal((16, 24)) / 4, "bias": rng.standard_normal(24),
-            "skip": 3 + rng.standard_normal((7, 24)), "gamma": 1 + rng.standard_normal(24), "beta": rng.standard_normal(24)}
-    feed = {k: v.astype(dtype) for k, v in feed.items()}
-    (y,) = session.run(None, feed)
-    f = {k: v.astype(np.float64) for k, v in feed.items()}
-    want = _layer_norm_reference(f["x"] @ f["w"] + f["bias"] + f["skip"], f["gamma"], f["beta"], 1e-5)
-    np.testing.assert_allclose(y, want, atol=1e-4 if dtype == np.float32 else 2e-2)
-
-
-def test_matmul_skip_layer_norm_refuses_a_skip_of_another_shape_and_keeps_working(hostref_library):
-    session = _session(matmul_skip_layer_norm_model(TensorProto.FLOAT).SerializeToString(), hostref_library)
-    feed = {"x": np.ones((3, 4), np.float32), "w": np.ones((4, 8), np.float32), "bias": np.zeros(8, np.float32),
-            "skip": np.zeros((3, 8), np.float32), "gamma": np.ones(8, np.float32), "beta": np.zeros(8, np.float32)}
-    with pytest.raises(Exception, match="do not fit skip"):
-        session.run(None, {**feed, "skip": np.zeros((2, 8), np.float32)})
-    with pytest.raises(Exception, match="do not fit skip"):
-        session.run(None, {**feed, "gamma": np.ones(6, np.float32)})
-    (y,) = session.run(None, feed)
-    np.testing.assert_allclose(y, 0.0, atol=1e-5)  # every row's values are equal: zero after the norm
-
-
-def test_the_skip_layer_norm_probe_answers_no_where_it_cannot_run(hostref_library):
-    assert offers_skip_layer_norm(hostref_library) is False

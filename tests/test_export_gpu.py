@@ -104,7 +104,7 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     """Needs custom_kernels' CUDA library (bash custom_kernels/build.sh, or $BERTSERVE_KERNELS_LIBRARY):
     `--custom-kernels on` fails the export without it."""
     from app.engine import Batch, OrtEngine
-    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, MATMUL_SKIP_LAYER_NORM, PACKED_ATTENTION
+    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION
 
     out = tmp_path / "art"
     argv = ["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]
@@ -112,9 +112,8 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     m = read_manifest(out)
     kernels = m.graph("fp16").custom_kernels
     # packed (the default with the library): the attention's bias in the Q, K and V products, and the
-    # attention on our kernel; either way the two LayerNorms of each layer on ours (the library is built
-    # with nvcc here)
-    want_operators = {MATMUL_BIAS_GELU: m.num_layers, MATMUL_SKIP_LAYER_NORM: 2 * m.num_layers} | (
+    # attention on our kernel (the library is built with nvcc here)
+    want_operators = {MATMUL_BIAS_GELU: m.num_layers} | (
         {} if keep_padding else {MATMUL_BIAS: 3 * m.num_layers, PACKED_ATTENTION: m.num_layers})
     assert kernels.operators == want_operators
     assert kernels.parity["token_embeddings_min_cosine"] >= 0.999

@@ -1,9 +1,8 @@
 // ONNX Runtime custom-op library: matrix products with their epilogue fused, on the CUDA provider.
 //
-//   bertserve.MatMulBiasGelu       Y = gelu(X·W + bias)
-//   bertserve.MatMulBias           Y = X·W + bias
-//   bertserve.MatMulSkipLayerNorm  Y = LayerNorm(X·W + bias + skip) · gamma + beta   (attribute epsilon)
-//   X [..., K] fp16, W [K, N] fp16, bias, gamma, beta [N] fp16, skip [..., N] fp16  ->  Y [..., N] fp16
+//   bertserve.MatMulBiasGelu  Y = gelu(X·W + bias)
+//   bertserve.MatMulBias      Y = X·W + bias
+//   X [..., K] fp16, W [K, N] fp16, bias [N] fp16  ->  Y [..., N] fp16
 //
 // One cublasLtMatmul with the CUBLASLT_EPILOGUE_GELU_BIAS / _BIAS epilogue, fp32 accumulation. Row-major
 // tensors are handed to column-major cuBLASLt as their transposes: Yᵀ[N×M] = Wᵀ[N×K] · Xᵀ[K×M], bias
@@ -13,11 +12,7 @@
 // (custom_kernels/fusion.py rewrites the graph): the GEMM writes gelu(x) directly instead of x for a
 // second kernel to read back, which saved about 1.4 ms of 14.4 per BERT-base batch of 256 x 128 on an
 // H100. MatMulBias gives PackedMultiHeadAttention its Q, K and V with their biases added, so that the
-// attention reads them where they are instead of adding the bias into a copy first. MatMulSkipLayerNorm
-// replaces the MatMul + com.microsoft.SkipLayerNormalization pair after each attention and each
-// feed-forward block: the product adds the skip (the residual) as cuBLASLt's C with beta 1, and a
-// LayerNorm kernel (layer_norm_kernel.cu) normalises Y in place, so the sum is read once instead of the
-// product and the skip apart. It needs nvcc, like PackedAttention.
+// attention reads them where they are instead of adding the bias into a copy first.
 //
 // The packed graph's M is the batch's real token count, so a server meets a new M in most batches. An
 // algorithm is chosen once per operator, K, N, alignment and power-of-two bucket of M, for the process,
@@ -45,7 +40,6 @@
 
 #include "op_common.h"
 #include "ort_abi.h"
-#include "layer_norm.h"
 #include "packed_attention.h"
 
 #ifndef BERTSERVE_HOST_REFERENCE
@@ -68,78 +62,47 @@ OrtStatusPtr fail(const char* op, OrtErrorCode code, const std::string& msg) {
   return api->CreateStatus(code, (std::string(op) + ": " + msg).c_str());
 }
 
-enum class Epilogue { kBias, kGeluBias, kSkipLayerNorm };
-
 // One registered operator: its name and epilogue, element type and execution provider.
 struct OpDef : OrtCustomOp {
   const char* name;
-  Epilogue epilogue;
+  bool gelu;  // GELU after the bias, or the bias alone
   ONNXTensorElementDataType type;
   const char* provider;
-  size_t inputs() const { return epilogue == Epilogue::kSkipLayerNorm ? 6 : 3; }
 };
-
-// The inputs past X, W and bias: MatMulSkipLayerNorm's (all null for the other operators).
-struct SkipLayerNorm {
-  const void *skip = nullptr, *gamma = nullptr, *beta = nullptr;
-  float epsilon = 0.0f;
-};
-
-// MatMulSkipLayerNorm's epsilon attribute (required: custom_kernels/fusion.py always writes it).
-OrtStatusPtr read_epsilon(const char* op, const OrtKernelInfo* info, float* epsilon) {
-  RETURN_IF_ERROR(api->KernelInfoGetAttribute_float(info, "epsilon", epsilon));
-  if (!(*epsilon >= 0.0f)) return fail(op, ORT_INVALID_ARGUMENT, "epsilon must be a number >= 0");
-  return nullptr;
-}
 
 #ifdef BERTSERVE_HOST_REFERENCE
 
 struct Kernel {
   const OpDef* def;
-  float epsilon;
 };
 
 template <typename T>
-void host_matmul(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t K, int64_t N, Epilogue epilogue,
-                 const SkipLayerNorm& ln) {
+void host_matmul(const T* x, const T* w, const T* b, T* y, int64_t M, int64_t K, int64_t N, bool gelu) {
   std::vector<float> wf(w, w + K * N), acc(N);
-  const T *skip = static_cast<const T*>(ln.skip), *gamma = static_cast<const T*>(ln.gamma),
-          *beta = static_cast<const T*>(ln.beta);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) acc[n] = float(b[n]);
     for (int64_t k = 0; k < K; ++k) {
       const float xv = float(x[m * K + k]);
       for (int64_t n = 0; n < N; ++n) acc[n] += xv * wf[k * N + n];
     }
-    if (epilogue == Epilogue::kSkipLayerNorm) {
-      double mean = 0.0, var = 0.0;
-      for (int64_t n = 0; n < N; ++n) mean += acc[n] += float(skip[m * N + n]);
-      mean /= double(N);
-      for (int64_t n = 0; n < N; ++n) var += (acc[n] - mean) * (acc[n] - mean);
-      const double inv_std = 1.0 / std::sqrt(var / double(N) + double(ln.epsilon));
-      for (int64_t n = 0; n < N; ++n) acc[n] = float((acc[n] - mean) * inv_std * float(gamma[n]) + float(beta[n]));
-    }
     for (int64_t n = 0; n < N; ++n)
-      y[m * N + n] = T(epilogue == Epilogue::kGeluBias ? 0.5f * acc[n] * (1.0f + std::erf(acc[n] * 0.70710678f))
-                                                       : acc[n]);
+      y[m * N + n] = T(gelu ? 0.5f * acc[n] * (1.0f + std::erf(acc[n] * 0.70710678f)) : acc[n]);
   }
 }
 
-OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
-  auto k = std::make_unique<Kernel>(Kernel{static_cast<const OpDef*>(op), 0.0f});
-  if (k->def->epilogue == Epilogue::kSkipLayerNorm) RETURN_IF_ERROR(read_epsilon(k->def->name, info, &k->epsilon));
-  *out = k.release();
+OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** out) {
+  *out = new Kernel{static_cast<const OpDef*>(op)};
   return nullptr;
 }
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
-                 const SkipLayerNorm& ln, void* y, void* /*stream: none on the CPU provider*/) {
+                 void* y, void* /*stream: none on the CPU provider*/) {
   if (k.def->type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
     host_matmul(static_cast<const _Float16*>(x), static_cast<const _Float16*>(w), static_cast<const _Float16*>(b),
-                static_cast<_Float16*>(y), M, K, N, k.def->epilogue, ln);
+                static_cast<_Float16*>(y), M, K, N, k.def->gelu);
   else
     host_matmul(static_cast<const float*>(x), static_cast<const float*>(w), static_cast<const float*>(b),
-                static_cast<float*>(y), M, K, N, k.def->epilogue, ln);
+                static_cast<float*>(y), M, K, N, k.def->gelu);
   return nullptr;
 }
 
@@ -161,14 +124,7 @@ std::string lt_error(const char* what, cublasStatus_t s) {
   } while (0)
 
 constexpr int64_t kTuneMinRows = 4096;  // smaller products take a few microseconds whatever the algorithm
-int tune_candidates() {  // BERTSERVE_KERNELS_AUTOTUNE_CANDIDATES (experiments), else 8
-  static const int n = [] {
-    const char* v = std::getenv("BERTSERVE_KERNELS_AUTOTUNE_CANDIDATES");
-    const int parsed = v ? std::atoi(v) : 0;
-    return parsed > 0 && parsed <= 64 ? parsed : 8;
-  }();
-  return n;
-}
+constexpr int kTuneCandidates = 8;
 constexpr int kTuneRuns = 5;  // timed calls of a candidate per pass
 constexpr int kTunePasses = 4;  // over all candidates, alternately in order and in reverse
 
@@ -207,8 +163,6 @@ struct Plan {
 // allocates, so it may run inside ORT's CUDA-graph capture.
 struct Kernel {
   const OpDef* def = nullptr;
-  float epsilon = 0.0f;  // MatMulSkipLayerNorm's
-  bool skip_in_product = true;  // BERTSERVE_SKIP_IN_PRODUCT=0: the LayerNorm kernel adds the skip (experiments)
   cublasLtHandle_t lt = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
@@ -231,22 +185,10 @@ struct Kernel {
   }
 };
 
-OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo* info, void** out) {
+OrtStatusPtr create_kernel(const OrtCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** out) {
   auto k = std::make_unique<Kernel>();
   k->def = static_cast<const OpDef*>(op);
   const char* name = k->def->name;
-  if (k->def->epilogue == Epilogue::kSkipLayerNorm) {
-    RETURN_IF_ERROR(read_epsilon(name, info, &k->epsilon));
-    const char* in_product = std::getenv("BERTSERVE_SKIP_IN_PRODUCT");
-    k->skip_in_product = !(in_product && std::strcmp(in_product, "0") == 0);
-#ifdef BERTSERVE_LAYER_NORM
-    // At session start, so that a device the kernel cannot run on keeps the plain graph (artifact/session.py).
-    const cudaError_t available = layer_norm_available();
-    if (available != cudaSuccess)
-      return fail(name, ORT_EP_FAIL, cuda_error("this GPU cannot run the LayerNorm kernel (it needs compute "
-                                                "capability 8.0 or later); looking it up", available));
-#endif
-  }
   int device = -1;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaGetDevice", e));
@@ -274,8 +216,7 @@ OrtStatusPtr make_descriptors(Kernel& k, int64_t M, int64_t K, int64_t N, Plan* 
   const char* name = k.def->name;
   LT_CHECK(name, cublasLtMatmulDescCreate(&p->op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t no = CUBLAS_OP_N;
-  const cublasLtEpilogue_t epilogue =
-      k.def->epilogue == Epilogue::kGeluBias ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
+  const cublasLtEpilogue_t epilogue = k.def->gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS;
   const cudaDataType_t bias_type = CUDA_R_16F;
   LT_CHECK(name, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSA, &no, sizeof(no)));
   LT_CHECK(name, cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &no, sizeof(no)));
@@ -301,37 +242,36 @@ OrtStatusPtr query_heuristic(Kernel& k, int64_t M, int64_t K, int64_t N, int ali
   for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                     CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, &a, sizeof(a));
-  candidates->assign(tune_candidates(), cublasLtMatmulHeuristicResult_t{});
+  candidates->assign(kTuneCandidates, cublasLtMatmulHeuristicResult_t{});
   int found = 0;
   if (s == CUBLAS_STATUS_SUCCESS)
-    s = cublasLtMatmulAlgoGetHeuristic(k.lt, p->op, p->w, p->x, p->y, p->y, pref, tune_candidates(),
+    s = cublasLtMatmulAlgoGetHeuristic(k.lt, p->op, p->w, p->x, p->y, p->y, pref, kTuneCandidates,
                                        candidates->data(), &found);
   cublasLtMatmulPreferenceDestroy(pref);
   if (s != CUBLAS_STATUS_SUCCESS) return fail(name, ORT_EP_FAIL, lt_error("cublasLtMatmulAlgoGetHeuristic", s));
   candidates->resize(found);
   if (found == 0 || (*candidates)[0].state != CUBLAS_STATUS_SUCCESS)
     return fail(name, ORT_EP_FAIL, std::string("cuBLASLt has no algorithm with the ") +
-                                       (k.def->epilogue == Epilogue::kGeluBias ? "GELU_BIAS" : "BIAS") +
-                                       " epilogue for M=" + std::to_string(M) +
+                                       (k.def->gelu ? "GELU_BIAS" : "BIAS") + " epilogue for M=" + std::to_string(M) +
                                  " K=" + std::to_string(K) + " N=" + std::to_string(N) + " (alignment " +
                                  std::to_string(align) + " B, workspace " + std::to_string(max_ws) + " B)");
   p->algo = (*candidates)[0].algo;
   return nullptr;
 }
 
-// Y = X·W (+ skip, when there is one) with the plan's epilogue (the bias pointer is set on the plan).
-cublasStatus_t matmul(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w,
-                      const void* skip, void* y, cudaStream_t s) {
-  const float alpha = 1.0f, beta = skip ? 1.0f : 0.0f;
-  return cublasLtMatmul(k.lt, p.op, &alpha, w, p.w, x, p.x, &beta, skip ? skip : y, p.y, y, p.y, &algo,
-                        k.workspace, k.workspace_bytes, s);
+// Y = X·W with the plan's epilogue (the bias pointer is set on the plan).
+cublasStatus_t matmul(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y,
+                      cudaStream_t s) {
+  const float alpha = 1.0f, beta = 0.0f;
+  return cublasLtMatmul(k.lt, p.op, &alpha, w, p.w, x, p.x, &beta, y, p.y, y, p.y, &algo, k.workspace,
+                        k.workspace_bytes, s);
 }
 
 // Milliseconds a call of `algo` takes on stream s (the mean of kTuneRuns after one warm-up), or a
 // negative value when cuBLASLt refuses it. Writes y, which the real call overwrites afterwards.
-float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w,
-                const void* skip, void* y, cudaStream_t s) {
-  auto call = [&] { return matmul(k, p, algo, x, w, skip, y, s); };
+float time_algo(Kernel& k, Plan& p, const cublasLtMatmulAlgo_t& algo, const void* x, const void* w, void* y,
+                cudaStream_t s) {
+  auto call = [&] { return matmul(k, p, algo, x, w, y, s); };
   if (call() != CUBLAS_STATUS_SUCCESS) return -1.0f;
   if (cudaEventRecord(k.tune_start, s) != cudaSuccess) return -1.0f;
   for (int i = 0; i < kTuneRuns; ++i)
@@ -351,8 +291,7 @@ bool capturing(cudaStream_t s) {
 
 // Sets p.algo to the fastest of `candidates` on this product (each timed on stream s).
 void tune_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicResult_t>& candidates, int64_t M,
-               int64_t K, int64_t N, int align, const void* x, const void* w, const void* skip, void* y,
-               cudaStream_t s) {
+               int64_t K, int64_t N, int align, const void* x, const void* w, void* y, cudaStream_t s) {
   // Each candidate's best pass: the GPU's clock climbs while an idle card starts work, which would favour
   // whichever candidate comes last; alternating the order gives every one a turn at the end.
   const size_t n = candidates.size();
@@ -361,7 +300,7 @@ void tune_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicResu
     for (size_t j = 0; j < n; ++j) {
       const size_t i = pass % 2 ? n - 1 - j : j;
       if (candidates[i].state != CUBLAS_STATUS_SUCCESS) continue;
-      const float ms = time_algo(k, p, candidates[i].algo, x, w, skip, y, s);
+      const float ms = time_algo(k, p, candidates[i].algo, x, w, y, s);
       if (ms >= 0.0f && (fastest[i] < 0.0f || ms < fastest[i])) fastest[i] = ms;
     }
   size_t chosen = 0;  // the heuristic's first when none could be timed
@@ -381,7 +320,7 @@ void tune_algo(Kernel& k, Plan& p, const std::vector<cublasLtMatmulHeuristicResu
 // bucket's. A first choice made during a CUDA-graph capture, where nothing is timed, is not kept for a
 // bucket that would have been tuned.
 OrtStatusPtr choose_algo(Kernel& k, Plan& p, int64_t M, int64_t K, int64_t N, int align, const void* x,
-                         const void* w, const void* skip, void* y, cudaStream_t s, bool* from_bucket) {
+                         const void* w, void* y, cudaStream_t s, bool* from_bucket) {
   ChosenAlgos& chosen = chosen_algos();
   const BucketKey key = std::make_tuple(k.def->name, K, N, align, log2_floor(M));
   {
@@ -398,7 +337,7 @@ OrtStatusPtr choose_algo(Kernel& k, Plan& p, int64_t M, int64_t K, int64_t N, in
   // A large product's first time: its candidates are timed (large products only, outside a capture).
   if (k.autotune && M >= kTuneMinRows && candidates.size() >= 2) {
     if (capturing(s)) return nullptr;  // the heuristic's first for now; the bucket is tuned outside a capture
-    tune_algo(k, p, candidates, M, K, N, align, x, w, skip, y, s);
+    tune_algo(k, p, candidates, M, K, N, align, x, w, y, s);
   }
   std::lock_guard<std::mutex> lock(chosen.mu);
   chosen.best.emplace(key, p.algo);
@@ -406,25 +345,10 @@ OrtStatusPtr choose_algo(Kernel& k, Plan& p, int64_t M, int64_t K, int64_t N, in
 }
 
 OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, const void* w, const void* b,
-                 const SkipLayerNorm& ln, void* y, void* stream) {
+                 void* y, void* stream) {
   const char* name = k.def->name;
   if (!stream) return fail(name, ORT_EP_FAIL, "ORT gave no CUDA compute stream (is the node on CUDAExecutionProvider?)");
-  const bool layer_norm = k.def->epilogue == Epilogue::kSkipLayerNorm;
-  if (layer_norm) {
-#ifdef BERTSERVE_LAYER_NORM
-    if (!layer_norm_supports(N))
-      return fail(name, ORT_INVALID_ARGUMENT, "the LayerNorm kernel takes widths that are a multiple of 8 up to " +
-                                                  std::to_string(kLayerNormMaxWidth) + ", not " + std::to_string(N));
-    if ((uintptr_t(y) | uintptr_t(ln.skip) | uintptr_t(ln.gamma) | uintptr_t(ln.beta)) % 16)
-      return fail(name, ORT_INVALID_ARGUMENT, "the LayerNorm kernel needs 16-byte aligned Y, skip, gamma and beta");
-#else
-    return fail(name, ORT_EP_FAIL, "this library was built without its LayerNorm kernel (no nvcc)");
-#endif
-  }
-  // The skip goes in as the product's C, or into the LayerNorm kernel
-  const void* product_skip = layer_norm && k.skip_in_product ? ln.skip : nullptr;
-  const void* norm_skip = layer_norm && !k.skip_in_product ? ln.skip : nullptr;
-  const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y) | uintptr_t(product_skip);
+  const uintptr_t bits = uintptr_t(x) | uintptr_t(w) | uintptr_t(y);
   int align = 256;
   while (align > 2 && (bits & uintptr_t(align - 1))) align >>= 1;
 
@@ -450,25 +374,19 @@ OrtStatusPtr run(Kernel& k, int64_t M, int64_t K, int64_t N, const void* x, cons
   Plan& p = it->second;
   LT_CHECK(name, cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &b, sizeof(b)));
   if (new_plan) {
-    if (OrtStatusPtr st = choose_algo(k, p, M, K, N, align, x, w, product_skip, y, s, &from_bucket)) {
+    if (OrtStatusPtr st = choose_algo(k, p, M, K, N, align, x, w, y, s, &from_bucket)) {
       p.release();
       k.plans.erase(it);
       return st;
     }
   }
-  cublasStatus_t st = matmul(k, p, p.algo, x, w, product_skip, y, s);
+  cublasStatus_t st = matmul(k, p, p.algo, x, w, y, s);
   if (st != CUBLAS_STATUS_SUCCESS && from_bucket) {  // the bucket's algorithm does not fit this M: its own
     std::vector<cublasLtMatmulHeuristicResult_t> candidates;
     if (OrtStatusPtr q = query_heuristic(k, M, K, N, align, &p, &candidates)) return q;
-    st = matmul(k, p, p.algo, x, w, product_skip, y, s);
+    st = matmul(k, p, p.algo, x, w, y, s);
   }
   if (st != CUBLAS_STATUS_SUCCESS) return fail(name, ORT_EP_FAIL, lt_error("cublasLtMatmul", st));
-#ifdef BERTSERVE_LAYER_NORM
-  if (layer_norm) {
-    e = layer_norm_in_place_launch(y, norm_skip, ln.gamma, ln.beta, M, N, k.epsilon, s);
-    if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("the LayerNorm kernel's launch", e));
-  }
-#endif
   e = cudaEventRecord(k.done, s);
   if (e != cudaSuccess) return fail(name, ORT_EP_FAIL, cuda_error("cudaEventRecord", e));
   k.last = s;
@@ -483,11 +401,10 @@ const char* const kProvider = "CUDAExecutionProvider";
 OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   Kernel& k = *static_cast<Kernel*>(kernel);
   const char* name = k.def->name;
-  const size_t inputs = k.def->inputs();
-  const OrtValue* in[6];
-  ONNXTensorElementDataType type[6];
-  std::vector<int64_t> dims[6];
-  for (size_t i = 0; i < inputs; ++i) {
+  const OrtValue* in[3];
+  ONNXTensorElementDataType type[3];
+  std::vector<int64_t> dims[3];
+  for (size_t i = 0; i < 3; ++i) {
     RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
     if (!in[i]) return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
     RETURN_IF_ERROR(type_and_shape(api, in[i], &type[i], &dims[i]));
@@ -503,37 +420,30 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   for (size_t i = 0; i + 1 < xd.size(); ++i) M *= xd[i];
   std::vector<int64_t> yd(xd);
   yd.back() = N;
-  if (inputs == 6 && (dims[3] != yd || dims[4] != bd || dims[5] != bd))
-    return fail(name, ORT_INVALID_ARGUMENT, "shapes skip " + dims_str(dims[3]) + ", gamma " + dims_str(dims[4]) +
-                                                ", beta " + dims_str(dims[5]) + " do not fit skip " + dims_str(yd) +
-                                                ", gamma and beta [" + std::to_string(N) + "]");
   OrtValue* out = nullptr;
   RETURN_IF_ERROR(api->KernelContext_GetOutput(ctx, 0, yd.data(), yd.size(), &out));
   if (M == 0 || N == 0) return nullptr;
 
-  void* ptr[6];
-  for (size_t i = 0; i < inputs; ++i) RETURN_IF_ERROR(api->GetTensorMutableData(const_cast<OrtValue*>(in[i]), &ptr[i]));
-  SkipLayerNorm ln;
-  if (inputs == 6) ln = SkipLayerNorm{ptr[3], ptr[4], ptr[5], k.epsilon};
-  void* y = nullptr;
-  RETURN_IF_ERROR(api->GetTensorMutableData(out, &y));
+  void* ptr[4];
+  for (int i = 0; i < 3; ++i) RETURN_IF_ERROR(api->GetTensorMutableData(const_cast<OrtValue*>(in[i]), &ptr[i]));
+  RETURN_IF_ERROR(api->GetTensorMutableData(out, &ptr[3]));
   void* stream = nullptr;
   RETURN_IF_ERROR(api->KernelContext_GetGPUComputeStream(ctx, &stream));
-  return run(k, M, K, N, ptr[0], ptr[1], ptr[2], ln, y, stream);
+  return run(k, M, K, N, ptr[0], ptr[1], ptr[2], ptr[3], stream);
 }
 
-OpDef make_op(const char* name, Epilogue epilogue, ONNXTensorElementDataType type, const char* provider) {
+OpDef make_op(const char* name, bool gelu, ONNXTensorElementDataType type, const char* provider) {
   OpDef op;
   std::memset(static_cast<void*>(&op), 0, sizeof(op));
   op_common::set_common_fields(op);
   op.name = name;
-  op.epilogue = epilogue;
+  op.gelu = gelu;
   op.type = type;
   op.provider = provider;
   op.GetName = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->name; };
   op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->provider; };
   op.GetInputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
-  op.GetInputTypeCount = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->inputs(); };
+  op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
   op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
   op.CreateKernelV2 = create_kernel;
@@ -557,11 +467,8 @@ extern "C" __attribute__((visibility("default"))) OrtStatusPtr RegisterCustomOps
   static std::vector<OpDef> ops = [] {
     std::vector<OpDef> v;
     for (auto t : kTypes) {
-      v.push_back(make_op("MatMulBiasGelu", Epilogue::kGeluBias, t, kProvider));
-      v.push_back(make_op("MatMulBias", Epilogue::kBias, t, kProvider));
-#if defined(BERTSERVE_HOST_REFERENCE) || defined(BERTSERVE_LAYER_NORM)
-      v.push_back(make_op("MatMulSkipLayerNorm", Epilogue::kSkipLayerNorm, t, kProvider));
-#endif
+      v.push_back(make_op("MatMulBiasGelu", true, t, kProvider));
+      v.push_back(make_op("MatMulBias", false, t, kProvider));
     }
     return v;
   }();
