@@ -2,7 +2,8 @@
 
 CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
 the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+kernels
-ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention)
+ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention; "+kernels
+ort-remove-padding": with ORT's RemovePadding in place of ours)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
@@ -240,6 +241,22 @@ def main(argv=None) -> int:
         return _measure(args, Path(work), texts, batches, text_sizes, card)
 
 
+def with_ort_remove_padding(path: Path) -> Path | None:
+    """The kernels graph at `path` with bertserve.RemovePadding put back to ORT's, written beside it (our
+    padding removal against ORT's in one run); None when the graph has none."""
+    import onnx
+
+    model = onnx.load(str(path))
+    swapped = [node for node in model.graph.node if node.op_type == "RemovePadding" and node.domain == "bertserve"]
+    if not swapped:
+        return None
+    for node in swapped:
+        node.domain = "com.microsoft"
+    out = path.with_name(f"{path.stem}_ort_remove_padding.onnx")
+    onnx.save(model, str(out))
+    return out
+
+
 def with_ort_attention(path: Path) -> Path | None:
     """The kernels graph at `path` with each bertserve.PackedAttention put back to ORT's
     PackedMultiHeadAttention, written beside it (our attention kernel against ORT's in one run); None when
@@ -289,6 +306,9 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                 if (ort_attention := with_ort_attention(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-attention"] = (
                         lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
+                if (ort_remove_padding := with_ort_remove_padding(kernels_file(kind))) is not None:
+                    engines[f"ort fp16 {kind}+kernels ort-remove-padding"] = (
+                        lambda path=ort_remove_padding: DeviceBoundSession(path, "cuda", kernels_library=library))
                 if args.untuned:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",

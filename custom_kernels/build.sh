@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the custom-operator library: host code that calls cuBLASLt (g++), and where nvcc is found the
-# attention kernel too (bertserve.PackedAttention); no ONNX Runtime headers (the wheels ship none:
+# attention and padding-removal kernels too (bertserve.PackedAttention, bertserve.RemovePadding); no ONNX Runtime headers (the wheels ship none:
 # src/ort_abi.h declares the few C API pieces it uses).
 #
 #   bash custom_kernels/build.sh [OUT_DIR]                   # libbertserve_ops.so for the CUDA provider
@@ -26,7 +26,7 @@ flags=(-std=c++17 -O2 -fPIC -shared -fvisibility=hidden -Wall -Wextra -Werror -W
 
 if [ -n "$host_reference" ]; then
   "$CXX" "${flags[@]}" -DBERTSERVE_HOST_REFERENCE "$here/src/matmul_epilogues.cc" "$here/src/packed_attention.cc" \
-    -o "$out/libbertserve_ops_hostref.so"
+    "$here/src/remove_padding.cc" -o "$out/libbertserve_ops_hostref.so"
   echo "built $out/libbertserve_ops_hostref.so"
   exit 0
 fi
@@ -50,24 +50,29 @@ for d in $CUDA_INC; do [ -d "$d" ] || continue; inc+=(-I"$d")
 for d in $CUDA_LIB; do [ -d "$d" ] && lib+=(-L"$d"); done
 [ -n "$have_lt" ] || { echo "build.sh: no cublasLt.h in: $CUDA_INC (set CUDA_INC; pip: the nvidia-cublas wheel's nvidia/cu13/include)" >&2; exit 1; }
 [ -n "$have_crt" ] || { echo "build.sh: no crt/host_defines.h in: $CUDA_INC (it comes with a CUDA toolkit, e.g. a CUDA devel image; set CUDA_INC)" >&2; exit 1; }
-# The attention kernel needs nvcc (a CUDA toolkit: NVCC, else $CUDA_HOME/bin or PATH). Without it the
-# library has no PackedAttention, and export keeps ORT's PackedMultiHeadAttention in the graph it writes.
+# The attention and padding-removal kernels need nvcc (a CUDA toolkit: NVCC, else $CUDA_HOME/bin or PATH).
+# Without it the library has no PackedAttention and no RemovePadding, and export keeps ORT's
+# PackedMultiHeadAttention and RemovePadding in the graph it writes.
 NVCC=${NVCC:-$(command -v "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || command -v nvcc || true)}
 sources=("$here/src/matmul_epilogues.cc") built_from=(matmul_epilogues.cc)
 if [ -n "$NVCC" ]; then
-  kernel_obj="$(mktemp --suffix .o)"; trap 'rm -f "$exports" "$kernel_obj"' EXIT
+  kernel_objs="$(mktemp -d)"; trap 'rm -rf "$exports" "$kernel_objs"' EXIT
   # SASS for Ampere (8.0, 8.6), Ada (8.9) and Hopper (9.0), and PTX that later cards compile at load.
-  if "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden "${inc[@]}" -c "$here/src/packed_attention_kernel.cu" \
-      -o "$kernel_obj" -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
-      -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]; then
-    sources+=("$here/src/packed_attention.cc" "$kernel_obj")
-    built_from=(matmul_epilogues.cc packed_attention.cc packed_attention_kernel.cu)
-    flags+=(-DBERTSERVE_PACKED_ATTENTION)
+  compile() {
+    "$NVCC" -std=c++17 -O3 -Xcompiler -fPIC,-fvisibility=hidden "${inc[@]}" -c "$here/src/$1.cu" -o "$kernel_objs/$1.o" \
+      -gencode arch=compute_80,code=sm_80 -gencode arch=compute_86,code=sm_86 \
+      -gencode arch=compute_89,code=sm_89 -gencode arch=compute_90,code=[sm_90,compute_90]
+  }
+  if compile packed_attention_kernel && compile remove_padding_kernel; then
+    sources+=("$here/src/packed_attention.cc" "$here/src/remove_padding.cc" "$kernel_objs/packed_attention_kernel.o"
+              "$kernel_objs/remove_padding_kernel.o")
+    built_from=(matmul_epilogues.cc packed_attention.cc remove_padding.cc packed_attention_kernel.cu remove_padding_kernel.cu)
+    flags+=(-DBERTSERVE_PACKED_ATTENTION -DBERTSERVE_REMOVE_PADDING)
   else  # an nvcc too old for these targets, say: the products' operators are still worth having
-    echo "build.sh: $NVCC could not compile the attention kernel (above): building without PackedAttention" >&2
+    echo "build.sh: $NVCC could not compile the kernels (above): building without PackedAttention and RemovePadding" >&2
   fi
 else
-  echo "build.sh: no nvcc (set NVCC or CUDA_HOME): building without PackedAttention" >&2
+  echo "build.sh: no nvcc (set NVCC or CUDA_HOME): building without PackedAttention and RemovePadding" >&2
 fi
 "$CXX" "${flags[@]}" "${inc[@]}" "${sources[@]}" -o "$out/libbertserve_ops.so" "${lib[@]}" \
   -l:libcublasLt.so.13 -l:libcudart.so.13

@@ -1,8 +1,8 @@
 """Graph rewrites onto our operators (needs onnx; export runs them, the server never does):
 each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one bertserve.MatMulBiasGelu
 node, the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
-add the attention's bias themselves, and a PackedMultiHeadAttention left without its bias becomes
-bertserve.PackedAttention."""
+add the attention's bias themselves, a PackedMultiHeadAttention left without its bias becomes
+bertserve.PackedAttention, and com.microsoft.RemovePadding becomes bertserve.RemovePadding."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +20,7 @@ log = logging.getLogger("custom_kernels.fusion")
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
 PACKED_ATTENTION = "PackedAttention"
+REMOVE_PADDING = "RemovePadding"  # the same name as ORT's operator, in our domain
 # ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
 
@@ -162,6 +163,35 @@ def _packed_attention_nodes(g: _Graph) -> list[tuple[int, onnx.NodeProto, int]]:
     return found
 
 
+def remove_padding_on_our_kernel(model: onnx.ModelProto) -> int:
+    """Rewrites `model` in place and returns how many com.microsoft.RemovePadding nodes became
+    bertserve.RemovePadding (src/remove_padding.cc): the same inputs and outputs, names and place."""
+    replaced = 0
+    for node in model.graph.node:
+        if node.op_type == REMOVE_PADDING and node.domain == "com.microsoft":
+            node.domain = DOMAIN
+            replaced += 1
+    if replaced and DOMAIN not in {o.domain for o in model.opset_import}:
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return replaced
+
+
+def remove_padding_model(elem: int = onnx.TensorProto.FLOAT16) -> onnx.ModelProto:
+    """One bertserve.RemovePadding node over input [B, S, H] (`elem`) and sequence_token_count [B] int32, all
+    four outputs: the probe's graph, and the tests'."""
+    outputs = [("output", elem, ["T", "H"]), ("token_offset", onnx.TensorProto.INT32, ["B", "S"]),
+               ("cumulative_sequence_length", onnx.TensorProto.INT32, ["B1"]),
+               ("max_token_count", onnx.TensorProto.INT32, [1])]
+    graph = helper.make_graph(
+        [helper.make_node(REMOVE_PADDING, ["input", "sequence_token_count"], [name for name, _, _ in outputs],
+                          domain=DOMAIN)], "remove_padding",
+        [helper.make_tensor_value_info("input", elem, ["B", "S", "H"]),
+         helper.make_tensor_value_info("sequence_token_count", onnx.TensorProto.INT32, ["B"])],
+        [helper.make_tensor_value_info(*output) for output in outputs])
+    return helper.make_model(graph, ir_version=8,
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, 1)])
+
+
 def packed_attention_model(heads: int, head_size: int, elem: int = onnx.TensorProto.FLOAT16,
                            width: int | str | None = None) -> onnx.ModelProto:
     """One bertserve.PackedAttention node over inputs q, k, v [T, width] (`elem`), token_offset [B, S] and cu
@@ -181,18 +211,28 @@ def packed_attention_model(heads: int, head_size: int, elem: int = onnx.TensorPr
 
 def offers_packed_attention(library, head_size: int) -> bool:
     """Whether our operator library (a path) runs PackedAttention at `head_size` on this machine's GPU
-    (build.sh leaves the operator out without nvcc, and the kernel needs compute capability 8.0): a
-    one-node graph opens on the CUDA provider or it does not."""
+    (build.sh leaves the operator out without nvcc, and the kernel needs compute capability 8.0)."""
+    return _opens_on_cuda(library, packed_attention_model(heads=1, head_size=head_size),
+                          f"PackedAttention at head size {head_size}")
+
+
+def offers_remove_padding(library) -> bool:
+    """Whether our operator library (a path) runs RemovePadding on this machine's GPU (build.sh leaves it
+    out without nvcc)."""
+    return _opens_on_cuda(library, remove_padding_model(), REMOVE_PADDING)
+
+
+def _opens_on_cuda(library, model: onnx.ModelProto, what: str) -> bool:
+    """Whether a one-node graph of our operator opens on the CUDA provider with `library`."""
     from artifact.session import SessionError, open_session
 
-    model = packed_attention_model(heads=1, head_size=head_size)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "probe.onnx"
         onnx.save(model, str(path))
         try:
             open_session(path, "cuda", library=library)
         except SessionError as e:
-            log.info("no PackedAttention at head size %d in %s: %s", head_size, library, e)
+            log.info("no %s in %s: %s", what, library, e)
             return False
     return True
 

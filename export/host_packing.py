@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from artifact.host_packing import (CLS_POSITIONS, CUMULATIVE_LENGTHS, HOST_PACKED_INPUTS, TOKEN_OFFSET, TOKENS,
                                    pack_on_host)
 from artifact.manifest import TOKEN_EMBEDDINGS
+from custom_kernels import DOMAIN
 from export import ExportError
 
 _MS = "com.microsoft"
@@ -113,7 +114,8 @@ class HostPackedRunner:
 
 
 def _only(nodes: list[onnx.NodeProto], op_type: str) -> onnx.NodeProto:
-    found = [n for n in nodes if n.op_type == op_type and n.domain == _MS]
+    # RemovePadding may be ORT's or ours (custom_kernels.fusion.remove_padding_on_our_kernel): the same node
+    found = [n for n in nodes if n.op_type == op_type and n.domain in (_MS, DOMAIN)]
     if len(found) != 1:
         raise ExportError(f"a packed graph has one {op_type} node, this one {len(found)}")
     return found[0]

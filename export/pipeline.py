@@ -243,17 +243,21 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
                          references: list[dict[str, np.ndarray]], source: str = GRAPH_FILES["fp16"],
                          file: str = KERNELS_GRAPH_FILE, attention_kernel: bool = True) -> CustomKernelsGraph:
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
-    multi-head attention where it has that, on our fused operators, and with `attention_kernel` its
-    packed attention on ours where the library runs it here; checked like the graph itself."""
+    multi-head attention where it has that, on our fused operators, its RemovePadding on ours where the
+    library runs that here, and with `attention_kernel` its packed attention on ours where the library runs
+    it here; checked like the graph itself."""
     import onnx
 
-    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
-                                       fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention,
-                                       packed_attention_head_sizes)
+    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, REMOVE_PADDING,
+                                       attention_on_packed_kernel, fuse_attention_bias, fuse_matmul_bias_gelu,
+                                       offers_packed_attention, offers_remove_padding, packed_attention_head_sizes,
+                                       remove_padding_on_our_kernel)
 
     model = onnx.load(str(tmp / source))
     fused = fuse_matmul_bias_gelu(model)
     operators = {MATMUL_BIAS_GELU: fused, MATMUL_BIAS: fuse_attention_bias(model)}
+    if any(node.op_type == REMOVE_PADDING for node in model.graph.node) and offers_remove_padding(library):
+        operators[REMOVE_PADDING] = remove_padding_on_our_kernel(model)
     head_sizes = packed_attention_head_sizes(model)
     if attention_kernel and len(head_sizes) == 1 and offers_packed_attention(library, head_sizes.pop()):
         operators[PACKED_ATTENTION] = attention_on_packed_kernel(model)

@@ -13,6 +13,7 @@ from app.engine import EngineError, OrtEngine
 from app.settings import Settings
 from artifact.host_packing import HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
+from tests.padding_reference import ort_token_offset
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +126,6 @@ def test_cuda_graphs_need_cuda_and_an_artifact_exported_for_them(tiny_artifact_d
         OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="on")
     with pytest.raises(EngineError, match="auto, on or off"):
         OrtEngine(tiny_artifact_dir, manifest, "cpu", "fp32", cuda_graphs="yes")
-
-
-def ort_token_offset(lengths: list[int], width: int) -> tuple[list[int], list[int]]:
-    """ONNX Runtime's RemovePadding on the GPU (bert_padding.cu, getTokenOffset), line by line."""
-    offset, cumulative = [], [0]
-    for i, count in enumerate(lengths):
-        cumulative.append(cumulative[-1] + count)
-        offset += [i * width + j for j in range(count)]
-    for i, count in enumerate(lengths):
-        offset += [i * width + count + j for j in range(width - count)]
-    return offset, cumulative
 
 
 @pytest.mark.parametrize("seed", range(6))

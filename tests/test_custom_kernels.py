@@ -21,13 +21,15 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
-from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, attention_on_packed_kernel,
-                                   fuse_attention_bias, fuse_matmul_bias_gelu, offers_packed_attention,
-                                   packed_attention_head_sizes, packed_attention_model)
+from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, REMOVE_PADDING,
+                                   attention_on_packed_kernel, fuse_attention_bias, fuse_matmul_bias_gelu,
+                                   offers_packed_attention, offers_remove_padding, packed_attention_head_sizes,
+                                   packed_attention_model, remove_padding_model, remove_padding_on_our_kernel)
 from export import ExportError
 from export.pipeline import export_artifact
 from tests.attention_reference import softmax_attention
 from tests.feeds import padded_feed
+from tests.padding_reference import ort_token_offset
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -368,3 +370,55 @@ def test_the_packed_attention_probe_answers_no_where_it_cannot_run(hostref_libra
     """Export asks before it rewrites. Without CUDA the probe answers False rather than raising, and the
     kernels graph keeps PackedMultiHeadAttention (the GPU test checks the yes)."""
     assert offers_packed_attention(hostref_library, 64) is False
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("lengths,width", [([2, 0, 5, 3], 5), ([1], 1), ([7] * 3, 7), ([0, 0], 4)])
+def test_remove_padding_gives_what_ort_gives(hostref_library, dtype, lengths, width):
+    """ONNX Runtime's layout (tests/padding_reference.py), which RestorePadding and the attention read:
+    the real tokens in order, their offsets and then the padding's, the cumulative lengths, the longest."""
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    session = _session(remove_padding_model(elem).SerializeToString(), hostref_library)
+    x = np.random.default_rng(0).standard_normal((len(lengths), width, 6)).astype(dtype)
+    out, offset, cumulative, longest = session.run(None, {"input": x, "sequence_token_count": np.array(lengths, np.int32)})
+    want_offset, want_cumulative = ort_token_offset(lengths, width)
+    assert offset.shape == (len(lengths), width) and offset.ravel().tolist() == want_offset
+    assert cumulative.tolist() == want_cumulative and longest.tolist() == [max(lengths)]
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(out, x.reshape(-1, 6)[want_offset[:sum(lengths)]])
+
+
+def test_remove_padding_refuses_shapes_it_cannot_read_and_keeps_working(hostref_library):
+    session = _session(remove_padding_model(TensorProto.FLOAT).SerializeToString(), hostref_library)
+    x = np.ones((2, 3, 4), np.float32)
+    with pytest.raises(Exception, match="do not fit"):
+        session.run(None, {"input": x, "sequence_token_count": np.array([1, 2, 3], np.int32)})
+    out, *_ = session.run(None, {"input": x, "sequence_token_count": np.array([1, 2], np.int32)})
+    assert out.shape == (3, 4)
+
+
+def test_remove_padding_moves_onto_our_operator_and_nothing_else_changes(tiny_model_dir, tmp_path):
+    """The packed graph's RemovePadding (built on the CPU as export builds it for CUDA) becomes ours, with
+    the same inputs and outputs, and the host-packed variant is still made from it."""
+    from export.host_packing import host_packed
+    from export.onnx_graph import EmbeddingGraph, trace_to_onnx
+    from export.optimize import optimize_graph
+    from training.model_folder import load_model_folder
+
+    loaded = load_model_folder(tiny_model_dir)
+    trace_to_onnx(EmbeddingGraph(loaded.model, True, True).eval(), tmp_path / "traced.onnx")
+    optimize_graph(tmp_path / "traced.onnx", tmp_path / "packed.onnx", loaded.config, use_gpu=False, float16=True,
+                   remove_padding=True, packed_attention="PackedMultiHeadAttention")
+    model = onnx.load(str(tmp_path / "packed.onnx"))
+    before = [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node]
+    assert remove_padding_on_our_kernel(model) == 1
+    assert [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node] == before
+    (ours,) = [n for n in model.graph.node if n.op_type == REMOVE_PADDING]
+    assert ours.domain == custom_kernels.DOMAIN and custom_kernels.DOMAIN in {o.domain for o in model.opset_import}
+    assert remove_padding_on_our_kernel(model) == 0  # nothing of ORT's left
+    rewritten = host_packed(model)
+    assert not [n for n in rewritten.graph.node if n.op_type in (REMOVE_PADDING, "RestorePadding")]
+
+
+def test_the_remove_padding_probe_answers_no_where_it_cannot_run(hostref_library):
+    assert offers_remove_padding(hostref_library) is False

@@ -41,6 +41,7 @@
 #include "op_common.h"
 #include "ort_abi.h"
 #include "packed_attention.h"
+#include "remove_padding.h"
 
 #ifndef BERTSERVE_HOST_REFERENCE
 #include <cublasLt.h>
@@ -479,6 +480,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatusPtr RegisterCustomOps
     if (!s) s = api->CustomOpDomain_Add(domain, &op);
 #if defined(BERTSERVE_HOST_REFERENCE) || defined(BERTSERVE_PACKED_ATTENTION)
   for (const OrtCustomOp* op : packed_attention_ops(api))
+    if (!s) s = api->CustomOpDomain_Add(domain, op);
+#endif
+#if defined(BERTSERVE_HOST_REFERENCE) || defined(BERTSERVE_REMOVE_PADDING)
+  for (const OrtCustomOp* op : remove_padding_ops(api))
     if (!s) s = api->CustomOpDomain_Add(domain, op);
 #endif
   if (!s) s = api->AddCustomOpDomain(options, domain);
