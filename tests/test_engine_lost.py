@@ -37,6 +37,12 @@ IN_A_NODE = ("Error in execution: Non-zero status code returned while running Re
              "GPU=0 ; hostname=vm ; file=/onnxruntime_src/onnxruntime/contrib_ops/cuda/bert/remove_padding.cc ; "
              "line=81 ; expr=cudaGetLastError(); ")
 
+# One of our operators meeting it first (custom_kernels/src/op_common.h words CUDA's errors as ORT does):
+# the first sync after the embedding lookup is our RemovePadding's, in the kernels graph.
+IN_OUR_NODE = ("Error in execution: Non-zero status code returned while running RemovePadding node. "
+               "Name:'RemovePadding_0' Status Message: RemovePadding: copying the token count to the host failed: "
+               "CUDA failure 717: operation not supported on global/shared address space (cudaErrorInvalidAddressSpace)")
+
 
 def test_sticky_cuda_errors_are_told_from_the_others():
     for message in (IN_A_REPLAY, IN_A_NODE):
@@ -44,6 +50,8 @@ def test_sticky_cuda_errors_are_told_from_the_others():
         assert isinstance(lost, errors.EngineLost) and lost.status == 503
         assert str(lost) == ("the GPU can run nothing more in this process (CUDA error 700: an illegal memory "
                              "access was encountered); the server must be restarted")
+    lost = device_lost(RuntimeError(IN_OUR_NODE))
+    assert isinstance(lost, errors.EngineLost) and "CUDA error 717: operation not supported" in str(lost)
     # out of memory, and an error that is no CUDA error at all, leave the device usable
     assert device_lost(RuntimeError("CUDA failure 2: out of memory ; GPU=0 ; expr=cudaMalloc(&p, bytes);")) is None
     assert device_lost(RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions")) is None

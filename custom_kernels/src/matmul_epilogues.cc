@@ -50,6 +50,9 @@
 
 namespace {
 
+#ifndef BERTSERVE_HOST_REFERENCE
+using op_common::cuda_error;
+#endif
 using op_common::dims_str;
 using op_common::kOpVersion;
 using op_common::type_and_shape;
@@ -112,11 +115,13 @@ const char* const kProvider = "CPUExecutionProvider";
 
 #else  // CUDA
 
-std::string cuda_error(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-}
 std::string lt_error(const char* what, cublasStatus_t s) {
-  return std::string(what) + " failed: " + cublasLtGetStatusString(s) + " (" + std::to_string(int(s)) + ")";
+  const std::string msg =
+      std::string(what) + " failed: " + cublasLtGetStatusString(s) + " (" + std::to_string(int(s)) + ")";
+  // A sticky CUDA error (an illegal address earlier in the graph, say) reaches cuBLASLt only as a failed
+  // call: name CUDA's own error too, so that the server tells the engine is lost (app/engine.py)
+  const cudaError_t e = cudaPeekAtLastError();
+  return e == cudaSuccess ? msg : msg + "; " + cuda_error("the CUDA context", e);
 }
 #define LT_CHECK(op, call)                                                               \
   do {                                                                                   \

@@ -8,6 +8,10 @@
 
 #include "ort_abi.h"
 
+#ifndef BERTSERVE_HOST_REFERENCE
+#include <cuda_runtime_api.h>
+#endif
+
 #define RETURN_IF_ERROR(expr)                          \
   do {                                                 \
     if (OrtStatusPtr status_ = (expr)) return status_; \
@@ -16,6 +20,16 @@
 namespace op_common {
 
 constexpr uint32_t kOpVersion = 16;  // OrtCustomOp layout and OrtApi version asked for (ORT >= 1.16)
+
+#ifndef BERTSERVE_HOST_REFERENCE
+// "<what> failed: CUDA failure <code>: <message> (<name>)": ONNX Runtime's own wording of a CUDA error,
+// which the server reads to tell a sticky error, after which the engine is lost, from one batch's
+// failure (app/engine.py).
+inline std::string cuda_error(const char* what, cudaError_t e) {
+  return std::string(what) + " failed: CUDA failure " + std::to_string(int(e)) + ": " + cudaGetErrorString(e) + " (" +
+         cudaGetErrorName(e) + ")";
+}
+#endif
 
 inline std::string dims_str(const std::vector<int64_t>& d) {
   std::string s = "[";

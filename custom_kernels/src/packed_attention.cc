@@ -24,6 +24,9 @@
 
 namespace {
 
+#ifndef BERTSERVE_HOST_REFERENCE
+using op_common::cuda_error;
+#endif
 using op_common::dims_str;
 using op_common::type_and_shape;
 
@@ -99,10 +102,6 @@ const ONNXTensorElementDataType kTypes[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT1
 const char* const kProvider = "CPUExecutionProvider";
 
 #else  // CUDA
-
-std::string cuda_error(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-}
 
 OrtStatusPtr run(const Kernel& k, int64_t, int64_t b, int64_t s, int64_t, void* const* ptr, void* stream) {
   const PackedAttentionArgs args{ptr[0], ptr[1], ptr[2], ptr[4], static_cast<const int*>(ptr[3]), int(b), int(s),

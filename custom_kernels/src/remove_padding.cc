@@ -24,6 +24,9 @@
 
 namespace {
 
+#ifndef BERTSERVE_HOST_REFERENCE
+using op_common::cuda_error;
+#endif
 using op_common::dims_str;
 using op_common::type_and_shape;
 
@@ -76,10 +79,6 @@ const ONNXTensorElementDataType kTypes[] = {ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT1
 const char* const kProvider = "CPUExecutionProvider";
 
 #else  // CUDA
-
-std::string cuda_error(const char* what, cudaError_t e) {
-  return std::string(what) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
-}
 
 OrtStatusPtr offsets(const Kernel&, const int32_t* counts, int64_t b, int64_t s, int32_t* token_offset,
                      int32_t* cumulative, int32_t* longest, int64_t* total, void* stream) {
