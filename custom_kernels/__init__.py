@@ -4,10 +4,12 @@ ONNX Runtime's CUDA provider runs a BERT feed-forward block as a MatMul and then
 kernel that reads the whole [tokens, 4·hidden] product back from memory. `libbertserve_ops.so`
 (src/matmul_epilogues.cc, built by build.sh) does both in one cuBLASLt GEMM whose epilogue adds the
 bias and applies GELU (MatMulBiasGelu); MatMulBias adds the attention's bias to its Q, K and V
-products the same way, and PackedAttention (src/packed_attention_kernel.cu, where build.sh finds nvcc)
-runs the packed graph's attention in place of ORT's PackedMultiHeadAttention. `python -m export --device cuda` writes a second fp16 graph that uses them
-(fusion.py) and gates it on parity like every graph; the server runs that graph when it can load the
-library. This module imports nothing but the standard library: the server uses it.
+products the same way, and where build.sh finds nvcc, PackedAttention (src/packed_attention_kernel.cu)
+runs the packed graph's attention in place of ORT's PackedMultiHeadAttention and RemovePadding
+(src/remove_padding_kernel.cu) its padding's removal in place of ORT's. `python -m export --device
+cuda` writes a second fp16 graph that uses them (fusion.py) and gates it on parity like every graph; the
+server runs that graph when it can load the library. This module imports nothing but the standard
+library: the server uses it.
 """
 from __future__ import annotations
 
