@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the custom-operator library: host code that calls cuBLASLt (g++), and where nvcc is found the
-# attention and padding-removal kernels too (bertserve.PackedAttention, bertserve.RemovePadding); no ONNX Runtime headers (the wheels ship none:
-# src/ort_abi.h declares the few C API pieces it uses).
+# attention and padding-removal kernels too (bertserve.PackedAttention, bertserve.RemovePadding); no ONNX
+# Runtime headers (the wheels ship none: src/ort_abi.h declares the few C API pieces it uses).
 #
 #   bash custom_kernels/build.sh [OUT_DIR]                   # libbertserve_ops.so for the CUDA provider
 #   bash custom_kernels/build.sh --host-reference [OUT_DIR]  # libbertserve_ops_hostref.so: the same op on
