@@ -8,8 +8,9 @@
 #                                                            # the CPU provider, plain loops (tests only)
 # OUT_DIR defaults to custom_kernels/build. CUDA headers and libraries: CUDA_INC / CUDA_LIB (folder lists),
 # else $CUDA_HOME or /usr/local/cuda plus python3's site-packages/nvidia/*/{include,lib} (the pip CUDA
-# wheels). cublasLt.h includes crt/host_defines.h, which only a CUDA toolkit has (a devel image; the pip
-# runtime wheels lack it). The result links libcublasLt.so.13 and libcudart.so.13 by soname; the server
+# wheels). cublasLt.h includes crt/host_defines.h, which a CUDA toolkit has (a devel image) and so does the
+# nvidia-cuda-nvcc wheel: with it, nvidia-cuda-cccl, nvidia-cuda-runtime and nvidia-cublas installed in
+# python3's environment, the library builds without a toolkit, on a machine without a GPU too. The result links libcublasLt.so.13 and libcudart.so.13 by soname; the server
 # loads them first (onnxruntime.preload_dlls), so the pip wheels onnxruntime-gpu brings are enough to run it.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,7 +37,7 @@ if [ -z "${CUDA_INC:-}" ] || [ -z "${CUDA_LIB:-}" ]; then
 import glob, importlib.util, os
 spec = importlib.util.find_spec("nvidia")
 roots = list(spec.submodule_search_locations) if spec else []
-for kind in ("include", "lib"):
+for kind in ("include", "lib", os.path.join("bin", "nvcc")):
     print(" ".join(d for r in roots for d in sorted(glob.glob(os.path.join(r, "*", kind)))))
 PY
 )
@@ -49,11 +50,12 @@ for d in $CUDA_INC; do [ -d "$d" ] || continue; inc+=(-I"$d")
   [ -f "$d/crt/host_defines.h" ] && have_crt=1; [ -f "$d/cublasLt.h" ] && have_lt=1; done
 for d in $CUDA_LIB; do [ -d "$d" ] && lib+=(-L"$d"); done
 [ -n "$have_lt" ] || { echo "build.sh: no cublasLt.h in: $CUDA_INC (set CUDA_INC; pip: the nvidia-cublas wheel's nvidia/cu13/include)" >&2; exit 1; }
-[ -n "$have_crt" ] || { echo "build.sh: no crt/host_defines.h in: $CUDA_INC (it comes with a CUDA toolkit, e.g. a CUDA devel image; set CUDA_INC)" >&2; exit 1; }
-# The attention and padding-removal kernels need nvcc (a CUDA toolkit: NVCC, else $CUDA_HOME/bin or PATH).
+[ -n "$have_crt" ] || { echo "build.sh: no crt/host_defines.h in: $CUDA_INC (it comes with a CUDA toolkit, e.g. a CUDA devel image, or pip's nvidia-cuda-nvcc; set CUDA_INC)" >&2; exit 1; }
+# The attention and padding-removal kernels need nvcc (NVCC, else $CUDA_HOME/bin, PATH or pip's nvidia-cuda-nvcc).
 # Without it the library has no PackedAttention and no RemovePadding, and export keeps ORT's
 # PackedMultiHeadAttention and RemovePadding in the graph it writes.
-NVCC=${NVCC:-$(command -v "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || command -v nvcc || true)}
+NVCC=${NVCC:-$(command -v "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" || command -v nvcc ||
+                echo "${pip_dirs:-}" | sed -n 3p | cut -d' ' -f1)}
 sources=("$here/src/matmul_epilogues.cc") built_from=(matmul_epilogues.cc)
 if [ -n "$NVCC" ]; then
   kernel_objs="$(mktemp -d)"; trap 'rm -rf "$exports" "$kernel_objs"' EXIT
