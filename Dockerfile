@@ -5,8 +5,9 @@
 # podman / buildah: add `--format docker`; their default, the OCI format, has no HEALTHCHECK and drops it.
 # GPU: onnxruntime-gpu, with CUDA and cuDNN as pip packages that match its build, so only the host's NVIDIA
 # driver is needed (`docker run --gpus all ...`); it also carries our CUDA operator library
-# (custom_kernels/), built in a CUDA devel image because it needs cuBLAS's headers and nvcc (the attention
-# kernel); the server runs an artifact's custom-kernels graph with it.
+# (custom_kernels/), built against those same pip packages (cuBLAS's and the runtime's headers come with
+# them; nvcc and CCCL come from pip too, in the build stage only: no CUDA devel image); the server runs an
+# artifact's custom-kernels graph with it.
 # The CPU stages come first and never name the CUDA image: the classic builder (DOCKER_BUILDKIT=0) builds
 # every stage up to the target, so `--target cpu` stops before the GPU stages; BuildKit and podman build
 # only the stages the target uses.
@@ -20,7 +21,6 @@
 # The install steps are scripts/install-serve.sh, which tests/test_server_install.py also runs;
 # tests/test_container.py builds the CPU image and runs it.
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG CUDA_DEVEL_IMAGE=nvidia/cuda:13.0.1-devel-ubuntu24.04
 
 # What both flavours share: the user, the environment, the health check, the command.
 FROM ${PYTHON_IMAGE} AS runtime
@@ -54,13 +54,18 @@ FROM runtime AS cpu
 COPY --from=venv-cpu /opt/venv/ /opt/venv/
 
 # GPU only from here on (see the top: `--target cpu` never reaches these stages).
-FROM ${CUDA_DEVEL_IMAGE} AS kernels
-RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
-COPY custom_kernels/ /src/custom_kernels/
-RUN CUDA_INC=/usr/local/cuda/include CUDA_LIB=/usr/local/cuda/lib64 bash /src/custom_kernels/build.sh /out
-
 FROM sources AS venv-gpu
 RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh gpu
+
+# The operator library, built against the CUDA runtime and cuBLAS that the serving install brought, with
+# nvcc of the same CUDA version and CCCL of the same major (its wheels number their own releases) added
+# here only: the image copies /opt/venv from venv-gpu.
+FROM venv-gpu AS kernels
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+RUN cuda="$(/opt/venv/bin/python -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-runtime"))')" \
+ && /opt/venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --progress-bar off \
+      "nvidia-cuda-nvcc==${cuda%.*}.*" "nvidia-cuda-cccl~=${cuda%%.*}.0" \
+ && PATH=/opt/venv/bin:$PATH bash /src/custom_kernels/build.sh /out
 
 FROM runtime AS gpu
 COPY --from=venv-gpu /opt/venv/ /opt/venv/
