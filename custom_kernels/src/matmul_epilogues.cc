@@ -55,7 +55,7 @@ using op_common::cuda_error;
 #endif
 using op_common::dims_str;
 using op_common::kOpVersion;
-using op_common::type_and_shape;
+using op_common::read_input;
 
 constexpr const char* kDomain = "bertserve";
 
@@ -411,9 +411,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   ONNXTensorElementDataType type[3];
   std::vector<int64_t> dims[3];
   for (size_t i = 0; i < 3; ++i) {
-    RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
-    if (!in[i]) return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
-    RETURN_IF_ERROR(type_and_shape(api, in[i], &type[i], &dims[i]));
+    RETURN_IF_ERROR(read_input(api, ctx, i, name, &in[i], &type[i], &dims[i]));
     if (type[i] != k.def->type)
       return fail(name, ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " has an unexpected element type");
   }

@@ -3,6 +3,7 @@
 // they set the same way.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,34 @@ inline OrtStatusPtr type_and_shape(const OrtApi* api, const OrtValue* v, ONNXTen
   }
   api->ReleaseTensorTypeAndShapeInfo(info);
   return s;
+}
+
+// Input i of an operator's call, with its element type and shape; `op` names the operator in the error.
+inline OrtStatusPtr read_input(const OrtApi* api, OrtKernelContext* ctx, size_t i, const char* op, const OrtValue** value,
+                               ONNXTensorElementDataType* type, std::vector<int64_t>* dims) {
+  RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, value));
+  if (!*value)
+    return api->CreateStatus(ORT_INVALID_ARGUMENT, (std::string(op) + ": input " + std::to_string(i) + " is missing").c_str());
+  return type_and_shape(api, *value, type, dims);
+}
+
+// The CUDA stream a call runs on (*stream), or null on the CPU provider (the host-reference build).
+inline OrtStatusPtr compute_stream(const OrtApi* api, OrtKernelContext* ctx, const char* provider, const char* op,
+                                   void** stream) {
+  *stream = nullptr;
+  if (std::strcmp(provider, "CUDAExecutionProvider") != 0) return nullptr;
+  RETURN_IF_ERROR(api->KernelContext_GetGPUComputeStream(ctx, stream));
+  return *stream ? nullptr
+                 : api->CreateStatus(ORT_EP_FAIL, (std::string(op) + ": ORT gave no CUDA compute stream").c_str());
+}
+
+// What an operator file hands RegisterCustomOps: pointers to its operator definitions, which live as long
+// as the process (`ops` is a function's static).
+template <typename Def>
+std::vector<const OrtCustomOp*> pointers_to(std::vector<Def>& ops) {
+  std::vector<const OrtCustomOp*> out;
+  for (auto& op : ops) out.push_back(&op);
+  return out;
 }
 
 // Every input and output required, in the provider's default memory, one output, no variadic ones.

@@ -28,7 +28,7 @@ namespace {
 using op_common::cuda_error;
 #endif
 using op_common::dims_str;
-using op_common::type_and_shape;
+using op_common::read_input;
 
 const OrtApi* api = nullptr;
 constexpr const char* kName = "PackedAttention";
@@ -131,9 +131,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   ONNXTensorElementDataType type[kInputs];
   std::vector<int64_t> dims[kInputs];
   for (int i = 0; i < kInputs; ++i) {
-    RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
-    if (!in[i]) return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
-    RETURN_IF_ERROR(type_and_shape(api, in[i], &type[i], &dims[i]));
+    RETURN_IF_ERROR(read_input(api, ctx, i, kName, &in[i], &type[i], &dims[i]));
     if (type[i] != (i < 3 ? k.def->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32))
       return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " has an unexpected element type");
   }
@@ -153,10 +151,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
     if (i != 3) RETURN_IF_ERROR(api->GetTensorMutableData(const_cast<OrtValue*>(in[i]), &ptr[j++]));
   RETURN_IF_ERROR(api->GetTensorMutableData(out, &ptr[4]));
   void* stream = nullptr;
-  if (std::strcmp(k.def->provider, "CUDAExecutionProvider") == 0) {
-    RETURN_IF_ERROR(api->KernelContext_GetGPUComputeStream(ctx, &stream));
-    if (!stream) return fail(ORT_EP_FAIL, "ORT gave no CUDA compute stream");
-  }
+  RETURN_IF_ERROR(op_common::compute_stream(api, ctx, k.def->provider, kName, &stream));
   return run(k, qd[0], dims[3][0], dims[3][1], qd[1], ptr, stream);
 }
 
@@ -202,7 +197,5 @@ std::vector<const OrtCustomOp*> packed_attention_ops(const OrtApi* ort) {
     for (auto t : kTypes) v.push_back(make_op(t, kProvider));
     return v;
   }();
-  std::vector<const OrtCustomOp*> out;
-  for (auto& op : ops) out.push_back(&op);
-  return out;
+  return op_common::pointers_to(ops);
 }

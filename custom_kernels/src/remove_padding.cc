@@ -28,7 +28,7 @@ namespace {
 using op_common::cuda_error;
 #endif
 using op_common::dims_str;
-using op_common::type_and_shape;
+using op_common::read_input;
 
 const OrtApi* api = nullptr;
 constexpr const char* kName = "RemovePadding";
@@ -123,11 +123,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   const OrtValue* in[2];
   ONNXTensorElementDataType type[2];
   std::vector<int64_t> dims[2];
-  for (int i = 0; i < 2; ++i) {
-    RETURN_IF_ERROR(api->KernelContext_GetInput(ctx, i, &in[i]));
-    if (!in[i]) return fail(ORT_INVALID_ARGUMENT, "input " + std::to_string(i) + " is missing");
-    RETURN_IF_ERROR(type_and_shape(api, in[i], &type[i], &dims[i]));
-  }
+  for (int i = 0; i < 2; ++i) RETURN_IF_ERROR(read_input(api, ctx, i, kName, &in[i], &type[i], &dims[i]));
   if (type[0] != k.def->type || type[1] != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32)
     return fail(ORT_INVALID_ARGUMENT, "unexpected element types (input as the node's type, sequence_token_count int32)");
   const auto& xd = dims[0];
@@ -147,10 +143,7 @@ OrtStatusPtr compute(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF_ERROR(api->GetTensorMutableData(cumulative, &cumulative_data));
   RETURN_IF_ERROR(api->GetTensorMutableData(longest, &longest_data));
   void* stream = nullptr;
-  if (std::strcmp(k.def->provider, "CUDAExecutionProvider") == 0) {
-    RETURN_IF_ERROR(api->KernelContext_GetGPUComputeStream(ctx, &stream));
-    if (!stream) return fail(ORT_EP_FAIL, "ORT gave no CUDA compute stream");
-  }
+  RETURN_IF_ERROR(op_common::compute_stream(api, ctx, k.def->provider, kName, &stream));
   int64_t total = 0;
   RETURN_IF_ERROR(offsets(k, static_cast<const int32_t*>(counts), b, s, static_cast<int32_t*>(offset_data),
                           static_cast<int32_t*>(cumulative_data), static_cast<int32_t*>(longest_data), &total, stream));
@@ -201,7 +194,5 @@ std::vector<const OrtCustomOp*> remove_padding_ops(const OrtApi* ort) {
     for (auto t : kTypes) v.push_back(make_op(t, kProvider));
     return v;
   }();
-  std::vector<const OrtCustomOp*> out;
-  for (auto& op : ops) out.push_back(&op);
-  return out;
+  return op_common::pointers_to(ops);
 }
