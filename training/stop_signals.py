@@ -7,8 +7,8 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from typing import NoReturn
 from contextlib import contextmanager
+from typing import NoReturn
 
 
 @contextmanager
@@ -93,7 +93,6 @@ def interrupted_exit_code() -> int:
 
 def stop_requested() -> bool:
     return _stop.is_set()
-
 
 
 @contextmanager
