@@ -3,7 +3,8 @@
 CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padded + CUDA graph; "+kernels":
 the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+kernels
 ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention; "+kernels
-ort-remove-padding": with ORT's RemovePadding in place of ours)
+ort-remove-padding": with ORT's RemovePadding in place of ours; "+kernels three-products": each layer's Q, K
+and V as three products and PackedAttention, in place of one product and PackedQKVAttention)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
@@ -257,6 +258,48 @@ def with_ort_remove_padding(path: Path) -> Path | None:
     return out
 
 
+def with_three_products(path: Path) -> Path | None:
+    """The kernels graph at `path` with each layer's one Q|K|V product and PackedQKVAttention put back to
+    three products and PackedAttention, written beside it (one product against three in one run); None
+    when the graph has none."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(path))
+    producer = {out: node for node in model.graph.node for out in node.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    attentions = [n for n in model.graph.node if n.op_type == "PackedQKVAttention" and n.domain == "bertserve"]
+    if not attentions:
+        return None
+    products = {id(producer[n.input[0]]) for n in attentions}
+    nodes = []
+    for node in model.graph.node:
+        if id(node) in products:
+            continue
+        if node in attentions:
+            x, weight, bias = producer[node.input[0]].input
+            weights = np.split(numpy_helper.to_array(initializers[weight]), 3, axis=1)
+            biases = np.split(numpy_helper.to_array(initializers[bias]), 3)
+            names = [f"{node.input[0]}_{part}" for part in "qkv"]
+            for name, w, b in zip(names, weights, biases):
+                model.graph.initializer.extend([numpy_helper.from_array(w, f"{name}_w"),
+                                                numpy_helper.from_array(b, f"{name}_b")])
+                nodes.append(helper.make_node("MatMulBias", [x, f"{name}_w", f"{name}_b"], [name], domain="bertserve"))
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            node = helper.make_node("PackedAttention", [*names, *node.input[1:3]], list(node.output), name=node.name,
+                                    domain="bertserve", **attrs)
+        nodes.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    read = {name for node in nodes for name in node.input}
+    kept = [t for t in model.graph.initializer if t.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    out = path.with_name(f"{path.stem}_three_products.onnx")
+    onnx.save(model, str(out))
+    return out
+
+
 def with_ort_attention(path: Path) -> Path | None:
     """The kernels graph at `path` with each bertserve.PackedAttention put back to ORT's
     PackedMultiHeadAttention, written beside it (our attention kernel against ORT's in one run); None when
@@ -306,6 +349,9 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                 if (ort_attention := with_ort_attention(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-attention"] = (
                         lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
+                if (three := with_three_products(kernels_file(kind))) is not None:
+                    engines[f"ort fp16 {kind}+kernels three-products"] = (
+                        lambda path=three: DeviceBoundSession(path, "cuda", kernels_library=library))
                 if (ort_remove_padding := with_ort_remove_padding(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-remove-padding"] = (
                         lambda path=ort_remove_padding: DeviceBoundSession(path, "cuda", kernels_library=library))

@@ -2,7 +2,8 @@
 each MatMul -> com.microsoft.BiasGelu pair of an ORT-fused graph becomes one bertserve.MatMulBiasGelu
 node, the Q, K and V MatMuls of a (Packed)MultiHeadAttention become bertserve.MatMulBias nodes that
 add the attention's bias themselves, a PackedMultiHeadAttention left without its bias becomes
-bertserve.PackedAttention, and com.microsoft.RemovePadding becomes bertserve.RemovePadding."""
+bertserve.PackedAttention, whose three products then become one (bertserve.PackedQKVAttention reads
+its thirds in place), and com.microsoft.RemovePadding becomes bertserve.RemovePadding."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
@@ -20,6 +22,7 @@ log = logging.getLogger("custom_kernels.fusion")
 MATMUL_BIAS_GELU = "MatMulBiasGelu"
 MATMUL_BIAS = "MatMulBias"
 PACKED_ATTENTION = "PackedAttention"
+PACKED_QKV_ATTENTION = "PackedQKVAttention"
 REMOVE_PADDING = "RemovePadding"  # the same name as ORT's operator, in our domain
 # ORT's attention operators that read Q, K and V (inputs 0-2) and add a [3·hidden] bias (input 3)
 MULTI_HEAD_ATTENTION_OPS = ("MultiHeadAttention", "PackedMultiHeadAttention")
@@ -71,10 +74,7 @@ def fuse_matmul_bias_gelu(model: onnx.ModelProto) -> int:
     if not fused:
         return 0
     _rewrite(model, fused, dropped)
-    gone = {g.nodes[j].output[0] for j in dropped}
-    value_info = [_copy(v) for v in model.graph.value_info if v.name not in gone]
-    del model.graph.value_info[:]
-    model.graph.value_info.extend(value_info)
+    _drop_value_info(model, {g.nodes[j].output[0] for j in dropped})
     return len(fused)
 
 
@@ -163,6 +163,59 @@ def _packed_attention_nodes(g: _Graph) -> list[tuple[int, onnx.NodeProto, int]]:
     return found
 
 
+def fuse_qkv_products(model: onnx.ModelProto) -> int:
+    """Rewrites `model` in place and returns how many bertserve.PackedAttention nodes became
+    bertserve.PackedQKVAttention over one product. A node is taken when its query, key and value come from
+    three MatMulBias nodes (fuse_attention_bias made them) of one input, each read by it alone, with 2-D
+    initializer weights of one shape and 1-D initializer biases: one MatMulBias then makes [T, 3·H·D] from
+    the weights and biases side by side (Q | K | V), in the first product's place, and the attention reads
+    its thirds where they are. One product instead of three runs faster, and launches two kernels fewer."""
+    g = _Graph(model.graph)
+    replaced: dict[int, onnx.NodeProto] = {}
+    dropped: set[int] = set()
+    gone: set[str] = set()  # the three products' outputs
+    new_initializers: list[onnx.TensorProto] = []
+    for i, attention in enumerate(g.nodes):
+        if attention.op_type != PACKED_ATTENTION or attention.domain != DOMAIN:
+            continue
+        products = [g.producer.get(name) for name in attention.input[:3]]
+        if None in products or len(set(products)) != 3:
+            continue
+        nodes = [g.nodes[j] for j in products]
+        if any(n.op_type != MATMUL_BIAS or n.domain != DOMAIN or g.uses[n.output[0]] != 1 or n.output[0] in g.outputs
+               for n in nodes) or len({n.input[0] for n in nodes}) != 1:
+            continue
+        weights = [g.initializers.get(n.input[1]) for n in nodes]
+        biases = [g.initializers.get(n.input[2]) for n in nodes]
+        if None in weights or None in biases or len({tuple(w.dims) for w in weights}) != 1 or len(weights[0].dims) != 2:
+            continue
+        if any(list(b.dims) != [weights[0].dims[1]] for b in biases):
+            continue
+        name = attention.output[0]
+        weight = numpy_helper.from_array(np.concatenate([numpy_helper.to_array(w) for w in weights], axis=1),
+                                         f"{name}_qkv_weight")
+        bias = numpy_helper.from_array(np.concatenate([numpy_helper.to_array(b) for b in biases]), f"{name}_qkv_bias")
+        new_initializers += [weight, bias]
+        first = min(products)
+        replaced[first] = helper.make_node(MATMUL_BIAS, [nodes[0].input[0], weight.name, bias.name], [f"{name}_qkv"],
+                                           name=f"{attention.name or name}_qkv_product", domain=DOMAIN)
+        dropped.update(j for j in products if j != first)
+        gone.update(n.output[0] for n in nodes)
+        attrs = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
+        replaced[i] = helper.make_node(PACKED_QKV_ATTENTION, [f"{name}_qkv", *attention.input[3:5]], [name],
+                                       name=f"{attention.name or name}_qkv", domain=DOMAIN, **attrs)
+    if not dropped:
+        return 0
+    model.graph.initializer.extend(new_initializers)
+    _rewrite(model, replaced, dropped)
+    _drop_value_info(model, gone)
+    read = {name for node in model.graph.node for name in node.input} | g.outputs
+    kept = [_copy(t) for t in model.graph.initializer if t.name in read]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return sum(1 for node in replaced.values() if node.op_type == PACKED_QKV_ATTENTION)
+
+
 def remove_padding_on_our_kernel(model: onnx.ModelProto) -> int:
     """Rewrites `model` in place and returns how many com.microsoft.RemovePadding nodes became
     bertserve.RemovePadding (src/remove_padding.cc): the same inputs and outputs, names and place."""
@@ -247,6 +300,13 @@ def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], droppe
     graph.node.extend(kept)
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+
+
+def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
+    """Leaves out the value_info of values no node makes any more."""
+    kept = [_copy(v) for v in model.graph.value_info if v.name not in names]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
 
 
 def _copy(message):

@@ -245,12 +245,13 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     """The fp16 graph `source` with its MatMul + BiasGelu pairs, and the Q, K, V MatMuls of its
     multi-head attention where it has that, on our fused operators, its RemovePadding on ours where the
     library runs that here, and with `attention_kernel` its packed attention on ours where the library runs
-    it here; checked like the graph itself."""
+    it here (each layer's Q, K and V then one product); checked like the graph itself."""
     import onnx
 
-    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, REMOVE_PADDING,
-                                       attention_on_packed_kernel, fuse_attention_bias, fuse_matmul_bias_gelu,
-                                       offers_packed_attention, offers_remove_padding, packed_attention_head_sizes,
+    from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, PACKED_QKV_ATTENTION,
+                                       REMOVE_PADDING, attention_on_packed_kernel, fuse_attention_bias,
+                                       fuse_matmul_bias_gelu, fuse_qkv_products, offers_packed_attention,
+                                       offers_remove_padding, packed_attention_head_sizes,
                                        remove_padding_on_our_kernel)
 
     model = onnx.load(str(tmp / source))
@@ -261,6 +262,10 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
     head_sizes = packed_attention_head_sizes(model)
     if attention_kernel and len(head_sizes) == 1 and offers_packed_attention(library, head_sizes.pop()):
         operators[PACKED_ATTENTION] = attention_on_packed_kernel(model)
+        # then each layer's three products as one, which the attention reads in place
+        operators[PACKED_QKV_ATTENTION] = merged = fuse_qkv_products(model)
+        operators[PACKED_ATTENTION] -= merged
+        operators[MATMUL_BIAS] -= 2 * merged
     if not fused:
         raise ExportError("the fp16 graph has no MatMul + BiasGelu pair for custom_kernels to fuse; export "
                           "with --custom-kernels off")

@@ -21,10 +21,11 @@ from tokenizers import Tokenizer
 import custom_kernels
 from artifact.manifest import CustomKernelsGraph, ManifestError, read_manifest
 from artifact.session import SessionError, kernels_library, open_graph
-from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, REMOVE_PADDING,
-                                   attention_on_packed_kernel, fuse_attention_bias, fuse_matmul_bias_gelu,
-                                   offers_packed_attention, offers_remove_padding, packed_attention_head_sizes,
-                                   packed_attention_model, remove_padding_model, remove_padding_on_our_kernel)
+from custom_kernels.fusion import (MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, PACKED_QKV_ATTENTION,
+                                   REMOVE_PADDING, attention_on_packed_kernel, fuse_attention_bias,
+                                   fuse_matmul_bias_gelu, fuse_qkv_products, offers_packed_attention,
+                                   offers_remove_padding, packed_attention_head_sizes, packed_attention_model,
+                                   remove_padding_model, remove_padding_on_our_kernel)
 from export import ExportError
 from export.pipeline import export_artifact
 from tests.attention_reference import softmax_attention
@@ -422,3 +423,83 @@ def test_remove_padding_moves_onto_our_operator_and_nothing_else_changes(tiny_mo
 
 def test_the_remove_padding_probe_answers_no_where_it_cannot_run(hostref_library):
     assert offers_remove_padding(hostref_library) is False
+
+
+def _attention_layers(heads: int = 2, size: int = 4, layers: int = 2, seed: int = 0) -> onnx.ModelProto:
+    """`layers` PackedMultiHeadAttention layers, each over its own Q, K and V MatMuls of the layer before's
+    output, with a random bias: what export's packed graph has, before our rewrites."""
+    rng = np.random.default_rng(seed)
+    width, initializers, nodes, x = heads * size, [], [], "x"
+    for layer in range(layers):
+        for part in "qkv":
+            weight = rng.standard_normal((width, width)).astype(np.float32)
+            initializers.append(numpy_helper.from_array(weight, f"w{layer}{part}"))
+            nodes.append(helper.make_node("MatMul", [x, f"w{layer}{part}"], [f"{part}{layer}"]))
+        initializers.append(numpy_helper.from_array(rng.standard_normal(3 * width).astype(np.float32), f"b{layer}"))
+        nodes.append(helper.make_node("PackedMultiHeadAttention", [f"q{layer}", f"k{layer}", f"v{layer}", f"b{layer}",
+                                                                   "token_offset", "cu_seqlens"],
+                                      [f"a{layer}"], domain="com.microsoft", num_heads=heads))
+        x = f"a{layer}"
+    int32 = TensorProto.INT32
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["T", width]),
+                                           helper.make_tensor_value_info("token_offset", int32, ["B", "S"]),
+                                           helper.make_tensor_value_info("cu_seqlens", int32, ["B1"])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["T", width])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_the_three_products_become_one_that_the_attention_reads_in_place(hostref_library):
+    """Each layer's Q, K and V products become one MatMulBias over the weights and biases side by side, and
+    the attention PackedQKVAttention over its thirds: the same outputs, the old weights gone."""
+    model = _attention_layers()
+    assert fuse_attention_bias(model) == 6 and attention_on_packed_kernel(model) == 2
+    three = model.SerializeToString()
+    assert fuse_qkv_products(model) == 2
+    assert [n.op_type for n in model.graph.node] == [MATMUL_BIAS, PACKED_QKV_ATTENTION] * 2
+    assert sorted(t.name for t in model.graph.initializer) == ["a0_qkv_bias", "a0_qkv_weight", "a1_qkv_bias",
+                                                               "a1_qkv_weight"]
+    assert [list(t.dims) for t in model.graph.initializer if t.name == "a0_qkv_weight"] == [[8, 24]]
+    attrs = {a.name: helper.get_attribute_value(a) for a in model.graph.node[1].attribute}
+    assert attrs["num_heads"] == 2 and attrs["head_size"] == 4
+    rng = np.random.default_rng(1)
+    lengths = [3, 1, 5]
+    feed = {"x": rng.standard_normal((sum(lengths), 8)).astype(np.float32),
+            "token_offset": np.zeros((3, 5), np.int32), "cu_seqlens": np.array([0, 3, 4, 9], np.int32)}
+    (want,) = _session(three, hostref_library).run(None, feed)
+    (got,) = _session(model.SerializeToString(), hostref_library).run(None, feed)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_products_read_elsewhere_stay_three():
+    model = _attention_layers(layers=1)
+    fuse_attention_bias(model)
+    attention_on_packed_kernel(model)
+    model.graph.node.append(helper.make_node("Identity", ["k0"], ["k_copy"]))
+    model.graph.output.append(helper.make_tensor_value_info("k_copy", TensorProto.FLOAT, None))
+    assert fuse_qkv_products(model) == 0
+    assert [n.op_type for n in model.graph.node] == [MATMUL_BIAS] * 3 + [PACKED_ATTENTION, "Identity"]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_packed_qkv_attention_reads_the_thirds_of_one_product(hostref_library, dtype):
+    """PackedQKVAttention over [Q | K | V] rows answers what PackedAttention answers over Q, K and V apart."""
+    heads, size, lengths = 2, 8, [3, 1, 6]
+    elem = TensorProto.FLOAT if dtype == np.float32 else TensorProto.FLOAT16
+    width = heads * size
+    node = helper.make_node(PACKED_QKV_ATTENTION, ["qkv", "token_offset", "cu"], ["out"], domain=custom_kernels.DOMAIN,
+                            num_heads=heads, head_size=size, scale=size ** -0.5)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("qkv", elem, ["T", "W3"]),
+                                            helper.make_tensor_value_info("token_offset", TensorProto.INT32, ["B", "S"]),
+                                            helper.make_tensor_value_info("cu", TensorProto.INT32, ["B1"])],
+                              [helper.make_tensor_value_info("out", elem, ["T", width])])
+    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17),
+                                                                  helper.make_opsetid(custom_kernels.DOMAIN, 1)])
+    session = _session(model.SerializeToString(), hostref_library)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((sum(lengths), width)).astype(dtype) for _ in range(3))
+    offsets, cu = np.zeros((3, max(lengths)), np.int32), np.array([0, 3, 4, 10], np.int32)
+    (out,) = session.run(None, {"qkv": np.concatenate([q, k, v], axis=1), "token_offset": offsets, "cu": cu})
+    np.testing.assert_allclose(out, softmax_attention(q, k, v, lengths, heads),
+                               atol=2e-6 if dtype == np.float32 else 2e-3)
+    with pytest.raises(Exception, match="do not fit"):
+        session.run(None, {"qkv": q, "token_offset": offsets, "cu": cu})  # a third of the width

@@ -104,17 +104,18 @@ def test_custom_kernels_graph_exported_checked_and_served(tiny_model_dir, tmp_pa
     """Needs custom_kernels' CUDA library (bash custom_kernels/build.sh, or $BERTSERVE_KERNELS_LIBRARY):
     `--custom-kernels on` fails the export without it."""
     from app.engine import Batch, OrtEngine
-    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_ATTENTION, REMOVE_PADDING
+    from custom_kernels.fusion import MATMUL_BIAS, MATMUL_BIAS_GELU, PACKED_QKV_ATTENTION, REMOVE_PADDING
 
     out = tmp_path / "art"
     argv = ["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", "on"]
     assert main(argv + (["--keep-padding"] if keep_padding else [])) == 0
     m = read_manifest(out)
     kernels = m.graph("fp16").custom_kernels
-    # packed (the default with the library): the attention's bias in the Q, K and V products, and the
-    # attention and the padding's removal on our kernels (the library is built with nvcc here)
-    want_operators = {MATMUL_BIAS_GELU: m.num_layers} | (
-        {} if keep_padding else {MATMUL_BIAS: 3 * m.num_layers, PACKED_ATTENTION: m.num_layers, REMOVE_PADDING: 1})
+    # packed (the default with the library): each layer's Q, K and V as one product with its bias, the
+    # attention reading it in place, and the padding's removal, on our kernels (the library is built with
+    # nvcc here)
+    want_operators = {MATMUL_BIAS_GELU: m.num_layers} | ({} if keep_padding else {
+        MATMUL_BIAS: m.num_layers, PACKED_QKV_ATTENTION: m.num_layers, REMOVE_PADDING: 1})
     assert kernels.operators == want_operators
     assert kernels.parity["token_embeddings_min_cosine"] >= 0.999
     assert kernels.parity["nsp_prob_max_diff"] <= 0.01

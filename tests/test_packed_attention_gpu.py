@@ -62,3 +62,34 @@ def test_sequences_longer_than_token_offset_says_are_still_attended_in_full(tmp_
 def test_a_head_size_the_kernel_lacks_keeps_the_session_from_opening(tmp_path, library):
     """Export's probe asks at the model's head size; 128 is not built, so the graph keeps ORT's attention."""
     assert offers_packed_attention(library, 128) is False
+
+
+@pytest.mark.parametrize("heads,size", [(12, 64), (12, 32)])
+@pytest.mark.parametrize("lengths", [[1], [127, 128, 129], "random"])
+def test_qkv_kernel_reads_the_thirds_of_one_product(tmp_path, library, heads, size, lengths):
+    """PackedQKVAttention: the same kernel over [Q | K | V] rows (a row stride of three widths) answers
+    what PackedAttention answers over Q, K and V apart, to the bit."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(len(str(lengths)) + 7 * size)
+    if lengths == "random":
+        lengths = rng.integers(1, 200, 48).tolist()
+    width = heads * size
+    node = helper.make_node("PackedQKVAttention", ["qkv", "token_offset", "cu"], ["out"], domain="bertserve",
+                            num_heads=heads, head_size=size, scale=size ** -0.5)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("qkv", TensorProto.FLOAT16, ["T", 3 * width]),
+                                            helper.make_tensor_value_info("token_offset", TensorProto.INT32, ["B", "S"]),
+                                            helper.make_tensor_value_info("cu", TensorProto.INT32, ["B1"])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT16, ["T", width])])
+    path = tmp_path / "qkv.onnx"
+    onnx.save(helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 17),
+                                                                    helper.make_opsetid("bertserve", 1)]), str(path))
+    q, k, v = (rng.normal(0, 2, (sum(lengths), width)).astype(np.float16) for _ in range(3))
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    offsets = np.zeros((len(lengths), max(lengths)), np.int32)
+    (got,) = open_session(path, "cuda", library=library).run(
+        None, {"qkv": np.concatenate([q, k, v], axis=1), "token_offset": offsets, "cu": cu})
+    (apart,) = _session(tmp_path, library, heads, size).run(None, {"q": q, "k": k, "v": v, "cu": cu,
+                                                                   "token_offset": offsets})
+    np.testing.assert_array_equal(got, apart)
+    np.testing.assert_allclose(got.astype(np.float64), softmax_attention(q, k, v, lengths, heads), atol=1e-2, rtol=0)

@@ -7,11 +7,12 @@
 #include <cuda_runtime_api.h>
 
 struct PackedAttentionArgs {
-  const void *q, *k, *v;  // [T, heads · head_size] fp16
+  const void *q, *k, *v;  // rows of heads · head_size fp16, in_stride elements apart
   void* o;                // [T, heads · head_size] fp16
   const int* cu_seqlens;  // [batch + 1] on the device: sequence b is rows cu[b] .. cu[b + 1] - 1
   int batch, max_len, heads, head_size;
   float scale;
+  int in_stride;  // heads · head_size for three tensors, 3 · heads · head_size for one Q|K|V product
 };
 
 bool packed_attention_supports(int head_size);

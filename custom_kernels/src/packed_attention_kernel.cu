@@ -1,7 +1,8 @@
-// The GPU kernel of bertserve.PackedAttention (packed_attention.cc): softmax(Q·Kᵀ·scale)·V per
-// sequence and head over packed rows, FlashAttention-2's scheme written for an encoder's short
-// sequences. Q, K and V are [T, H·D] fp16 (token t of sequence b at row cu[b] + t, heads side by
-// side), read where the products wrote them; O has the same layout.
+// The GPU kernel of bertserve.PackedAttention and PackedQKVAttention (packed_attention.cc):
+// softmax(Q·Kᵀ·scale)·V per sequence and head over packed rows, FlashAttention-2's scheme written for an
+// encoder's short sequences. Q, K and V are fp16 rows of H·D (token t of sequence b at row cu[b] + t,
+// heads side by side), read where the products wrote them: three tensors [T, H·D], or the thirds of one
+// product's rows [T, 3·H·D] (a row stride of 3·H·D). O is [T, H·D].
 //
 // A block of 4 warps takes 64 query rows of one (sequence, head), 16 rows a warp. Keys and values come
 // 128 rows a round, in four copy groups that the block waits for in the order it uses them, and are
@@ -83,7 +84,8 @@ constexpr int smem_bytes() {
 template <int D>
 __global__ void __launch_bounds__(kThreads, 4)
     packed_attention(const __half* __restrict__ q, const __half* __restrict__ k, const __half* __restrict__ v,
-                     __half* __restrict__ o, const int* __restrict__ cu_seqlens, int width, float scale_log2) {
+                     __half* __restrict__ o, const int* __restrict__ cu_seqlens, int width, int out_width,
+                     float scale_log2) {
   // Rows padded by 16 bytes: the 8 rows an ldmatrix reads then start in 8 different bank groups.
   constexpr int kStride = D + 8;
   constexpr int kChunks = D / 8;  // 16-byte pieces of a row of one head
@@ -101,6 +103,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   // its offsets are worked out once, and a row costs one multiply-add.
   constexpr int kRowsPerPass = kThreads / kChunks;
   const unsigned piece = tid % kChunks, first_row = tid / kChunks;
+  // width: elements from one row of Q, K and V to the next (out_width: of O, used only at the end)
   const size_t offset = size_t(start) * width + size_t(blockIdx.y) * D + piece * 8;
   const __half *const q_at = q + offset, *const k_at = k + offset, *const v_at = v + offset;
   // Rows first .. first + Rows - 1 of the sequence (zeros past its end) into dst.
@@ -268,13 +271,15 @@ __global__ void __launch_bounds__(kThreads, 4)
             pack_half2(acc[dt][2] * inv[1], acc[dt][3] * inv[1]);
       }
       __syncwarp();
+      // worked out here, not kept from the start: no register is held for it through the loop above
+      __half* const o_at = o + size_t(cu_seqlens[b]) * out_width + size_t(blockIdx.y) * D + piece * 8;
       // Lane l writes its piece (l % kChunks: as it copies) of rows l / kChunks, + 32 / kChunks, ... of the warp's 16.
 #pragma unroll
       for (int i = 0; i < 16 * kChunks / 32; ++i) {
         const unsigned r = lane / kChunks + i * (32 / kChunks);
         const int row = m0 + int(warp * 16 + r);
         if (row < len)
-          *reinterpret_cast<uint4*>(o + offset + size_t(row) * width) =
+          *reinterpret_cast<uint4*>(o_at + size_t(row) * out_width) =
               *reinterpret_cast<const uint4*>(staged + r * kStride + piece * 8);
       }
     }
@@ -288,7 +293,7 @@ cudaError_t launch(const PackedAttentionArgs& a, cudaStream_t stream) {
   const dim3 grid((a.max_len + kRows - 1) / kRows, a.heads, a.batch);
   packed_attention<D><<<grid, kThreads, smem_bytes<D>(), stream>>>(
       static_cast<const __half*>(a.q), static_cast<const __half*>(a.k), static_cast<const __half*>(a.v),
-      static_cast<__half*>(a.o), a.cu_seqlens, a.heads * D, a.scale * 1.4426950408889634f);
+      static_cast<__half*>(a.o), a.cu_seqlens, a.in_stride, a.heads * D, a.scale * 1.4426950408889634f);
   return cudaGetLastError();
 }
 
