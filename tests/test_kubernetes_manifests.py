@@ -22,8 +22,6 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSIONS = ("1.25", "1.37")
 NOT_RESOURCES = {"kustomization.yaml", "prometheus-adapter-values.yaml"}  # kustomize's and Helm's inputs
 EXIT_MARGIN_S = 5  # after the drain deadline: closing connections, stopping the engine process
-# drain_seconds comes with drain-on-SIGTERM (issue 16), written alongside these manifests; until it is in
-# app/settings.py the server ignores the variable, and this test lets it through.
 
 
 def _load(name: str) -> list[dict]:
