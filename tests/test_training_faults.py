@@ -99,11 +99,12 @@ def test_data_workers_end_with_a_killed_trainer(cache_dir, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_second_training_into_a_run_folder_in_use_is_refused_until_the_first_ends(corpus, cache_dir, tmp_path,
-                                                                                    capsys):
-    """Two trainings into one --run-dir would interleave their checkpoints and metrics: the second is
-    refused in one line naming the first, whatever its flags (before the checks that read the folder's
-    checkpoints speak of them); once the first has ended (a kill -9 too), a run goes ahead."""
+def test_a_second_training_into_a_run_or_model_folder_in_use_is_refused_until_the_first_ends(corpus, cache_dir,
+                                                                                             tmp_path, capsys):
+    """Two trainings into one --run-dir would interleave their checkpoints and metrics, and two to one --out
+    (from two run folders) would each replace the other's model: the second is refused in one line naming
+    the first, whatever its flags (before the checks that read the folder's checkpoints speak of them);
+    once the first has ended (a kill -9 too), a run goes ahead."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "training.pretrain",
            *small_args(corpus, cache_dir, tmp_path / "first", run_dir, "--max-steps", "100000", "--log-every", "1",
@@ -121,12 +122,18 @@ def test_a_second_training_into_a_run_folder_in_use_is_refused_until_the_first_e
                               f"--run-dir {run_dir} is in use by another training (pid {first.pid} on")
         assert (run_dir / "metrics.jsonl").read_text().startswith(before)  # --fresh deleted nothing of the first's
         assert not (tmp_path / "second").exists()
+        fails_in_one_line(capsys, small_args(corpus, cache_dir, tmp_path / "first", tmp_path / "other_run",
+                                             "--max-steps", "2"),
+                          f"--out {tmp_path / 'first'} is where another training (pid {first.pid} on")
+        assert not (tmp_path / "other_run").exists()
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
     finally:
         first.kill()
     assert main(small_args(corpus, cache_dir, tmp_path / "second", run_dir, "--max-steps", "2", "--fresh")) == 0
-    assert not (run_dir / ".lock").exists()
+    assert main(small_args(corpus, cache_dir, tmp_path / "first", tmp_path / "other_run", "--max-steps", "2")) == 0
+    assert not (run_dir / ".lock").exists() and (tmp_path / "first" / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no lock left beside --out
 
 
 @pytest.mark.parametrize("flag", ["--out", "--run-dir", "--cache-dir"])

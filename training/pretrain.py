@@ -33,7 +33,8 @@ from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_confi
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
                                    sigterm_as_interrupt, sigterm_stops_between_steps)
 from training.wordpiece import fingerprint
-from training.writes import WriteError, check_model_out, check_run_dir_free, check_writable, run_dir_held
+from training.writes import (WriteError, check_model_out, check_out_free, check_run_dir_free, check_writable, out_held,
+                             run_dir_held)
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
@@ -394,8 +395,18 @@ def run_dir_of(args: argparse.Namespace) -> Path:
     return Path(args.run_dir or Path("runs") / Path(args.out).name)
 
 
+def _check_free(out: Path, run_dir: Path) -> None:
+    check_out_free(out)
+    check_run_dir_free(run_dir)
+
+
+def _hold(held: contextlib.ExitStack, out: Path, run_dir: Path) -> None:
+    held.enter_context(out_held(out))
+    held.enter_context(run_dir_held(run_dir))
+
+
 def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
-    with contextlib.ExitStack() as held:  # --run-dir, from its check to the end of the run
+    with contextlib.ExitStack() as held:  # --out and --run-dir, from their checks to the end of the run
         return _run(args, dist, held)
 
 
@@ -414,7 +425,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
                     {"--run-dir": [run_dir], "--cache-dir": [args.cache_dir], "--corpus": args.corpus})
     check_writable(out, "--out", replaced_whole=True)  # on every rank: one refused alone would leave the others waiting
     check_writable(run_dir, "--run-dir")
-    _rank0_first(dist, lambda: check_run_dir_free(run_dir) if dist.is_main else None)  # before its files are read
+    _rank0_first(dist, lambda: _check_free(out, run_dir) if dist.is_main else None)  # before run_dir's files are read
     existing = list_checkpoints(run_dir)
     if existing and not args.resume and not args.fresh:
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
@@ -438,9 +449,9 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
             if named is not None:  # a changed --vocab-file or --init-from: refused before the data is prepared
                 check_tokenizer(resume_from, trained_with, named, dcfgs[0])
 
-    # The checks above only read. Rank 0 writes the run's files: from here on it holds --run-dir, and a
-    # refusal there (another training in it) stops every rank.
-    _rank0_first(dist, lambda: held.enter_context(run_dir_held(run_dir)) if dist.is_main else None)
+    # The checks above only read. Rank 0 writes the run's files and the model: from here on it holds --out
+    # and --run-dir, and a refusal there (another training to either) stops every rank.
+    _rank0_first(dist, lambda: _hold(held, out, run_dir) if dist.is_main else None)
     if dist.is_main:
         remove_stale_temporaries(run_dir)
         if args.fresh:

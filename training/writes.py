@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import re
 import shutil
 import socket
 import tempfile
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
 from artifact.source_folder import CONFIG_FILE
@@ -40,16 +41,43 @@ def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> 
 RUN_LOCK_FILE = ".lock"  # in --run-dir while a training writes into it
 
 
+def out_lock_file(out: Path) -> Path:
+    """Beside --out while a training will write it there: the model folder is replaced whole at the end,
+    so the lock cannot be inside it."""
+    out = Path(out)
+    return out.parent / f".{out.name}.lock"
+
+
 def check_run_dir_free(run_dir: Path) -> None:
     """Fail now, in one line that names it, when another training holds --run-dir (run_dir_held), before
     any other check of the folder speaks of its files. Reads only: a refused run writes nothing."""
+    _check_free(Path(run_dir) / RUN_LOCK_FILE, functools.partial(_run_dir_in_use, run_dir))
+
+
+def check_out_free(out: Path) -> None:
+    """Fail now when another training will write the same --out (out_held), even from another --run-dir:
+    the last to end would replace the other's model. Reads only."""
+    _check_free(out_lock_file(out), functools.partial(_out_in_use, out))
+
+
+def _run_dir_in_use(run_dir: Path, owner: str) -> str:
+    return (f"--run-dir {run_dir} is in use by another training ({owner}); wait for it to end, or pass another "
+            f"--run-dir (or --out)")
+
+
+def _out_in_use(out: Path, owner: str) -> str:
+    return (f"--out {out} is where another training ({owner}) will write its model; wait for it to end, or "
+            f"pass another --out")
+
+
+def _check_free(lock: Path, in_use: Callable[[str], str]) -> None:
     try:
-        held = open(Path(run_dir) / RUN_LOCK_FILE, "r+")
-    except OSError:  # none (no training holds the folder), or unreadable: run_dir_held says so
+        held = open(lock, "r+")
+    except OSError:  # none (no training holds it), or unreadable: _held says so
         return
     with held:
         if not _try_lock(held):
-            raise _in_use(run_dir, held)
+            raise _refusal(held, in_use)
         # closing lets go of the lock just taken (a POSIX lock ends with any of its process's descriptors)
 
 
@@ -64,35 +92,46 @@ def _try_lock(held) -> bool:
     return True
 
 
-def _in_use(run_dir: Path, held) -> WriteError:
+def _refusal(held, in_use: Callable[[str], str]) -> WriteError:
+    """in_use(the holder, as its lock file names it) as the error."""
     held.seek(0)
-    owner = held.read().strip() or "another process"
-    return WriteError(f"--run-dir {run_dir} is in use by another training ({owner}); wait for it to end, or pass "
-                      f"another --run-dir (or --out)")
+    return WriteError(in_use(held.read().strip() or "another process"))
+
+
+def run_dir_held(run_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Holds --run-dir for this training: a second training into it (its checkpoints and metrics would
+    interleave with this one's, and one would delete the other's with --fresh) is refused in one line."""
+    run_dir = Path(run_dir)
+    return _held(run_dir / RUN_LOCK_FILE, functools.partial(_run_dir_in_use, run_dir),
+                 f"--run-dir {run_dir}: cannot write in it")
+
+
+def out_held(out: Path) -> contextlib.AbstractContextManager[None]:
+    """Holds --out for this training, from its checks to its model written: a second training to the same
+    --out, from another --run-dir, is refused in one line instead of one model silently replacing the other."""
+    lock = out_lock_file(out)
+    return _held(lock, functools.partial(_out_in_use, out), f"--out {out}: cannot write in {lock.parent}")
 
 
 @contextlib.contextmanager
-def run_dir_held(run_dir: Path) -> Iterator[None]:
-    """Holds --run-dir for this training: a second training into it (its checkpoints and metrics would
-    interleave with this one's, and one would delete the other's with --fresh) is refused in one line.
-    A POSIX record lock: the kernel lets go of it when this process ends, however it ends, so no stale
-    lock needs clearing, and unlike an flock the data loader's forked workers do not hold it on after a
-    kill -9. The file is removed when the run ends."""
-    run_dir = Path(run_dir)
-    path = run_dir / RUN_LOCK_FILE
-    made = [f for f in [run_dir, *run_dir.parents] if not f.exists()]  # innermost first
+def _held(lock: Path, in_use: Callable[[str], str], cannot_write: str) -> Iterator[None]:
+    """Holds the lock file `lock`, made with its folder, and says who holds it in it. A POSIX record lock:
+    the kernel lets go of it when this process ends, however it ends, so no stale lock needs clearing, and
+    unlike an flock the data loader's forked workers do not hold it on after a kill -9. The file is removed
+    when the run ends, and with it the folders made for it that are still empty."""
+    folder = lock.parent
+    made = [f for f in [folder, *folder.parents] if not f.exists()]  # innermost first
     while True:
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            held = open(path, "a+")
+            folder.mkdir(parents=True, exist_ok=True)
+            held = open(lock, "a+")
         except OSError as e:
-            raise WriteError(f"--run-dir {run_dir}: cannot write in it ({e.strerror or e}); choose a writable "
-                             f"folder") from e
+            raise WriteError(f"{cannot_write} ({e.strerror or e}); choose a writable folder") from e
         if not _try_lock(held):
             with held:
-                raise _in_use(run_dir, held)
-        try:  # the file locked is still the one at `path`, not one its last holder removed meanwhile
-            current = os.stat(path).st_ino == os.fstat(held.fileno()).st_ino
+                raise _refusal(held, in_use)
+        try:  # the file locked is still the one at `lock`, not one its last holder removed meanwhile
+            current = os.stat(lock).st_ino == os.fstat(held.fileno()).st_ino
         except FileNotFoundError:
             current = False
         if current:
@@ -105,10 +144,10 @@ def run_dir_held(run_dir: Path) -> Iterator[None]:
         try:
             yield
         finally:
-            path.unlink(missing_ok=True)  # while still held: see the check above
-            for folder in made:  # a run that ended before it wrote anything leaves no folder behind
+            lock.unlink(missing_ok=True)  # while still held: see the check above
+            for made_folder in made:  # a run that ended before it wrote anything leaves no folder behind
                 try:
-                    folder.rmdir()
+                    made_folder.rmdir()
                 except OSError:  # not empty: the run's files
                     break
 
