@@ -242,85 +242,86 @@ def main(argv=None) -> int:
         return _measure(args, Path(work), texts, batches, text_sizes, card)
 
 
-def with_ort_remove_padding(path: Path) -> Path | None:
-    """The kernels graph at `path` with bertserve.RemovePadding put back to ORT's, written beside it (our
-    padding removal against ORT's in one run); None when the graph has none."""
+def _variant(path: Path, suffix: str, rewrite) -> Path | None:
+    """The graph at `path` as `rewrite(model)` changes it in place, written beside it with `suffix`; None
+    when rewrite finds nothing to change (returns False)."""
     import onnx
 
     model = onnx.load(str(path))
-    swapped = [node for node in model.graph.node if node.op_type == "RemovePadding" and node.domain == "bertserve"]
-    if not swapped:
+    if not rewrite(model):
         return None
-    for node in swapped:
-        node.domain = "com.microsoft"
-    out = path.with_name(f"{path.stem}_ort_remove_padding.onnx")
+    out = path.with_name(f"{path.stem}_{suffix}.onnx")
     onnx.save(model, str(out))
     return out
+
+
+def with_ort_remove_padding(path: Path) -> Path | None:
+    """The kernels graph at `path` with bertserve.RemovePadding put back to ORT's (our padding removal
+    against ORT's in one run); None when the graph has none."""
+    def rewrite(model) -> bool:
+        swapped = [n for n in model.graph.node if n.op_type == "RemovePadding" and n.domain == "bertserve"]
+        for node in swapped:
+            node.domain = "com.microsoft"
+        return bool(swapped)
+
+    return _variant(path, "ort_remove_padding", rewrite)
 
 
 def with_three_products(path: Path) -> Path | None:
     """The kernels graph at `path` with each layer's one Q|K|V product and PackedQKVAttention put back to
-    three products and PackedAttention, written beside it (one product against three in one run); None
-    when the graph has none."""
-    import onnx
+    three products and PackedAttention (one product against three in one run); None when the graph has none."""
     from onnx import helper, numpy_helper
 
-    model = onnx.load(str(path))
-    producer = {out: node for node in model.graph.node for out in node.output}
-    initializers = {t.name: t for t in model.graph.initializer}
-    attentions = [n for n in model.graph.node if n.op_type == "PackedQKVAttention" and n.domain == "bertserve"]
-    if not attentions:
-        return None
-    products = {id(producer[n.input[0]]) for n in attentions}
-    nodes = []
-    for node in model.graph.node:
-        if id(node) in products:
-            continue
-        if node in attentions:
-            x, weight, bias = producer[node.input[0]].input
-            weights = np.split(numpy_helper.to_array(initializers[weight]), 3, axis=1)
-            biases = np.split(numpy_helper.to_array(initializers[bias]), 3)
-            names = [f"{node.input[0]}_{part}" for part in "qkv"]
-            for name, w, b in zip(names, weights, biases):
-                model.graph.initializer.extend([numpy_helper.from_array(w, f"{name}_w"),
-                                                numpy_helper.from_array(b, f"{name}_b")])
-                nodes.append(helper.make_node("MatMulBias", [x, f"{name}_w", f"{name}_b"], [name], domain="bertserve"))
-            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-            node = helper.make_node("PackedAttention", [*names, *node.input[1:3]], list(node.output), name=node.name,
-                                    domain="bertserve", **attrs)
-        nodes.append(node)
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    read = {name for node in nodes for name in node.input}
-    kept = [t for t in model.graph.initializer if t.name in read]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
-    out = path.with_name(f"{path.stem}_three_products.onnx")
-    onnx.save(model, str(out))
-    return out
+    def rewrite(model) -> bool:
+        producer = {out: node for node in model.graph.node for out in node.output}
+        initializers = {t.name: t for t in model.graph.initializer}
+        attentions = [n for n in model.graph.node if n.op_type == "PackedQKVAttention" and n.domain == "bertserve"]
+        products = {id(producer[n.input[0]]) for n in attentions}
+        nodes = []
+        for node in model.graph.node:
+            if id(node) in products:
+                continue
+            if node in attentions:
+                x, weight, bias = producer[node.input[0]].input
+                weights = np.split(numpy_helper.to_array(initializers[weight]), 3, axis=1)
+                biases = np.split(numpy_helper.to_array(initializers[bias]), 3)
+                names = [f"{node.input[0]}_{part}" for part in "qkv"]
+                for name, w, b in zip(names, weights, biases):
+                    model.graph.initializer.extend([numpy_helper.from_array(w, f"{name}_w"),
+                                                    numpy_helper.from_array(b, f"{name}_b")])
+                    nodes.append(helper.make_node("MatMulBias", [x, f"{name}_w", f"{name}_b"], [name],
+                                                  domain="bertserve"))
+                attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                node = helper.make_node("PackedAttention", [*names, *node.input[1:3]], list(node.output),
+                                        name=node.name, domain="bertserve", **attrs)
+            nodes.append(node)
+        del model.graph.node[:]
+        model.graph.node.extend(nodes)
+        read = {name for node in nodes for name in node.input}
+        kept = [t for t in model.graph.initializer if t.name in read]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        return bool(attentions)
+
+    return _variant(path, "three_products", rewrite)
 
 
 def with_ort_attention(path: Path) -> Path | None:
     """The kernels graph at `path` with each bertserve.PackedAttention put back to ORT's
-    PackedMultiHeadAttention, written beside it (our attention kernel against ORT's in one run); None when
-    the graph has none (a library built without nvcc)."""
-    import onnx
+    PackedMultiHeadAttention (our attention kernel against ORT's in one run); None when the graph has none
+    (a library built without nvcc, or Q, K and V from one product: take with_three_products' graph)."""
     from onnx import helper
 
-    model = onnx.load(str(path))
-    swapped = 0
-    for node in model.graph.node:
-        if node.op_type == "PackedAttention" and node.domain == "bertserve":
+    def rewrite(model) -> bool:
+        swapped = [n for n in model.graph.node if n.op_type == "PackedAttention" and n.domain == "bertserve"]
+        for node in swapped:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             node.CopyFrom(helper.make_node("PackedMultiHeadAttention", [*node.input[:3], "", *node.input[3:5]],
                                            list(node.output), name=node.name, domain="com.microsoft",
                                            num_heads=attrs["num_heads"], scale=attrs["scale"]))
-            swapped += 1
-    if not swapped:
-        return None
-    out = path.with_name(f"{path.stem}_ort_attention.onnx")
-    onnx.save(model, str(out))
-    return out
+        return bool(swapped)
+
+    return _variant(path, "ort_attention", rewrite)
 
 
 def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes: list[int], card: str) -> int:
@@ -346,12 +347,14 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
             if kind in artifacts and kernels_file(kind):
                 engines[f"ort fp16 {kind}+kernels"] = (
                     lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))
-                if (ort_attention := with_ort_attention(kernels_file(kind))) is not None:
-                    engines[f"ort fp16 {kind}+kernels ort-attention"] = (
-                        lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
-                if (three := with_three_products(kernels_file(kind))) is not None:
+                three = with_three_products(kernels_file(kind))
+                if three is not None:
                     engines[f"ort fp16 {kind}+kernels three-products"] = (
                         lambda path=three: DeviceBoundSession(path, "cuda", kernels_library=library))
+                # ORT's attention takes Q, K and V apart: on the three products' graph where there is one
+                if (ort_attention := with_ort_attention(three or kernels_file(kind))) is not None:
+                    engines[f"ort fp16 {kind}+kernels ort-attention"] = (
+                        lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
                 if (ort_remove_padding := with_ort_remove_padding(kernels_file(kind))) is not None:
                     engines[f"ort fp16 {kind}+kernels ort-remove-padding"] = (
                         lambda path=ort_remove_padding: DeviceBoundSession(path, "cuda", kernels_library=library))
