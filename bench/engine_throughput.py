@@ -324,6 +324,19 @@ def with_ort_attention(path: Path) -> Path | None:
     return _variant(path, "ort_attention", rewrite)
 
 
+def kernels_variants(path: Path) -> dict[str, Path]:
+    """The kernels graph's A/B variants that apply to it, by name, each written beside it: export's rewrites
+    undone one at a time (ORT's attention on the three products' graph, since it takes Q, K and V apart)."""
+    variants = {}
+    if (three := with_three_products(path)) is not None:
+        variants["three-products"] = three
+    if (ort_attention := with_ort_attention(three or path)) is not None:
+        variants["ort-attention"] = ort_attention
+    if (ort_remove_padding := with_ort_remove_padding(path)) is not None:
+        variants["ort-remove-padding"] = ort_remove_padding
+    return variants
+
+
 def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes: list[int], card: str) -> int:
     cuda = args.device == "cuda"
     tokenizer, model, artifacts = build(args.preset, args.device, work, texts, args.packed_attention)
@@ -347,17 +360,9 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
             if kind in artifacts and kernels_file(kind):
                 engines[f"ort fp16 {kind}+kernels"] = (
                     lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))
-                three = with_three_products(kernels_file(kind))
-                if three is not None:
-                    engines[f"ort fp16 {kind}+kernels three-products"] = (
-                        lambda path=three: DeviceBoundSession(path, "cuda", kernels_library=library))
-                # ORT's attention takes Q, K and V apart: on the three products' graph where there is one
-                if (ort_attention := with_ort_attention(three or kernels_file(kind))) is not None:
-                    engines[f"ort fp16 {kind}+kernels ort-attention"] = (
-                        lambda path=ort_attention: DeviceBoundSession(path, "cuda", kernels_library=library))
-                if (ort_remove_padding := with_ort_remove_padding(kernels_file(kind))) is not None:
-                    engines[f"ort fp16 {kind}+kernels ort-remove-padding"] = (
-                        lambda path=ort_remove_padding: DeviceBoundSession(path, "cuda", kernels_library=library))
+                for variant, path in kernels_variants(kernels_file(kind)).items():
+                    engines[f"ort fp16 {kind}+kernels {variant}"] = (
+                        lambda path=path: DeviceBoundSession(path, "cuda", kernels_library=library))
                 if args.untuned:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",

@@ -470,6 +470,34 @@ def test_the_three_products_become_one_that_the_attention_reads_in_place(hostref
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+def test_the_benchmarks_variants_of_the_served_graph_undo_one_rewrite_each(hostref_library, tmp_path):
+    """bench/engine_throughput.py's A/B variants: the three products' graph answers what the one product's
+    does, and ORT's attention goes in on it (ORT's takes Q, K and V apart); a rewrite with nothing to undo
+    gives no variant, never a silent copy."""
+    from bench.engine_throughput import kernels_variants
+
+    model = _attention_layers()
+    fuse_attention_bias(model)
+    attention_on_packed_kernel(model)
+    fuse_qkv_products(model)
+    served = tmp_path / "served.onnx"
+    onnx.save(model, str(served))
+    variants = kernels_variants(served)
+    assert set(variants) == {"three-products", "ort-attention"}  # no RemovePadding in this graph
+    three = onnx.load(str(variants["three-products"]))
+    assert [n.op_type for n in three.graph.node] == ([MATMUL_BIAS] * 3 + [PACKED_ATTENTION]) * 2
+    ort_attention = onnx.load(str(variants["ort-attention"]))
+    assert [(n.op_type, n.domain) for n in ort_attention.graph.node if "Attention" in n.op_type] == \
+        [("PackedMultiHeadAttention", "com.microsoft")] * 2
+    assert kernels_variants(variants["ort-attention"]) == {}
+    rng = np.random.default_rng(2)
+    feed = {"x": rng.standard_normal((9, 8)).astype(np.float32), "token_offset": np.zeros((3, 5), np.int32),
+            "cu_seqlens": np.array([0, 3, 4, 9], np.int32)}
+    (want,) = _session(served, hostref_library).run(None, feed)
+    (got,) = _session(variants["three-products"], hostref_library).run(None, feed)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_products_read_elsewhere_stay_three():
     model = _attention_layers(layers=1)
     fuse_attention_bias(model)
