@@ -1,0 +1,117 @@
+"""The SM clock and board power each engine runs at: the padded fused-ORT graph and the served graph
+(packed, our kernels) timed in turn at batch b x L, full-length rows, while nvidia-smi samples the card
+every 50 ms. A card held at its power limit lowers its clock for whatever draws more, so a graph that
+does the same work in fewer, denser kernels may run at a lower clock than the one it is compared with.
+
+  python bench/engine_clocks.py                 # GPU machine, onnxruntime-gpu, kernels built; b = 256, L = 128
+  python bench/engine_clocks.py --batch 32 --seconds 2 --rounds 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+import numpy as np  # noqa: E402
+
+from artifact.session import kernels_library, require_cuda  # noqa: E402
+from bench.engine_throughput import DeviceBoundSession, build, fixed_batch, stdlib_docstrings  # noqa: E402
+
+FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
+
+
+class Sampler:
+    """nvidia-smi's readings every `interval_ms`, each stamped with time.monotonic() as it arrives."""
+
+    def __init__(self, interval_ms: int = 50):
+        fields = FIELDS
+        if subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv"],
+                          capture_output=True).returncode != 0:
+            fields = FIELDS[:2]  # an older nvidia-smi names the reasons otherwise: go without them
+        self.samples: list[tuple[float, list[str]]] = []
+        self._smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits",
+                                      "-lms", str(interval_ms)], stdout=subprocess.PIPE, text=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self._smi.stdout:
+            self.samples.append((time.monotonic(), [v.strip() for v in line.split(",")]))
+
+    def between(self, start: float, end: float) -> dict:
+        taken = [values for t, values in self.samples if start <= t <= end]
+        numbers = [(float(v[0]), float(v[1])) for v in taken if v[0].replace(".", "").isdigit()]
+        if not numbers:
+            return {"samples": 0}
+        return {"samples": len(numbers), "sm_mhz": statistics.median(c for c, _ in numbers),
+                "power_w": statistics.median(p for _, p in numbers),
+                "reasons": sorted({v[2] for v in taken if len(v) > 2})}
+
+    def stop(self) -> None:
+        self._smi.terminate()
+        self._smi.wait()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seconds", type=float, default=3.0, help="each engine's turn")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    require_cuda()
+    library = kernels_library("auto", "cuda")
+    with tempfile.TemporaryDirectory(prefix="engine-clocks-") as work:
+        work = Path(work)
+        _, _, artifacts = build("base", "cuda", work, stdlib_docstrings(2000), ["PackedMultiHeadAttention"])
+        padded = artifacts["padded"].graph("fp16")
+        engines = {"ort fp16 padded": DeviceBoundSession(work / "padded" / padded.file, "cuda")}
+        served = artifacts["packed-mha"].graph("fp16").custom_kernels
+        if served and library:
+            engines["served: packed-mha+kernels"] = DeviceBoundSession(work / "packed-mha" / served.file, "cuda",
+                                                                       kernels_library=library)
+        feed = fixed_batch(args.batch, args.seq, np.random.default_rng(0))
+        prepared = {name: engine.prepare(feed) for name, engine in engines.items()}
+        for name, engine in engines.items():  # warm-up: the operator's tuning, ORT's arena
+            for _ in range(5):
+                engine.run(prepared[name])
+        sampler = Sampler()
+        turns = []
+        for round_ in range(args.rounds):
+            for name, engine in engines.items():
+                start = time.monotonic()
+                runs = 0
+                while time.monotonic() - start < args.seconds:
+                    engine.run(prepared[name])
+                    runs += 1
+                end = time.monotonic()
+                # the first half second of a turn is the clock settling from the turn before
+                turns.append({"engine": name, "round": round_, "ms_per_batch": 1000 * (end - start) / runs,
+                              **sampler.between(start + 0.5, end)})
+        sampler.stop()
+    print(f"{'engine':32} {'round':>5} {'ms/batch':>9} {'SM MHz':>7} {'W':>6}  reasons")
+    for t in turns:
+        print(f"{t['engine']:32} {t['round']:>5} {t['ms_per_batch']:9.3f} {t.get('sm_mhz', 0):7.0f} "
+              f"{t.get('power_w', 0):6.0f}  {','.join(t.get('reasons', []))}")
+    for name in engines:
+        mine = [t for t in turns if t["engine"] == name and t["samples"]]
+        if mine:
+            print(f"{name}: median {statistics.median(t['ms_per_batch'] for t in mine):.3f} ms a batch at "
+                  f"{statistics.median(t['sm_mhz'] for t in mine):.0f} MHz, "
+                  f"{statistics.median(t['power_w'] for t in mine):.0f} W")
+    if args.json:
+        args.json.write_text(json.dumps({"batch": args.batch, "seq": args.seq, "turns": turns}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
