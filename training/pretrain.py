@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from artifact.source_folder import TRAINING_SUMMARY_FILE, trained_max_length
 from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
                                  remove_stale_temporaries)
-from training.corpus import CorpusError, resolve_corpus_files
+from training.corpus import CorpusError
 from training.data import DataConfig, named_tokenizer, prepare_data
 from training.ddp import DDPOptions
 from training.model import PRESETS, BertConfig, BertForPreTraining, preset_config
@@ -30,9 +30,11 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
                                    save_model_folder, sentence_transformers_files)
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
+from training.resume_checks import (RESUME_FIXED, RESUME_FIXED_IN_PHASE2, RESUME_TAKEN, absolute_path,
+                                    check_corpus, check_resume, check_same_out, check_tokenizer, comparable,
+                                    corpus_files, paths_as_recorded_now)
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
                                    sigterm_as_interrupt, sigterm_stops_between_steps)
-from training.wordpiece import fingerprint
 from training.writes import (WriteError, check_model_out, check_out_free, check_run_dir_free, check_writable, out_held,
                              run_dir_held)
 
@@ -55,20 +57,6 @@ SCHEDULE_DEFAULTS = {
 }
 # Every fresh model gets 512 positions (as BERT does), so phase 2 and the server's limit need no new model.
 MAX_POSITIONS = 512
-# What --resume does with a flag given another value than the checkpoint's run had (--corpus: check_corpus).
-# Refused: the flags that the checkpoint's weights, optimiser state and data position were made under, which
-# another value would not continue exactly; phase 2's (and where it starts) once phase 2 has begun.
-RESUME_FIXED = ("--vocab-size", "--vocab-file", "--no-lowercase", "--max-seq-len", "--max-predictions",
-                "--masked-lm-prob", "--whole-word-masking", "--heldout-fraction", "--no-nsp-balance", "--preset",
-                "--init-from", "--dropout", "--batch-size", "--seed")
-RESUME_FIXED_IN_PHASE2 = ("--max-steps", "--phase2-seq-len", "--phase2-max-predictions", "--phase2-batch-size")
-# Taken, and said at the start: how long the run goes on and how a step updates the weights (the
-# learning-rate schedule is computed from these flags at every start). Every other flag says where files
-# go, what is logged or evaluated, or on what hardware: taken as given.
-RESUME_TAKEN = ("--phase2-steps", "--grad-accum", "--lr", "--warmup-steps", "--warmup-fraction", "--weight-decay",
-                "--clip-norm")
-
-
 class _RankZeroFailed(Exception):
     """Another rank's copy of an error rank 0 already reported."""
 
@@ -431,7 +419,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
                               f"pass --resume to continue it, --fresh to start over, or another --run-dir")
     resume_from = existing[-1] if args.resume and existing else None
-    resume_state = _paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
+    resume_state = paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
     named = None  # with it: the one --vocab-file or --init-from gives; None: one trained on the corpus
     if resume_state is not None:
@@ -440,7 +428,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         changes = check_resume(resume_from, resume_state, flags)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
-                                                     "data_config": _comparable(dcfgs[0])})
+                                                     "data_config": comparable(dcfgs[0])})
         if changes and dist.is_main:
             print(changes, flush=True)
         if "tokenizer" in resume_state:
@@ -481,8 +469,8 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         "out": absolute_path(str(out)),  # whose run this is: see check_same_out
         "model_source": source.record(),
         "model_config": asdict(model_config),
-        "data_config": _comparable(dcfgs[0]),
-        "phases_config": [_comparable(c) for c in dcfgs[1:]],
+        "data_config": comparable(dcfgs[0]),
+        "phases_config": [comparable(c) for c in dcfgs[1:]],
         "train_config": asdict(cfg),
         "flags": flags,
         # the whole tokenizer, not only its fingerprint: a resume without this cache tokenises with it again
@@ -534,7 +522,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         "max_length": max_length,
         "model_config": model_config.to_hf_dict(),
         "train_config": asdict(cfg),
-        "data_config": [_comparable(c) for c in dcfgs],
+        "data_config": [comparable(c) for c in dcfgs],
         "data_stats": [p.stats for p in prepared],
         "phases": [{"name": ph.name, "steps": ph.steps, "max_seq_len": ph.max_seq_len,
                     "batch_size": ph.batch_size} for ph in phases],
@@ -567,124 +555,6 @@ def resume_flags(args: argparse.Namespace, source: ModelSource, cfg: TrainConfig
 
 def phase2_batch_size(args: argparse.Namespace) -> int:
     return args.batch_size if args.phase2_batch_size is None else args.phase2_batch_size
-
-
-def check_resume(path: Path, state: dict[str, Any], flags: dict[str, Any]) -> str:
-    """Refuse in one line to resume the checkpoint `state` (read from `path`) with another value of a flag its
-    state was made under (RESUME_FIXED), or with fewer steps than it has done. Returns the line that says
-    which flags the run takes with new values ("" when none)."""
-    step, in_phase2 = state["step"], state["phase"] > 0
-    fixed = RESUME_FIXED + (RESUME_FIXED_IN_PHASE2 if in_phase2 else ())
-    had = state.get("flags", {})  # {} in an older checkpoint: check_compatible compares its configuration
-    changed = [f for f in fixed if f in had and had[f] != flags[f]]
-    if changed:
-        raise CheckpointError(
-            f"checkpoint {path} was made with another configuration: "
-            + ", ".join(f"{f} {_shown(had[f])} (now {_shown(flags[f])})" for f in changed)
-            + "; its weights, optimiser state and data position hold only under those values: pass them to "
-              "resume, or --fresh or another --run-dir to start over")
-    flag = "--phase2-steps" if in_phase2 else "--max-steps"
-    end = flags["--max-steps"] + (flags["--phase2-steps"] if in_phase2 else 0)
-    if end < step:
-        limit = f"--max-steps {flags['--max-steps']}" + (f" + --phase2-steps {flags[flag]}" if in_phase2 else "")
-        raise CheckpointError(f"checkpoint {path} is at step {step}, past {limit}; pass {flag} "
-                              f"{flags[flag] + step - end} or more to resume")
-    taken = [f"{f} {_shown(flags[f])} (was {_shown(had[f])})" for f in flags
-             if f not in fixed and f in had and had[f] != flags[f]]
-    return f"resuming at step {step} with {', '.join(taken)}" if taken else ""
-
-
-def check_tokenizer(path: Path, trained_with: Tokenizer, tokenizer: Tokenizer, cfg: DataConfig,
-                    cache: str | None = None) -> None:
-    """Refuse in one line to resume the checkpoint at `path` with `tokenizer`, which the settings `cfg` name or
-    the prepared data in `cache` holds, where its weights were trained with `trained_with`: the same ids
-    would mean other tokens."""
-    if fingerprint(tokenizer) == fingerprint(trained_with):
-        return
-    if cfg.tokenizer_dir is not None:
-        source, fix = f"--init-from {cfg.tokenizer_dir} has (its tokenizer changed since)", "restore that folder's"
-    elif cfg.vocab_file is not None:
-        source, fix = f"--vocab-file {cfg.vocab_file} gives (the file changed since)", "restore that file"
-    else:  # a missing cache is prepared with the checkpoint's: this one was prepared by a run that trained its own
-        source = f"the prepared data in {cache} holds (another run prepared it, with its own)"
-        fix = "pass another --cache-dir to prepare the data again with the checkpoint's"
-    raise CheckpointError(f"checkpoint {path} was trained with another tokenizer than {source}: the same ids would "
-                          f"mean other tokens; {fix}, or --fresh or another --run-dir to start over")
-
-
-def _shown(value: Any) -> str:
-    """A flag's value in words: on / off for a switch, "not given" for one left out."""
-    if value is None:
-        return "not given"
-    return ("on" if value else "off") if isinstance(value, bool) else str(value)
-
-
-def _paths_as_recorded_now(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` with its paths as checkpoints record them now: one written before holds the --corpus as it was
-    spelt (a folder, a glob) and --vocab-file as typed, resolved here as the run's own are (a relative one
-    from this working folder: the one it was typed in when the run resumes where it started)."""
-    data, flags = state.get("data_config", {}), state.get("flags", {})
-    try:
-        corpus = corpus_files(data.get("corpus", []))
-    except CorpusError:  # gone since: compared as recorded
-        corpus = data.get("corpus", [])
-    state = {**state, "data_config": {**data, "corpus": corpus, "vocab_file": absolute_path(data.get("vocab_file"))}}
-    if "--vocab-file" in flags:
-        state["flags"] = {**flags, "--vocab-file": absolute_path(flags["--vocab-file"])}
-    return state
-
-
-def check_same_out(path: Path, had: str | None, out: Path) -> None:
-    """Refuse to resume, from the default run folder (runs/<--out's folder name>), the run of another --out
-    that has the same folder name: it would continue that model's training into this one."""
-    if had is not None and had != absolute_path(str(out)):
-        raise CheckpointError(f"checkpoint {path} is of the run that writes {had}, not --out {out} (the default "
-                              f"--run-dir is runs/<--out's folder name>); pass --run-dir to give this model a run "
-                              f"folder of its own, or --out {had} to continue that run")
-
-
-def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
-    """Refuse a checkpoint of another corpus (other files, or the same in another order: another data
-    order) in one line that says how they differ."""
-    had, now = list(had), list(now)
-    if had == now:
-        return
-    had_set, now_set = set(had), set(now)
-    new, gone = [f for f in now if f not in had_set], [f for f in had if f not in now_set]
-    if not new and not gone:
-        # a shell sorts an unquoted glob by its locale; a quoted one is expanded here, sorted the same everywhere
-        how = (f"the same {len(now)} files in another order (quote a glob, --corpus 'data/*.txt', to have it "
-               f"read in one order)")
-    else:
-        how = f"{_files_in_words(now)} now against its {_files_in_words(had)}"
-        for what, files in (("new", new), ("not given", gone)):
-            if files:
-                how += f"; {what}: {files[0]}" + (f" and {len(files) - 1} more" if len(files) > 1 else "")
-    raise CheckpointError(f"checkpoint {path} was made with another --corpus: {how}; pass the corpus it was made "
-                          f"with, or --fresh or another --run-dir to start over")
-
-
-def _files_in_words(files: list[str]) -> str:
-    return f"{len(files)} file{'s' if len(files) != 1 else ''}" if files else "the embedded default corpus"
-
-
-def corpus_files(corpus: list[str] | tuple[str, ...]) -> list[str]:
-    """The files a --corpus names, absolute, in reading order; none for the embedded default corpus."""
-    return [str(f) for f in resolve_corpus_files(corpus)] if corpus else []
-
-
-def absolute_path(path: str | None) -> str | None:
-    """A path as checkpoints record and compare it: absolute and normalised, so that a run resumes from any
-    working folder."""
-    return None if path is None else str(Path(path).expanduser().resolve())
-
-
-def _comparable(c: DataConfig) -> dict[str, Any]:
-    """The data settings that decide what the model sees (the cache location does not)."""
-    d = asdict(c)
-    d.pop("cache_dir", None)
-    d["corpus"] = [str(x) for x in d["corpus"]]
-    return d
 
 
 def summary_line(summary: dict[str, Any], out: Path) -> str:
