@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import numpy as np  # noqa: E402
 
+from artifact.manifest import read_manifest  # noqa: E402
 from artifact.session import kernels_library, require_cuda  # noqa: E402
 from bench.engine_throughput import DeviceBoundSession, build, fixed_batch, stdlib_docstrings  # noqa: E402
 
@@ -67,12 +68,16 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=3.0, help="each engine's turn")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--work", type=Path, help="keep the exports here, and reuse them when a run left them")
     args = p.parse_args(argv)
     require_cuda()
     library = kernels_library("auto", "cuda")
-    with tempfile.TemporaryDirectory(prefix="engine-clocks-") as work:
-        work = Path(work)
-        _, _, artifacts = build("base", "cuda", work, stdlib_docstrings(2000), ["PackedMultiHeadAttention"])
+    with tempfile.TemporaryDirectory(prefix="engine-clocks-") as temporary:
+        work = args.work or Path(temporary)
+        if (work / "packed-mha" / "manifest.json").is_file():  # an earlier run's exports, kept with --work
+            artifacts = {kind: read_manifest(work / kind) for kind in ("padded", "packed-mha")}
+        else:
+            _, _, artifacts = build("base", "cuda", work, stdlib_docstrings(2000), ["PackedMultiHeadAttention"])
         padded = artifacts["padded"].graph("fp16")
         engines = {"ort fp16 padded": DeviceBoundSession(work / "padded" / padded.file, "cuda")}
         served = artifacts["packed-mha"].graph("fp16").custom_kernels
