@@ -5,6 +5,7 @@ does the same work in fewer, denser kernels may run at a lower clock than the on
 
   python bench/engine_clocks.py                 # GPU machine, onnxruntime-gpu, kernels built; b = 256, L = 128
   python bench/engine_clocks.py --batch 32 --seconds 2 --rounds 5
+  python bench/engine_clocks.py --work DIR     # keep the exports in DIR; a second run (other settings) reuses them
 """
 from __future__ import annotations
 
