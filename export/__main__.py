@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Turn a BERT model folder (ours or a Hugging Face checkpoint) into the artifact folder "
                     "the server loads: fused ONNX graphs, tokenizer.json, manifest.json.")
     parser.add_argument("--model", required=True, help="model folder: config.json, weights, vocab.txt or tokenizer.json")
-    parser.add_argument("--out", required=True, help="artifact folder to write (replaced only when the export succeeds)")
+    parser.add_argument("--out", required=True, help="artifact folder to write: absent, empty or an earlier artifact, replaced whole when the export succeeds")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: also build the fp16 graph and check it on the GPU (needs onnxruntime-gpu)")
     parser.add_argument("--int8", action="store_true", help="also build a dynamically quantised int8 CPU graph")

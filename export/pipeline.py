@@ -324,8 +324,33 @@ def _check_out_dir(out_dir: Path, model_dir: Path) -> None:
         check_writable(out_dir, "--out", replaced_whole=True)
     except WriteError as e:
         raise ExportError(str(e)) from e
-    if out_dir.exists() and (not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists())):
-        raise ExportError(f"{out_dir} exists and is not an artifact folder; refusing to replace it")
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return  # nothing to replace
+    named = _artifact_entries(out_dir) if out_dir.is_dir() else None
+    if named is None:
+        raise ExportError(f"{out_dir} exists and is not an artifact folder (no {MANIFEST_FILE} that `python -m "
+                          f"export` wrote); refusing to replace it")
+    # An earlier artifact is replaced whole: refuse what export did not put there, which would go with it.
+    foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
+                     if p.is_dir() or not (p.name in named or p.suffix == ".onnx"))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ExportError(f"--out {out_dir} holds what an artifact does not ({shown}); export replaces --out whole, "
+                          f"so it refuses: choose another folder, or move those out")
+
+
+def _artifact_entries(folder: Path) -> set[str] | None:
+    """The names an artifact folder of any format version holds, by its manifest; None when `folder` has
+    no manifest that export wrote (another tool's manifest.json among them)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("format_version"), int) \
+            or "model_name" not in manifest:
+        return None
+    named = manifest.get("files_sha256")
+    return {MANIFEST_FILE, TOKENIZER_FILE, DENSE_FILE, *(named if isinstance(named, dict) else {})}
 
 
 def _move_into_place(src: Path, dst: Path) -> None:

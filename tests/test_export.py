@@ -285,6 +285,15 @@ def test_re_export_replaces_an_artifact_but_not_other_folders(tiny_model_dir, ti
     with pytest.raises(ExportError, match="not an artifact folder"):
         export_artifact(tiny_model_dir, other)
     assert (other / "keep.txt").read_text() == "mine"
+    (other / "manifest.json").write_text('{"name": "a web app", "manifest_version": 3}')  # another tool's
+    with pytest.raises(ExportError, match="not an artifact folder"):
+        export_artifact(tiny_model_dir, other)
+    assert sorted(p.name for p in other.iterdir()) == ["keep.txt", "manifest.json"]
+    (out / "NOTES.md").write_text("mine")  # an artifact with a file of the user's in it
+    (out / "data").mkdir()
+    with pytest.raises(ExportError, match=r"holds what an artifact does not \(NOTES.md, data/\)"):
+        export_artifact(tiny_model_dir, out, parity_shapes=((2, 8),))
+    assert (out / "NOTES.md").read_text() == "mine" and read_manifest(out).graphs.keys() == {"fp32"}
     with pytest.raises(ModelFolderError):
         export_artifact(tmp_path / "absent", tmp_path / "x")
 
