@@ -145,7 +145,8 @@ def test_resume_takes_more_steps_and_new_optimiser_settings_and_says_so(tmp_path
 def test_resume_into_another_out_of_the_same_name_is_refused_from_the_default_run_folder(tmp_path, capsys,
                                                                                         monkeypatch):
     """The default --run-dir is runs/<--out's folder name>: a new --out elsewhere with that name must not
-    continue the other model's run (`make` always passes --resume); with its own --run-dir it may."""
+    continue the other model's run (`make` always passes --resume), nor delete it with --fresh; with its
+    own --run-dir it may train."""
     monkeypatch.chdir(tmp_path)  # runs/ is made in the working folder
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
 
@@ -157,10 +158,11 @@ def test_resume_into_another_out_of_the_same_name_is_refused_from_the_default_ru
 
     assert main(args(tmp_path / "a" / "model")) == 0
     assert list_checkpoints(tmp_path / "runs" / "model")
-    fails_in_one_line(capsys, args(tmp_path / "b" / "model", "--resume"),
-                      f"is of the run that writes {tmp_path / 'a' / 'model'}, not --out {tmp_path / 'b' / 'model'}",
-                      "pass --run-dir")
-    assert not (tmp_path / "b").exists()
+    for flags in (["--resume"], ["--fresh"], []):  # --fresh would delete the other model's run
+        fails_in_one_line(capsys, args(tmp_path / "b" / "model", *flags),
+                          f"is of the run that writes {tmp_path / 'a' / 'model'}, not --out {tmp_path / 'b' / 'model'}",
+                          "pass --run-dir")
+    assert not (tmp_path / "b").exists() and list_checkpoints(tmp_path / "runs" / "model")
     assert main(args(tmp_path / "a" / "model", "--max-steps", "3", "--resume")) == 0  # its own run goes on
 
 

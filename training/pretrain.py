@@ -393,6 +393,15 @@ def _hold(held: contextlib.ExitStack, out: Path, run_dir: Path) -> None:
     held.enter_context(run_dir_held(run_dir))
 
 
+def _recorded_out(checkpoint: Path) -> str | None:
+    """The --out whose run wrote `checkpoint`, as it recorded it; None where that cannot be read (an older or
+    corrupt checkpoint: --fresh deletes it, and --resume says what is wrong with it)."""
+    try:
+        return load_checkpoint(checkpoint).get("out")
+    except CheckpointError:
+        return None
+
+
 def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
     with contextlib.ExitStack() as held:  # --out and --run-dir, from their checks to the end of the run
         return _run(args, dist, held)
@@ -415,6 +424,9 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
     check_writable(run_dir, "--run-dir")
     _rank0_first(dist, lambda: _check_free(out, run_dir) if dist.is_main else None)  # before run_dir's files are read
     existing = list_checkpoints(run_dir)
+    if existing and args.run_dir is None and not args.resume:  # --resume checks it below, from the state it loads
+        # the default run folder may be another --out's of the same name: --fresh would delete its run
+        check_same_out(existing[-1], _recorded_out(existing[-1]), out)
     if existing and not args.resume and not args.fresh:
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
                               f"pass --resume to continue it, --fresh to start over, or another --run-dir")
