@@ -59,6 +59,15 @@ def test_data_preparation_warns_of_a_files_bad_lines_once(tmp_path, caplog):
     assert data.stats["bad_jsonl_lines"] == 2 and data.stats["documents"] == 41
 
 
+def test_a_corpus_refused_for_too_few_documents_names_the_jsonl_lines_it_skipped(tmp_path):
+    """Every line bad: the refusal comes before the pass that warns of them, so it says so itself."""
+    f = tmp_path / "c.jsonl"
+    f.write_text('{not json\n{"body": 1}\n' + json.dumps({"text": "One document."}) + "\n")
+    with pytest.raises(CorpusError, match=r"has 1 document\(s\) \(2 \.jsonl line\(s\) skipped: not JSON objects"):
+        prepare_data(DataConfig(corpus=(str(f),), vocab_size=200, cache_dir=str(tmp_path / "cache")),
+                     show_progress=False)
+
+
 def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):
     f = tmp_path / "c.txt"
     f.write_bytes(b"Good line.\nBad \xff\xfe bytes here.\n\nOther doc \xc3\x28.\n")

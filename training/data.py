@@ -244,15 +244,19 @@ class PreparedData:
 
 # --- building the cache ---------------------------------------------------------------------------
 
-def split_documents(n_documents: int, heldout_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+def split_documents(n_documents: int, heldout_fraction: float,
+                    skipped_lines: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids): held-out documents spread evenly over the corpus, at least two
-    (NSP draws B from another document) unless the fraction is 0."""
+    (NSP draws B from another document) unless the fraction is 0. `skipped_lines`: .jsonl lines that gave
+    no document, which a refusal names (they may be the documents the corpus lacks)."""
     k = 0 if heldout_fraction == 0 else max(2, round(n_documents * heldout_fraction))
+    skipped = (f" ({skipped_lines} .jsonl line(s) skipped: not JSON objects with a string `text` field)"
+               if skipped_lines else "")
     if n_documents < 2:
-        raise CorpusError(f"the corpus has {n_documents} document(s); NSP needs at least two: separate "
+        raise CorpusError(f"the corpus has {n_documents} document(s){skipped}; NSP needs at least two: separate "
                           f"documents with a blank line (.txt) or write one JSON line per document (.jsonl)")
     if n_documents - k < 2:
-        raise CorpusError(f"the corpus has {n_documents} documents, too few to hold out {k} and train on "
+        raise CorpusError(f"the corpus has {n_documents} documents{skipped}, too few to hold out {k} and train on "
                           f"at least 2 (a held-out split takes 2 or more); add documents")
     heldout = np.unique(((np.arange(k) + 0.5) * n_documents / max(k, 1)).astype(np.int64))
     train = np.setdiff1d(np.arange(n_documents, dtype=np.int64), heldout, assume_unique=True)
@@ -314,7 +318,8 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
             # the shards' pass below reads the same files again: it warns of their bad lines, once
             sentences = (s for doc in read_documents(files, counted, warn=False) for s in doc)
             tokenizer = train_wordpiece(sentences, cfg.vocab_size, cfg.lowercase, _MIN_FREQUENCY, show_progress)
-            split_documents(counted.documents, cfg.heldout_fraction)  # fail before tokenising a bad corpus
+            # fail before tokenising a bad corpus
+            split_documents(counted.documents, cfg.heldout_fraction, counted.bad_jsonl_lines)
         save_tokenizer(tokenizer, tmp / "tokenizer")
         timings["tokenizer_s"] = time.perf_counter() - started
 
@@ -322,7 +327,7 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
         stats = CorpusStats()
         meta = write_shards(read_documents(files, stats), tokenizer, tmp / "shards", show_progress=show_progress)
         timings["tokenize_s"] = time.perf_counter() - started
-        split_documents(meta["documents"], cfg.heldout_fraction)
+        split_documents(meta["documents"], cfg.heldout_fraction, stats.bad_jsonl_lines)
 
         summary = {**asdict(stats), "documents": meta["documents"], "sentences": meta["sentences"],
                    "tokens": meta["tokens"], "vocab_size": meta["vocab_size"],
