@@ -337,9 +337,10 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
                 "zero_phase2_batch": "--phase2-batch-size must be at least 1",
                 # the advice that helps the split that is short
                 "small_heldout_split": "held-out split has 4 sequence pairs at length 32, fewer than one batch of 8 "
-                                       "x 1 processes; add text, lower --batch-size or raise --heldout-fraction",
+                                       "x 1 processes; add text, pass --batch-size 4 or less, or raise "
+                                       "--heldout-fraction to 0.4",
                 "small_training_split": "training split has 10 sequence pairs at length 32, fewer than one batch "
-                                        "of 64 x 1 processes; add text, lower --batch-size or lower "
+                                        "of 64 x 1 processes; add text, pass --batch-size 10 or less, or lower "
                                         "--heldout-fraction",
                 "too_many_predictions": "--max-predictions must lie in [1, 29] at --max-seq-len 32, got 1000",
                 "no_heldout": "--heldout-fraction must lie in (0, 0.5]", "nan_heldout": "got nan",
@@ -348,6 +349,19 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
+
+
+def test_the_figures_a_short_split_suggests_each_let_the_run_train(tmp_path, capsys):
+    """Each way out that the refusal of a short held-out split names, with its figure, is enough alone."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=10)
+
+    def args(name: str, *extra: str) -> list[str]:
+        return small_args(corpus, tmp_path / "cache", tmp_path / name, tmp_path / f"run_{name}", "--max-steps", "1",
+                          "--eval-every", "0", *extra)
+
+    fails_in_one_line(capsys, args("refused"), "pass --batch-size 4 or less, or raise --heldout-fraction to 0.4")
+    assert main(args("smaller_batch", "--batch-size", "4")) == 0
+    assert main(args("larger_fraction", "--heldout-fraction", "0.4")) == 0
 
 
 @pytest.mark.parametrize("case", ["a_token_twice", "not_utf8"])

@@ -393,6 +393,24 @@ def _hold(held: contextlib.ExitStack, out: Path, run_dir: Path) -> None:
     held.enter_context(run_dir_held(run_dir))
 
 
+def _short_split_fix(split: str, kept: int, needed: int, world_size: int, heldout_documents: int, documents: int,
+                     batch_flag: str) -> str:
+    """What makes a split of `kept` sequence pairs hold one batch of `needed`, with the figures: the largest
+    batch it holds; for the held-out split, the --heldout-fraction that holds about enough documents at its
+    pairs per document (split_documents holds out round(documents x fraction), 2 at least), where one of
+    0.5 or less would."""
+    fixes = ["add text"]
+    if kept >= world_size:
+        fixes.append(f"pass {batch_flag} {kept // world_size} or less")
+    if split == "training":
+        fixes.append("lower --heldout-fraction")
+    elif kept:
+        wanted = math.ceil(needed * heldout_documents / kept) / documents
+        if wanted <= 0.5:
+            fixes.append(f"raise --heldout-fraction to {min(0.5, math.ceil(wanted * 100) / 100):g}")
+    return fixes[0] if len(fixes) == 1 else ", ".join(fixes[:-1]) + (", or " if len(fixes) > 2 else " or ") + fixes[-1]
+
+
 def _recorded_out(checkpoint: Path) -> str | None:
     """The --out whose run wrote `checkpoint`, as it recorded it; None where that cannot be read (an older or
     corrupt checkpoint: --fresh deletes it, and --resume says what is wrong with it)."""
@@ -498,7 +516,9 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
             kept, needed = data.num_examples(0), batch * dist.world_size
             if kept >= needed:
                 continue
-            fix = f"add text, lower --batch-size or {'lower' if split == 'training' else 'raise'} --heldout-fraction"
+            fix = _short_split_fix(split, kept, needed, dist.world_size, p.heldout.num_documents,
+                                   p.train.num_documents + p.heldout.num_documents,
+                                   "--batch-size" if i == 0 else "--phase2-batch-size")
             drawn = data.pairs_drawn
             if data.balance_nsp and drawn >= needed and kept * 4 < drawn:  # under 1 in 8 IsNext before balancing
                 fix = (f"balancing the next-sentence labels kept {kept} of its {drawn}: few of its "
