@@ -629,6 +629,7 @@ def test_an_artifact_whose_files_match_their_hashes_but_cannot_serve_stops_the_s
     said = [line for line in r.stderr.splitlines() if "cannot serve" in line]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert len(said) == 1 and f"cannot serve {art}: " in said[0] and expected in said[0], r.stderr
+    assert "engine process" not in r.stderr, r.stderr  # no second line saying that the engine ended
 
 
 def test_a_port_already_taken_stops_the_server_in_one_line_before_the_model_loads(tiny_artifact_dir):

@@ -25,6 +25,8 @@ from artifact.manifest import ManifestError
 
 log = logging.getLogger("app.engine_process")
 
+CANNOT_SERVE_EXIT = 2  # the engine said why it cannot serve the model, as `python -m app` exits for it
+
 
 def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozenset[int] | None = None) -> None:
     """Process entry point (multiprocessing, spawn): settings from BERTSERVE_* variables, as the workers',
@@ -47,9 +49,9 @@ def run(socket_path: str, launcher_pid: int, cuda_device_id: int, cores: frozens
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     try:
         device_lost = asyncio.run(_serve(settings, socket_path))
-    except UNSERVABLE as e:  # one line, not a traceback; the launcher then says that this process ended
+    except UNSERVABLE as e:  # one line, not a traceback: the launcher adds none and exits with the same status
         print(cannot_serve(settings.model_dir, e), file=sys.stderr, flush=True)
-        sys.exit(2)
+        sys.exit(CANNOT_SERVE_EXIT)
     finally:
         remove_if_orphaned(launcher_pid, os.path.dirname(socket_path))
     if device_lost:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from app.metrics import MULTIPROC_DIR_VAR
 from app.multiprocess.cpu_cores import describe, split_cores
+from app.multiprocess.engine_process import CANNOT_SERVE_EXIT
 from app.multiprocess.engine_process import run as run_engine
 from app.multiprocess.held_signals import LAUNCHER_STOP_SIGNAL, start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
@@ -53,8 +54,9 @@ def serve_with_workers(settings: Settings, flags: dict[str, str], device: str) -
         ready = False
         try:
             if not all(_wait_for_socket(engine, path, stopping) for engine, path in zip(engines, sockets)):
-                # 2: an engine said why it cannot serve the model (as `python -m app`'s own checks exit)
-                return 0 if stopping.is_set() else 2 if any(e.exitcode == 2 for e in engines) else 1
+                # an engine that said why it cannot serve the model: its status (as `python -m app`'s own checks)
+                return (0 if stopping.is_set() else CANNOT_SERVE_EXIT
+                        if any(e.exitcode == CANNOT_SERVE_EXIT for e in engines) else 1)
             ready = True
             for engine in engines:
                 threading.Thread(target=_stop_if_engine_dies, args=(engine, stopping), daemon=True).start()
@@ -133,7 +135,7 @@ def _wait_for_socket(engine: multiprocessing.Process, socket_path: str, stopping
             return False
     if engine.is_alive():
         log.error("the engine process %s was not ready after %d s", engine.name, _ENGINE_START_S)
-    else:
+    elif engine.exitcode != CANNOT_SERVE_EXIT:  # that one said why in its `cannot serve` line
         log.error("the engine process %s exited (code %s) before it was ready; see its error above", engine.name,
                   engine.exitcode)
     return False
