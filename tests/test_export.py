@@ -456,3 +456,23 @@ def test_a_killed_exports_temporary_folder_is_removed_by_the_next_a_live_ones_ke
     assert main(["--model", str(tiny_model_dir), "--out", str(out)]) == 0
     assert not killed.exists() and live.exists()
     assert {p.name for p in tmp_path.iterdir()} == {"art", live.name}
+
+
+def test_a_vocabulary_no_larger_than_the_positions_exports_without_onnx_runtimes_notice(tiny_tokenizer_dir, tmp_path,
+                                                                                       caplog):
+    """Models trained here on a small corpus often have 512 words or fewer: ORT's fusion warns of that (its
+    guess at which embedding table is which), though it fuses them right and the gate passes them."""
+    import logging
+
+    from training.model import BertForPreTraining, preset_config
+    from training.model_folder import save_model_folder
+
+    size = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    assert size <= 512
+    torch.manual_seed(0)
+    model = BertForPreTraining(preset_config("tiny", vocab_size=size, max_position_embeddings=512))
+    folder = save_model_folder(model, tiny_tokenizer_dir, tmp_path / "small_vocabulary")
+    with caplog.at_level(logging.WARNING):
+        m = export_artifact(folder, tmp_path / "art", parity_shapes=((2, 8),))
+    assert m.graph("fp32").fused_operators["EmbedLayerNormalization"] == 1
+    assert "word_embedding_table" not in caplog.text, caplog.text
