@@ -125,6 +125,9 @@ def test_hf_pretraining_checkpoint_with_vocab_txt_only(hf, tmp_path, tiny_tokeni
     assert m.graph("fp32").fused_operators["Attention"] == 2
     tokenizer = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))  # made from vocab.txt
     assert tokenizer.encode("a", "b").type_ids[-1] == 1
+    reference = hf.BertTokenizer(str(src / "vocab.txt"))  # transformers' own reading of the vocab.txt
+    for text in ("fill in the [MASK] here", "question [SEP] answer", "[CLS][PAD] [UNK] plain"):
+        assert tokenizer.encode(text).ids == reference(text)["input_ids"], text
     # Independent check: the artifact against transformers itself, not only against our port of it.
     feed = padded_feed(tokenizer)
     with torch.no_grad():

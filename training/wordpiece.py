@@ -69,6 +69,10 @@ def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each
         raise ValueError(f"vocab file {vocab_file} is not UTF-8 text (line {line}); convert it to UTF-8") from e
     model = models.WordPiece.from_file(str(vocab_file), unk_token=UNK, max_input_chars_per_word=100)
     tok = _pipeline(model, lowercase)
+    # "[SEP]" typed in a text is the special token, as transformers reads a vocab.txt (and as a tokenizer
+    # trained here has it), not "[", "sep", "]": registered as special tokens, at their own ids
+    vocab = tok.get_vocab()
+    tok.add_special_tokens([t for t in SPECIAL_TOKENS if t in vocab])
     if each_once:
         used = set(tok.get_vocab().values())
         if (unused := next((i for i in range(len(lines)) if i not in used), None)) is not None:
