@@ -191,6 +191,22 @@ def test_resume_of_an_init_from_run_and_a_different_source_is_refused(root, corp
                       f"--init-from {pretraining_dir.resolve()} (now not given)")
 
 
+def test_a_sentence_transformers_source_is_recorded_as_given_and_its_transformer_alone_is_another(
+        root, corpus, sentence_transformers_dir, tmp_path, capsys):
+    """The run records the folder given, not the 0_Transformer/ its weights are in: resuming from that
+    subfolder alone (no Pooling: another model) is refused, and the refusal names the folder given."""
+    run_dir = tmp_path / "run"
+    args = init_args(corpus, root / "cache", sentence_transformers_dir, tmp_path / "model", run_dir,
+                     "--checkpoint-every", "2", "--max-steps", "2")
+    assert main(args) == 0
+    given = str(sentence_transformers_dir.resolve())
+    assert json.loads((tmp_path / "model" / "training_summary.json").read_text())["init_from"] == given
+    capsys.readouterr()
+    transformer = sentence_transformers_dir / "0_Transformer"
+    alone = init_args(corpus, root / "cache", transformer, tmp_path / "model", run_dir, "--max-steps", "4", "--resume")
+    fails_in_one_line(capsys, alone, "another configuration", f"--init-from {given} (now {transformer.resolve()})")
+
+
 @pytest.mark.parametrize("flags, expected", [
     (["--preset", "mini"], "--preset mini (4 layers, hidden 256, 4 heads) is not the shape"),
     (["--vocab-size", "400"], "--vocab-size does not go with --init-from"),

@@ -206,6 +206,7 @@ class ModelSource:
     preset: str | None = None
     init_from: LoadedModel | None = None
     trained_length: int = 0  # the longest sequence the --init-from folder was trained at
+    given: str | None = None  # --init-from as given, absolute: a sentence-transformers folder, not its Transformer's
 
     @property
     def name(self) -> str:
@@ -231,8 +232,9 @@ class ModelSource:
         return DEFAULT_DROPOUT if self.init_from is None else self.init_from.config.hidden_dropout_prob
 
     def record(self) -> dict[str, Any]:
-        """What checkpoints keep of it, so that a resume from another source is refused."""
-        return {"init_from": self.folder}
+        """What checkpoints keep of it, so that a resume from another source is refused: the folder given,
+        whose Pooling, Dense and Normalize modules the model folder keeps, not the one its weights are in."""
+        return {"init_from": self.given}
 
     def model_config(self, vocab_size: int, dropout: float | None) -> BertConfig:
         if self.init_from is None:
@@ -272,7 +274,8 @@ def model_source(args: argparse.Namespace) -> ModelSource:
         raise ValueError(f"--preset {args.preset} ({layers} layers, hidden {hidden}, {heads} heads) is not the shape "
                          f"of --init-from {args.init_from} ({shape[0]} layers, hidden {shape[1]}, {shape[2]} heads, "
                          f"FFN {c.intermediate_size}); leave --preset out")
-    return ModelSource(init_from=loaded, trained_length=trained_max_length(args.init_from))
+    return ModelSource(init_from=loaded, trained_length=trained_max_length(args.init_from),
+                       given=absolute_path(args.init_from))
 
 
 def check_lengths(args: argparse.Namespace, source: ModelSource) -> None:
@@ -550,7 +553,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
                      model_config.max_position_embeddings)
     summary = {
         "preset": source.preset,
-        "init_from": source.folder,
+        "init_from": source.given,
         "max_length": max_length,
         "model_config": model_config.to_hf_dict(),
         "train_config": asdict(cfg),
@@ -581,7 +584,7 @@ def resume_flags(args: argparse.Namespace, source: ModelSource, cfg: TrainConfig
     given = {flag: getattr(args, flag[2:].replace("-", "_"))
              for flag in (*RESUME_FIXED, *RESUME_FIXED_IN_PHASE2, *RESUME_TAKEN)}
     return {**given, "--vocab-file": absolute_path(args.vocab_file), "--preset": source.preset,
-            "--init-from": source.folder, "--dropout": source.dropout(args.dropout),
+            "--init-from": source.given, "--dropout": source.dropout(args.dropout),
             "--phase2-batch-size": phase2_batch_size(args), "--lr": cfg.lr}
 
 
