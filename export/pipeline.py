@@ -6,6 +6,7 @@ leaves nothing behind and a reader never sees a half-written artifact.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -30,7 +31,7 @@ from export.optimize import PACKED_ATTENTION_OPS, optimize_graph, quantize_int8
 from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
                            text_batches)
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
-from training.model_folder import TORCH_WEIGHTS_FILE, WEIGHTS_FILE, LoadedModel, load_model_folder
+from training.model_folder import LoadedModel, load_model_folder, weights_files
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
 from training.writes import (WriteError, check_writable, remove_stale_siblings, remove_unfinished,
                              temporary_sibling)
@@ -155,7 +156,7 @@ def export_artifact(
             default_prompt_name=layout.default_prompt_name,
             classifier_labels=list(loaded.classifier_labels),
             graphs=graphs,
-            weights_sha256=sha256_file(_weights_file(layout.encoder_dir)),
+            weights_sha256=_weights_sha256(layout.encoder_dir),
             files_sha256={name: sha256_file(tmp / name)
                           for name in [TOKENIZER_FILE, *dense_files, *(f for g in graphs.values() for f in g.files())]},
             versions=versions(),
@@ -402,9 +403,13 @@ def is_lowercase(tokenizer: Tokenizer) -> bool:
     return lowers(json.loads(tokenizer.to_str()).get("normalizer"))
 
 
-def _weights_file(model_dir: Path) -> Path:
-    st = model_dir / WEIGHTS_FILE
-    return st if st.is_file() else model_dir / TORCH_WEIGHTS_FILE  # the file load_model_folder read
+def _weights_sha256(model_dir: Path) -> str:
+    """The sha256 of the weights file load_model_folder read; of a sharded model's, the sha256 of the
+    shards' own, in their order."""
+    files = weights_files(model_dir)
+    if len(files) == 1:
+        return sha256_file(files[0])
+    return hashlib.sha256("".join(sha256_file(f) for f in files).encode()).hexdigest()
 
 
 def versions() -> dict[str, str]:

@@ -138,6 +138,28 @@ def test_hf_pretraining_checkpoint_with_vocab_txt_only(hf, tmp_path, tiny_tokeni
     assert np.abs(got[NSP_LOGITS] - out.seq_relationship_logits.numpy()).max() <= 1e-4
 
 
+def test_a_sharded_checkpoint_exports_as_the_same_checkpoint_in_one_file(hf, tmp_path, tiny_tokenizer_dir):
+    """transformers shards a model past its max_shard_size (model.safetensors.index.json and its shards):
+    read whole, the same graph as from one file; a missing shard is one line naming it."""
+    torch.manual_seed(3)
+    model = hf.BertModel(hf_config(hf, tiny_tokenizer_dir)).eval()
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    model.save_pretrained(whole)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file() and not (sharded / "model.safetensors").exists()
+    for folder in (whole, sharded):
+        shutil.copy(tiny_tokenizer_dir / "vocab.txt", folder / "vocab.txt")
+    export_artifact(whole, tmp_path / "art_whole", parity_shapes=((2, 16),))
+    export_artifact(sharded, tmp_path / "art_sharded", parity_shapes=((2, 16),))
+    feed = padded_feed(Tokenizer.from_file(str(tmp_path / "art_whole" / "tokenizer.json")))
+    got, want = run_graph(tmp_path / "art_sharded", "fp32", feed), run_graph(tmp_path / "art_whole", "fp32", feed)
+    assert np.array_equal(got[TOKEN_EMBEDDINGS], want[TOKEN_EMBEDDINGS])
+    shard = sorted(sharded.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(ModelFolderError, match=f"lacks {shard.name}, a shard that model.safetensors.index.json names"):
+        export_artifact(sharded, tmp_path / "art_missing")
+
+
 def test_bare_hf_bert_model_has_no_nsp_output(hf, tmp_path, tiny_tokenizer_dir):
     torch.manual_seed(2)
     src = tmp_path / "bare"

@@ -205,19 +205,44 @@ def _bert_config(folder: Path, raw: dict) -> BertConfig:
         raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: {e}{_defaults_taken(raw)}") from e
 
 
+def weights_files(folder: Path) -> list[Path]:
+    """The files `folder`'s weights are in: model.safetensors, else pytorch_model.bin, else the shards that
+    model.safetensors.index.json (or pytorch_model.bin.index.json) names, as transformers saves a model
+    past its max_shard_size; ModelFolderError in one line when there are none."""
+    folder = Path(folder)
+    for single in (WEIGHTS_FILE, TORCH_WEIGHTS_FILE):
+        if (folder / single).is_file():
+            return [folder / single]
+    for single in (WEIGHTS_FILE, TORCH_WEIGHTS_FILE):
+        index = folder / f"{single}.index.json"
+        if not index.is_file():
+            continue
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelFolderError(f"{index} could not be read as a shard index ({e}); re-create or re-download "
+                                   f"it") from e
+        if missing := [name for name in shards if not (folder / name).is_file()]:
+            raise ModelFolderError(f"{folder} lacks {missing[0]}, a shard that {index.name} names"
+                                   + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+        return [folder / name for name in shards]
+    raise ModelFolderError(f"{folder}: no {WEIGHTS_FILE} or {TORCH_WEIGHTS_FILE} found (nor a sharded "
+                           f"{WEIGHTS_FILE}.index.json)")
+
+
 def read_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `folder`'s model.safetensors, else its pytorch_model.bin; ModelFolderError in one line."""
-    st, pt = folder / WEIGHTS_FILE, folder / TORCH_WEIGHTS_FILE
-    try:
-        if st.is_file():
-            return load_file(str(st))
-        if pt.is_file():
-            return torch.load(str(pt), map_location="cpu", weights_only=True)
-    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as e:
-        path = st if st.is_file() else pt
-        raise ModelFolderError(f"{path} could not be read ({type(e).__name__}: {e}); the weights are "
-                               f"corrupt or truncated, re-create or re-download them") from e
-    raise ModelFolderError(f"{folder}: no {WEIGHTS_FILE} or {TORCH_WEIGHTS_FILE} found")
+    """The tensors of `folder`'s weights (weights_files); ModelFolderError in one line."""
+    state: dict[str, torch.Tensor] = {}
+    for path in weights_files(folder):
+        try:
+            if path.name.endswith(".safetensors"):
+                state.update(load_file(str(path)))
+            else:
+                state.update(torch.load(str(path), map_location="cpu", weights_only=True))
+        except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as e:
+            raise ModelFolderError(f"{path} could not be read ({type(e).__name__}: {e}); the weights are "
+                                   f"corrupt or truncated, re-create or re-download them") from e
+    return state
 
 
 def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
