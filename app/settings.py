@@ -115,7 +115,8 @@ class Settings(BaseSettings):
                                        "else 429 at once with Retry-After from the backlog; so clients are answered "
                                        "within about this plus their own inference time. Empty: no limit")
     max_concurrent_requests: int = Field(512, ge=1, description="requests being served at once; beyond: 429")
-    max_inputs_per_request: int = Field(512, ge=1, description="most texts or pairs in one request; beyond: 413")
+    max_inputs_per_request: int = Field(2048, ge=1, description="most texts or pairs in one request (OpenAI's "
+                                        "limit: LangChain's OpenAIEmbeddings sends 1,000); beyond: 413")
     max_input_chars: int = Field(2_000_000, ge=1, description="longest text accepted, even with truncation")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body; beyond: 413")
     max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line + "

@@ -506,8 +506,8 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
                     await c.post("/", json={"inputs": {"sentences": ["x"]}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "", "sentences": ["x"]}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", " "]}}),
-                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 512}}),
-                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 511}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 2048}}),
+                    await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y"] * 2047}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": ["y", long_text]},
                                                       "parameters": {"truncate": False}}))
     (direct, root, null_parameters, not_cut, prompt, empty, no_source, empty_source, blank, too_many, most,
@@ -524,8 +524,8 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
     assert_error(no_source, 422, "invalid_request", "source_sentence")
     assert_error(empty_source, 422, "invalid_request", "inputs.source_sentence is an empty string")
     assert_error(blank, 422, "invalid_request", "inputs.sentences[1] contains only whitespace")
-    assert_error(too_many, 413, "too_many_inputs", "inputs.sentences has 512 sentences", "at most 511")
-    assert most.status_code == 200 and len(most.json()) == 511
+    assert_error(too_many, 413, "too_many_inputs", "inputs.sentences has 2048 sentences", "at most 2047")
+    assert most.status_code == 200 and len(most.json()) == 2047
     assert all(-1 <= c <= 1 for c in direct.json() + most.json())  # unit vectors' cosines, rounding clipped
 
 
@@ -590,7 +590,7 @@ LONG = "word " * 1000  # about 1000 tokens: over the tiny model's 128
     ("/embed", {"inputs": "x", "unknown": 1}, 422, "invalid_request", ["unknown"]),
     ("/embed", {"text": "x"}, 422, "invalid_request", ["inputs"]),
     ("/embed", ["x"], 422, "invalid_request", []),
-    ("/embed", {"inputs": ["x"] * 10_000}, 413, "too_many_inputs", ["10000", "512"]),
+    ("/embed", {"inputs": ["x"] * 10_000}, 413, "too_many_inputs", ["10000", "2048"]),
     ("/embed", {"inputs": ["ok", LONG], "truncate": False}, 413, "input_too_long", ["inputs[1]", "128"]),
     ("/embed", {"inputs": "a" * 2_000_001}, 413, "input_too_long", ["inputs[0]", "characters"]),
     ("/nsp", {"pairs": [["a", "b"], "c"]}, 422, "invalid_request", ["pairs[1]"]),

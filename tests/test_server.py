@@ -477,6 +477,9 @@ def test_openai_client(server):
     np.testing.assert_allclose(bare.embeddings.create(model="tiny", input="hello world").data[0].embedding,
                                r.data[0].embedding, atol=1e-6)
     assert r.usage.prompt_tokens > 0
+    # LangChain's OpenAIEmbeddings sends 1,000 texts a request by default (OpenAI takes up to 2,048)
+    chunk = client.embeddings.create(model="tiny", input=[f"text number {i}" for i in range(1000)])
+    assert [d.index for d in chunk.data] == list(range(1000))
     info = httpx.get(f"{server}/info").json()
     for c in (client, bare):  # where OpenAI-compatible tools look for the model's name
         listed = c.models.list().data
