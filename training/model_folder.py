@@ -222,6 +222,9 @@ def weights_files(folder: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise ModelFolderError(f"{index} could not be read as a shard index ({e}); re-create or re-download "
                                    f"it") from e
+        if outside := [name for name in shards if Path(name).name != name or name in ("", ".", "..")]:
+            raise ModelFolderError(f"{index} names a shard outside the folder ({outside[0]!r}); re-create or "
+                                   f"re-download it")
         if missing := [name for name in shards if not (folder / name).is_file()]:
             raise ModelFolderError(f"{folder} lacks {missing[0]}, a shard that {index.name} names"
                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
