@@ -112,10 +112,7 @@ def fuse_attention_bias(model: onnx.ModelProto) -> int:
         return 0
     model.graph.initializer.extend(new_initializers)
     _rewrite(model, replaced, set())
-    unread = split_biases - {name for node in model.graph.node for name in node.input} - g.outputs
-    kept = [_copy(t) for t in model.graph.initializer if t.name not in unread]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
+    _drop_unread_initializers(model, split_biases, g.outputs)
     return len(replaced)
 
 
@@ -174,6 +171,7 @@ def fuse_qkv_products(model: onnx.ModelProto) -> int:
     replaced: dict[int, onnx.NodeProto] = {}
     dropped: set[int] = set()
     gone: set[str] = set()  # the three products' outputs
+    merged: set[str] = set()  # their weights and biases
     new_initializers: list[onnx.TensorProto] = []
     for i, attention in enumerate(g.nodes):
         if attention.op_type != PACKED_ATTENTION or attention.domain != DOMAIN:
@@ -201,6 +199,7 @@ def fuse_qkv_products(model: onnx.ModelProto) -> int:
                                            name=f"{attention.name or name}_qkv_product", domain=DOMAIN)
         dropped.update(j for j in products if j != first)
         gone.update(n.output[0] for n in nodes)
+        merged.update(name for n in nodes for name in n.input[1:3])
         attrs = {a.name: helper.get_attribute_value(a) for a in attention.attribute}
         replaced[i] = helper.make_node(PACKED_QKV_ATTENTION, [f"{name}_qkv", *attention.input[3:5]], [name],
                                        name=f"{attention.name or name}_qkv", domain=DOMAIN, **attrs)
@@ -209,10 +208,7 @@ def fuse_qkv_products(model: onnx.ModelProto) -> int:
     model.graph.initializer.extend(new_initializers)
     _rewrite(model, replaced, dropped)
     _drop_value_info(model, gone)
-    read = {name for node in model.graph.node for name in node.input} | g.outputs
-    kept = [_copy(t) for t in model.graph.initializer if t.name in read]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
+    _drop_unread_initializers(model, merged, g.outputs)
     return sum(1 for node in replaced.values() if node.op_type == PACKED_QKV_ATTENTION)
 
 
@@ -224,8 +220,8 @@ def remove_padding_on_our_kernel(model: onnx.ModelProto) -> int:
         if node.op_type == REMOVE_PADDING and node.domain == "com.microsoft":
             node.domain = DOMAIN
             replaced += 1
-    if replaced and DOMAIN not in {o.domain for o in model.opset_import}:
-        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    if replaced:
+        _import_domain(model)
     return replaced
 
 
@@ -298,8 +294,21 @@ def _rewrite(model: onnx.ModelProto, replaced: dict[int, onnx.NodeProto], droppe
     kept = [_copy(replaced.get(i, node)) for i, node in enumerate(graph.node) if i not in dropped]
     del graph.node[:]
     graph.node.extend(kept)
+    _import_domain(model)
+
+
+def _import_domain(model: onnx.ModelProto) -> None:
+    """Our operators' domain among the model's opset imports."""
     if DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+
+
+def _drop_unread_initializers(model: onnx.ModelProto, names: set[str], graph_outputs: set[str]) -> None:
+    """Leaves out the initializers among `names` that no node reads any more and no graph output is."""
+    unread = names - {name for node in model.graph.node for name in node.input} - graph_outputs
+    kept = [_copy(t) for t in model.graph.initializer if t.name not in unread]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
 
 
 def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
