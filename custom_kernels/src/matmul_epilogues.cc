@@ -445,13 +445,10 @@ OpDef make_op(const char* name, bool gelu, ONNXTensorElementDataType type, const
   op.type = type;
   op.provider = provider;
   op.GetName = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->name; };
-  op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->provider; };
+  op_common::set_kernel_fields<OpDef, Kernel>(op, create_kernel, compute);
   op.GetInputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
   op.GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 3; };
   op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
   return op;
 }
 

@@ -1,6 +1,6 @@
-// op_common.h: what every operator of this library does alike (matmul_epilogues.cc, packed_attention.cc):
-// reading an input's element type and shape, naming a shape in a message, and the OrtCustomOp fields
-// they set the same way.
+// op_common.h: what every operator of this library does alike (matmul_epilogues.cc, packed_attention.cc,
+// remove_padding.cc): reading an input's element type and shape, naming a shape in a message, and the
+// OrtCustomOp fields they set the same way.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -92,6 +92,17 @@ inline void set_common_fields(OrtCustomOp& op) {
   op.GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 1; };
   op.GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
   op.GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 1; };
+}
+
+// The fields that every operator sets alike from its own types: Def, its definition (an OrtCustomOp with
+// a `provider`), and Kernel, what `create` makes for each node and `compute` runs.
+template <typename Def, typename Kernel>
+void set_kernel_fields(Def& op, decltype(OrtCustomOp::CreateKernelV2) create,
+                       decltype(OrtCustomOp::KernelComputeV2) compute) {
+  op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const Def*>(o)->provider; };
+  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute;
 }
 
 }  // namespace op_common

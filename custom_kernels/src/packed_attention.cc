@@ -204,16 +204,13 @@ OpDef make_op(const char* name, bool packed_qkv, ONNXTensorElementDataType type,
   op.type = type;
   op.provider = provider;
   op.GetName = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->name; };
-  op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->provider; };
+  op_common::set_kernel_fields<OpDef, Kernel>(op, create_kernel, compute);
   op.GetInputType = [](const OrtCustomOp* o, size_t i) {
     const auto* def = static_cast<const OpDef*>(o);
     return i < def->tensors() ? def->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   };
   op.GetInputTypeCount = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->tensors() + 2; };
   op.GetOutputType = [](const OrtCustomOp* o, size_t) { return static_cast<const OpDef*>(o)->type; };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
   return op;
 }
 

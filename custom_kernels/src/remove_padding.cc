@@ -170,7 +170,7 @@ OpDef make_op(ONNXTensorElementDataType type, const char* provider) {
   op.type = type;
   op.provider = provider;
   op.GetName = [](const OrtCustomOp*) { return kName; };
-  op.GetExecutionProviderType = [](const OrtCustomOp* o) { return static_cast<const OpDef*>(o)->provider; };
+  op_common::set_kernel_fields<OpDef, Kernel>(op, create_kernel, compute);
   op.GetInputType = [](const OrtCustomOp* o, size_t i) {
     return i == 0 ? static_cast<const OpDef*>(o)->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   };
@@ -179,9 +179,6 @@ OpDef make_op(ONNXTensorElementDataType type, const char* provider) {
     return i == 0 ? static_cast<const OpDef*>(o)->type : ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
   };
   op.GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 4; };
-  op.KernelDestroy = [](void* kernel) { delete static_cast<Kernel*>(kernel); };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
   return op;
 }
 
