@@ -33,7 +33,7 @@ from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import LoadedModel, load_model_folder, weights_files
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
-from training.writes import (WriteError, check_writable, remove_stale_siblings, remove_unfinished,
+from training.writes import (WriteError, check_writable, first_few, remove_stale_siblings, remove_unfinished,
                              temporary_sibling)
 
 DEVICES = ("cpu", "cuda")
@@ -335,9 +335,8 @@ def _check_out_dir(out_dir: Path, model_dir: Path) -> None:
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out_dir.iterdir()
                      if p.is_dir() or not (p.name in named or p.suffix == ".onnx"))
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ExportError(f"--out {out_dir} holds what an artifact does not ({shown}); export replaces --out whole, "
-                          f"so it refuses: choose another folder, or move those out")
+        raise ExportError(f"--out {out_dir} holds what an artifact does not ({first_few(foreign)}); export replaces "
+                          f"--out whole, so it refuses: choose another folder, or move those out")
 
 
 def _artifact_entries(folder: Path) -> set[str] | None:

@@ -12,6 +12,7 @@ from training.checkpoint import CheckpointError
 from training.corpus import CorpusError, resolve_corpus_files
 from training.data import DataConfig
 from training.wordpiece import fingerprint
+from training.writes import first_few
 
 # What --resume does with a flag given another value than the checkpoint's run had (--corpus: check_corpus).
 # Refused: the flags that the checkpoint's weights, optimiser state and data position were made under, which
@@ -117,7 +118,7 @@ def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
         how = f"{_files_in_words(now)} now against its {_files_in_words(had)}"
         for what, files in (("new", new), ("not given", gone)):
             if files:
-                how += f"; {what}: {files[0]}" + (f" and {len(files) - 1} more" if len(files) > 1 else "")
+                how += f"; {what}: {first_few(files, 1)}"
     raise CheckpointError(f"checkpoint {path} was made with another --corpus: {how}; pass the corpus it was made "
                           f"with, or --fresh or another --run-dir to start over")
 

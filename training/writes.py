@@ -176,11 +176,16 @@ def check_model_out(out: Path, init_from: Path | None, model_entries: Collection
         return
     foreign = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir() if p.name not in model_entries)
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        shown = first_few(foreign)
         kind = ("is not a model folder" if not (out / CONFIG_FILE).is_file()
                 else "holds what a model folder does not")
         raise WriteError(f"--out {out} {kind} ({shown}); writing the model replaces --out whole, so it refuses: "
                          f"choose another folder, or move those out")
+
+
+def first_few(names: list[str], shown: int = 3) -> str:
+    """The first `shown` of `names` for a one-line message: "a, b, c and 4 more"."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def write_failed(path: Path, error: BaseException) -> WriteError:
