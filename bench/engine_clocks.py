@@ -6,11 +6,14 @@ does the same work in fewer, denser kernels may run at a lower clock than the on
   python bench/engine_clocks.py                 # GPU machine, onnxruntime-gpu, kernels built; b = 256, L = 128
   python bench/engine_clocks.py --batch 32 --seconds 2 --rounds 5
   python bench/engine_clocks.py --work DIR     # keep the exports in DIR; a second run (other settings) reuses them
+  python bench/engine_clocks.py --served-env BERTSERVE_KERNELS_AUTOTUNE=0   # also the served graph under that setting
+  python bench/engine_clocks.py --variant three-products   # also one of engine_throughput's kernels_variants
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
@@ -25,7 +29,8 @@ import numpy as np  # noqa: E402
 
 from artifact.manifest import read_manifest  # noqa: E402
 from artifact.session import kernels_library, require_cuda  # noqa: E402
-from bench.engine_throughput import DeviceBoundSession, build, fixed_batch, stdlib_docstrings  # noqa: E402
+from bench.engine_throughput import (DeviceBoundSession, build, fixed_batch, kernels_variants,  # noqa: E402
+                                    stdlib_docstrings)
 
 FIELDS = ("clocks.sm", "power.draw", "clocks_event_reasons.active")
 
@@ -62,6 +67,14 @@ class Sampler:
         self._smi.wait()
 
 
+def min_token_cosine(a, b) -> float:
+    """The least cosine between two engines' first outputs (token vectors) after their last runs."""
+    x, y = (io.copy_outputs_to_cpu()[0].astype(np.float64) for io, _ in (a, b))
+    x, y = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])
+    cos = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
+    return float(cos.min())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
@@ -70,6 +83,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path)
     p.add_argument("--work", type=Path, help="keep the exports here, and reuse them when a run left them")
+    p.add_argument("--served-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="also time the served graph in a session made with this variable set (its kernels "
+                        "read their settings when the session is made); repeatable, one engine each")
+    p.add_argument("--variant", action="append", default=[],
+                   help="also time this A/B variant of the served graph (bench/engine_throughput.py's "
+                        "kernels_variants); repeatable")
     args = p.parse_args(argv)
     require_cuda()
     library = kernels_library("auto", "cuda")
@@ -83,13 +102,24 @@ def main(argv=None) -> int:
         engines = {"ort fp16 padded": DeviceBoundSession(work / "padded" / padded.file, "cuda")}
         served = artifacts["packed-mha"].graph("fp16").custom_kernels
         if served and library:
-            engines["served: packed-mha+kernels"] = DeviceBoundSession(work / "packed-mha" / served.file, "cuda",
-                                                                       kernels_library=library)
+            path = work / "packed-mha" / served.file
+            engines["served: packed-mha+kernels"] = DeviceBoundSession(path, "cuda", kernels_library=library)
+            for setting in args.served_env:
+                name, _, value = setting.partition("=")
+                with mock.patch.dict(os.environ, {name: value}):
+                    engines[f"served, {setting}"] = DeviceBoundSession(path, "cuda", kernels_library=library)
+            variants = kernels_variants(path) if args.variant else {}
+            for variant in args.variant:
+                if variant not in variants:
+                    p.error(f"--variant {variant}: the served graph has {', '.join(variants) or 'no variants'}")
+                engines[f"served, {variant}"] = DeviceBoundSession(variants[variant], "cuda", kernels_library=library)
         feed = fixed_batch(args.batch, args.seq, np.random.default_rng(0))
         prepared = {name: engine.prepare(feed) for name, engine in engines.items()}
         for name, engine in engines.items():  # warm-up: the operator's tuning, ORT's arena
             for _ in range(5):
                 engine.run(prepared[name])
+        agreement = {name: min_token_cosine(prepared[name], prepared["served: packed-mha+kernels"])
+                     for name in engines if name.startswith("served, ")}
         sampler = Sampler()
         turns = []
         for round_ in range(args.rounds):
@@ -114,8 +144,11 @@ def main(argv=None) -> int:
             print(f"{name}: median {statistics.median(t['ms_per_batch'] for t in mine):.3f} ms a batch at "
                   f"{statistics.median(t['sm_mhz'] for t in mine):.0f} MHz, "
                   f"{statistics.median(t['power_w'] for t in mine):.0f} W")
+    for name, cosine in agreement.items():
+        print(f"{name}: token vectors' least cosine with the served graph's {cosine:.6f}")
     if args.json:
-        args.json.write_text(json.dumps({"batch": args.batch, "seq": args.seq, "turns": turns}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"batch": args.batch, "seq": args.seq, "turns": turns,
+                                         "agreement": agreement}, indent=1) + "\n")
     return 0
 
 
