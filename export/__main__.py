@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             e = write_failed(Path(e.filename or args.out), e)
         message = " ".join(str(e).split())  # one line, however the cause formats itself
         print(f"export failed: {message if len(message) <= 600 else message[:597] + '...'}", file=sys.stderr)
-        return 1
+        return 2
     except KeyboardInterrupt:
         forget_caught_interrupt()
         print(f"export interrupted; nothing was written to {args.out}", file=sys.stderr)

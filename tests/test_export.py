@@ -234,7 +234,7 @@ def test_broken_model_folders_fail_cleanly(tiny_model_dir, tmp_path, capsys):
     for what, (folder, message) in broken_copies(tiny_model_dir, tmp_path / "models").items():
         out = tmp_path / "out" / folder.name
         out.parent.mkdir(exist_ok=True)
-        assert main(["--model", str(folder), "--out", str(out)]) == 1, what
+        assert main(["--model", str(folder), "--out", str(out)]) == 2, what
         err = capsys.readouterr().err
         assert err.startswith("export failed:") and err.count("\n") == 1, (what, err)
         assert message in err, (what, err)
@@ -401,7 +401,7 @@ def test_benchmark_smoke_on_cpu(tmp_path):
 
 def test_cuda_graphs_need_the_gpu_export(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "art"
-    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--cuda-graphs"]) == 1
+    assert main(["--model", str(tiny_model_dir), "--out", str(out), "--cuda-graphs"]) == 2
     assert "--cuda-graphs needs --device cuda" in capsys.readouterr().err and not out.exists()
 
 
@@ -418,7 +418,7 @@ def test_the_attention_kernel_choice_reaches_the_export(tiny_model_dir, tmp_path
         raise ExportError("stopped here")
 
     monkeypatch.setattr(cli, "export_artifact", fake_export)
-    assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "art"), *flag]) == 1
+    assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "art"), *flag]) == 2
     assert seen["attention_kernel"] is want
 
 
@@ -439,7 +439,7 @@ def test_a_hugging_face_cache_snapshot_is_named_by_its_repository(tmp_path):
 def test_an_out_whose_parent_takes_no_files_is_one_line(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
     for out, words in ((tmp_path / "a_file" / "art", "not a directory"), (Path("/proc/bertserve-art"), "/proc")):
-        assert main(["--model", str(tiny_model_dir), "--out", str(out)]) == 1
+        assert main(["--model", str(tiny_model_dir), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("export failed: --out") and err.count("\n") == 1 and words in err, err
 

@@ -97,7 +97,7 @@ def test_the_trained_length_is_the_served_length(trained_at_64):
 
 def test_max_length_flag(trained_at_64, tmp_path, capsys):
     folder, _ = trained_at_64
-    assert main(["--model", str(folder), "--out", str(tmp_path / "over"), "--max-length", "129"]) == 1
+    assert main(["--model", str(folder), "--out", str(tmp_path / "over"), "--max-length", "129"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("export failed:") and err.count("\n") == 1 and "128 position" in err, err
     assert no_leftovers(tmp_path / "over")
@@ -421,7 +421,7 @@ def test_what_the_server_cannot_reproduce_fails_the_export(hf_bert, tiny_tokeniz
             add_dense(folder, in_features, 8, activation)
         out = tmp_path / "out" / name
         out.parent.mkdir(exist_ok=True)
-        assert main(["--model", str(folder), "--out", str(out)]) == 1, name
+        assert main(["--model", str(folder), "--out", str(out)]) == 2, name
         err = capsys.readouterr().err
         assert err.startswith("export failed:") and err.count("\n") == 1 and words in err, (name, err)
         assert no_leftovers(out), name
@@ -439,7 +439,7 @@ def test_a_fine_tuned_task_model_is_refused_naming_what_it_is(hf_bert, tmp_path,
     getattr(transformers, head)(transformers.BertConfig.from_pretrained(hf_bert)).save_pretrained(folder)
     shutil.copy(hf_bert / "tokenizer.json", folder / "tokenizer.json")
     capsys.readouterr()  # transformers' own progress output
-    assert main(["--model", str(folder), "--out", str(tmp_path / "out")]) == 1
+    assert main(["--model", str(folder), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     want = "classifier" if head == "BertForTokenClassification" else "qa_outputs"
     assert err.count("\n") == 1 and f"is {head}" in err and f"task head ({want})" in err, err
