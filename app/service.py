@@ -27,6 +27,7 @@ from artifact.manifest import Manifest
 _WATCH_AFTER_S = 0.02
 
 
+ST_DEFAULT_PROMPTS = {"query": "", "document": ""}  # SentenceTransformer's own, for every embedding model
 TIMING_HEADERS = ("x-tokenize-ms", "x-queue-ms", "x-inference-ms")  # Timings.headers(), in its order
 
 
@@ -91,13 +92,16 @@ class InferenceService:
     def prompt_for(self, items: Sequence[Item], prompt_name: str | None) -> str:
         """The prompt the tokenizer puts before each text (pairs stay as they are), as sentence-transformers
         encodes them: the named one; unnamed, the model's default prompt, if it has one; named "", none."""
-        prompts = self.manifest.prompts
+        # sentence-transformers gives every embedding model "query" and "document" prompts, empty unless its
+        # config sets them, so encode(prompt_name="query") works on any model (and encode_query uses it)
+        prompts = self.manifest.prompts if self.manifest.classifier_labels else {**ST_DEFAULT_PROMPTS,
+                                                                                 **self.manifest.prompts}
         if prompt_name == "":  # no prompt, the default's too (sentence-transformers' prompt="")
             return ""
         if prompt_name is not None:
             if prompt_name not in prompts:
                 raise Unsupported(f"prompt_name {prompt_name!r} is not one of this model's prompts "
-                                  f"({', '.join(prompts)})" if prompts else
+                                  f"({', '.join(sorted(prompts))})" if prompts else
                                   f"prompt_name {prompt_name!r}: this model has no prompts")
             if any(not isinstance(x, str) for x in items):
                 raise Unsupported("prompt_name applies to texts, not to [text_a, text_b] pairs")

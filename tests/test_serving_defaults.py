@@ -321,7 +321,7 @@ def test_prompts_are_put_before_texts_as_sentence_transformers_does(st, hf_bert,
     from tokenizers import Tokenizer
     library = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))
     assert [t["id"] for t in tokens["data"][0]["tokens"]] == library.encode("passage: hi").ids
-    assert_error(unknown, 400, "unsupported", "'title' is not one of this model's prompts (passage, query)")
+    assert_error(unknown, 400, "unsupported", "'title' is not one of this model's prompts (document, passage, query)")
     assert_error(pair, 400, "unsupported", "pairs")
     assert_error(empty, 422, "invalid_request", "inputs[1]", "empty")
     if default is None:  # without a default prompt, texts are encoded as they are
@@ -491,7 +491,10 @@ def test_all_minilm_l6_v2_matches_sentence_transformers(st, tmp_path):
     m = export_artifact(gt.get_model_path(), tmp_path / "art")
     assert (m.default_pooling, m.default_normalize, m.max_length, m.max_position_embeddings) == ("mean", True, 256, 512)
     texts = [*TEXTS, LONG]
-    want = st.SentenceTransformer(str(gt.get_model_path()), device="cpu").encode(texts, convert_to_numpy=True)
+    model = st.SentenceTransformer(str(gt.get_model_path()), device="cpu")
+    want = model.encode(texts, convert_to_numpy=True)
+    # sentence-transformers' own "query" and "document" prompts, empty on a model that sets none
+    query, document = model.encode_query(texts[:2]), model.encode_document(texts[:2])
 
     async def go():
         import openai
@@ -499,9 +502,15 @@ def test_all_minilm_l6_v2_matches_sentence_transformers(st, tmp_path):
         async with serving(tmp_path / "art") as (c, _):
             client = openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", http_client=c)
             return ((await c.post("/embed", json={"inputs": texts})).json(),
-                    await client.embeddings.create(model="all-MiniLM-L6-v2", input=texts))
-    embed, openai_answer = run(go())
-    for got in (np.array([d["embedding"] for d in embed["data"]]),
-                np.array([d.embedding for d in openai_answer.data])):
-        assert (got * want).sum(-1).min() >= 0.999  # both unit length: the cosine
+                    await client.embeddings.create(model="all-MiniLM-L6-v2", input=texts),
+                    *[(await c.post("/embed", json={"inputs": texts[:2], "prompt_name": name})).json()
+                      for name in ("query", "document")],
+                    await c.post("/embed", json={"inputs": texts[:2], "prompt_name": "passage"}))
+    embed, openai_answer, embed_query, embed_document, passage = run(go())
+    for got, expected in ((np.array([d["embedding"] for d in embed["data"]]), want),
+                          (np.array([d.embedding for d in openai_answer.data]), want),
+                          (np.array([d["embedding"] for d in embed_query["data"]]), query),
+                          (np.array([d["embedding"] for d in embed_document["data"]]), document)):
+        assert (got * expected).sum(-1).min() >= 0.999  # both unit length: the cosine
+    assert_error(passage, 400, "unsupported", "'passage' is not one of this model's prompts (document, query)")
     print(f"all-MiniLM-L6-v2: export and check took {time.perf_counter() - started:.1f} s")
