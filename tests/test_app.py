@@ -444,7 +444,7 @@ def test_tei_embed_at_the_root(artifact, reference):
                 "right": {"inputs": long_text},
                 "extra": {"inputs": "x", "unknown_field": 1},  # TEI ignores what it does not know
                 "not_cut": {"inputs": long_text, "truncate": False},
-                "prompt": {"inputs": "x", "prompt_name": "query"},
+                "prompt": {"inputs": "x", "prompt_name": "passage"},
                 "base64": {"inputs": "x", "encoding_format": "base64"},
                 "wide": {"inputs": "x", "dimensions": 129},
                 "pair": {"inputs": [["a", "b"]]},
@@ -480,7 +480,7 @@ def test_tei_embed_at_the_root(artifact, reference):
     np.testing.assert_allclose(out["left"].json()[0], out["embed_left"].json()["data"][0]["embedding"], atol=1e-6)
     assert out["extra"].status_code == 200
     assert_error(out["not_cut"], 413, "input_too_long", "inputs[0]")
-    assert_error(out["prompt"], 400, "unsupported", "prompt_name 'query'")
+    assert_error(out["prompt"], 400, "unsupported", "prompt_name 'passage'")
     assert_error(out["base64"], 422, "invalid_request", "encoding_format")
     assert_error(out["wide"], 422, "invalid_request", "between 1 and 128")
     assert_error(out["pair"], 422, "invalid_request", "inputs")
@@ -501,7 +501,7 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
                     await c.post("/similarity", json={**body, "parameters": None}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": long_text, "sentences": ["x"]},
                                                       "parameters": {"truncate": False}}),
-                    await c.post("/similarity", json={**body, "parameters": {"prompt_name": "query"}}),
+                    await c.post("/similarity", json={**body, "parameters": {"prompt_name": "passage"}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "x", "sentences": []}}),
                     await c.post("/", json={"inputs": {"sentences": ["x"]}}),
                     await c.post("/similarity", json={"inputs": {"source_sentence": "", "sentences": ["x"]}}),
@@ -519,7 +519,7 @@ def test_tei_similarity_compares_each_sentence_with_the_source(artifact, referen
     assert null_parameters.json() == direct.json()
     assert_error(not_cut, 413, "input_too_long", "inputs.source_sentence is too long")  # as sent, not inputs[0]
     assert_error(sentence_not_cut, 413, "input_too_long", "inputs.sentences[1] is too long")
-    assert_error(prompt, 400, "unsupported", "prompt_name 'query'")
+    assert_error(prompt, 400, "unsupported", "prompt_name 'passage'")
     assert_error(empty, 422, "invalid_request", "sentences")
     assert_error(no_source, 422, "invalid_request", "source_sentence")
     assert_error(empty_source, 422, "invalid_request", "inputs.source_sentence is an empty string")
