@@ -145,8 +145,10 @@ class ServingFront:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":  # answered to nobody, so that metrics count a 499
-                await self._answer_error(scope, receive, send, ClientClosed("the client closed the connection "
-                                                                            "before it sent the whole body"))
+                answered = scope["bertserve"].get("answered")  # or what the connection limits answered (408, 400)
+                err = (_AnsweredByConnection(*answered) if answered else
+                       ClientClosed("the client closed the connection before it sent the whole body"))
+                await self._answer_error(scope, receive, send, err)
                 return None
             chunk = message.get("body", b"")
             total += len(chunk)
@@ -173,6 +175,14 @@ class ServingFront:
     async def _answer_error(scope: Scope, receive: Receive, send: Send, err: ServiceError) -> None:
         scope["bertserve"]["error_type"] = err.type
         await error_response(err.status, err.type, err.message)(scope, receive, send)
+
+
+class _AnsweredByConnection(ServiceError):
+    """What app/http_limits.py told the client itself (a body timeout's 408), sent to nobody here: for the metrics."""
+
+    def __init__(self, status: int, type_: str, message: str):
+        super().__init__(message)
+        self.status, self.type = status, type_
 
 
 def _replayed(scope: Scope, receive: Receive, body: bytes) -> tuple[Scope, Receive]:

@@ -3,7 +3,8 @@ its public way to choose the protocol): a bound on the request line + headers (4
 receive them and the body (408, then the connection is closed); a request that cannot be parsed is
 answered 400 in the app's error shape, not uvicorn's plain text. They act before the app sees the
 request: before the API key is checked and before a body is read. The idle time between requests on a
-keep-alive connection is uvicorn's own `timeout_keep_alive`.
+keep-alive connection is uvicorn's own `timeout_keep_alive`. A client that reads none of its answer for
+the body timeout is cut off: its close would otherwise wait, holding the answer, for as long as it stays.
 
 httptools' parser keeps every header byte it is fed, and uvicorn neither bounds the headers nor times
 out a client that never finishes sending them: 40 connections each sending 10 MB of headers held 420 MB,
@@ -11,7 +12,9 @@ and a connection that sends half a request line stayed open for ever."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import struct
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +23,13 @@ from app.coalesced_writes import CoalescedWrites
 from app.errors import error_response
 
 log = logging.getLogger("app")
+
+try:  # the kernel's count of a socket's unacknowledged bytes, where there is one
+    import fcntl
+    import termios
+    _OUTQ = getattr(termios, "TIOCOUTQ", None)  # Linux's SIOCOUTQ
+except ImportError:  # Windows
+    fcntl, _OUTQ = None, None
 
 
 @dataclass(frozen=True)
@@ -48,11 +58,33 @@ def limited_protocol(limits: ConnectionLimits,
             self._started = False  # some byte of the current request arrived
             self._discarding = False  # answered and closing: what still arrives is read and dropped
             self._deadline = (self.loop.time() + self._limits.header_timeout_s, "headers")
+            self._unsent: tuple[int, float] | None = None  # (bytes not yet sent, since when) while writing is paused
+            self._socket = transport.get_extra_info("socket")
             _watch(self)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._deadline = None
+            self._deadline = self._unsent = None
             super().connection_lost(exc)
+
+        # asyncio's flow control: the transport's buffer passed its high-water mark (the client reads slowly,
+        # or not at all), and went below its low-water mark again
+        def pause_writing(self) -> None:
+            self._unsent = (self._unsent_bytes(), self.loop.time())
+            super().pause_writing()
+
+        def resume_writing(self) -> None:
+            self._unsent = None
+            super().resume_writing()
+
+        def _unsent_bytes(self) -> int:
+            """The answer's bytes the client has not acknowledged: the transport's buffer, and the kernel's
+            send queue where it says (Linux: SIOCOUTQ). The kernel's alone shrinks with every read, while
+            the transport's waits until a third of the kernel's buffer (up to megabytes) is free."""
+            queued = 0
+            if _OUTQ is not None and self._socket is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    queued = struct.unpack("i", fcntl.ioctl(self._socket.fileno(), _OUTQ, b"\0\0\0\0"))[0]
+            return self.transport.get_write_buffer_size() + queued
 
         def data_received(self, data: bytes) -> None:
             if self._discarding:
@@ -96,7 +128,21 @@ def limited_protocol(limits: ConnectionLimits,
                          "is closed")
 
         def check_deadline(self, now: float) -> bool:
-            """Answers 408 past the deadline; False once this connection needs no more watching."""
+            """Answers 408 past the deadline; aborts a connection whose client read none of its answer for
+            body_timeout_s (a closing transport too: its close waits for the buffer to drain, for ever if the
+            client never reads); False once this connection needs no more watching."""
+            if self._unsent is not None:
+                size, since = self._unsent
+                left = self._unsent_bytes()
+                if left < size:  # the client reads, however slowly
+                    self._unsent = (left, now)
+                elif now - since >= self._limits.body_timeout_s:
+                    log.warning("closed a connection from %s: it read none of its answer for %g s (%d bytes unsent)",
+                                _address(self.client), self._limits.body_timeout_s, left)
+                    self._unsent = None
+                    self.transport.abort()  # frees the buffered answer; a pending write of the app sees a disconnect
+                    return False
+                return True
             if self.transport.is_closing():
                 return False
             if self._deadline is None:  # between requests: uvicorn's keep-alive timeout applies
@@ -127,6 +173,8 @@ def limited_protocol(limits: ConnectionLimits,
             head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("latin-1")
             if running:  # the app's reads now see a disconnect; its writes go nowhere
+                # ...and the front counts what the client was told, not a 499 (app/front.py, _read_body)
+                self.cycle.scope.setdefault("bertserve", {})["answered"] = (status, type_, message)
                 self.cycle.disconnected = True
                 self.cycle.message_event.set()
             elif self._answered is not None:

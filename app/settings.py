@@ -125,7 +125,8 @@ class Settings(BaseSettings):
                                     "headers (from connecting, or from the request's first byte on a kept-alive "
                                     "connection); beyond: 408 and the connection is closed")
     body_timeout_s: float = Field(30.0, gt=0, description="time a client has to send a body once its headers "
-                                  "arrived; beyond: 408 and the connection is closed")
+                                  "arrived; beyond: 408 and the connection is closed. Also how long a client may "
+                                  "read none of an answer the kernel cannot hold: then the connection is dropped")
     keep_alive_s: float = Field(5.0, gt=0, description="an idle kept-alive connection is closed after this")
     drain_seconds: float = Field(5.0, ge=0, description="on SIGTERM / SIGINT: stop accepting, answer new "
                                  "requests 503, finish queued work for up to this long, answer what is left 503 "

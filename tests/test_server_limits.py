@@ -110,11 +110,67 @@ def test_a_connection_that_sends_nothing_is_closed(server):
 
 
 def test_a_body_that_never_arrives_gets_408(server):
+    before = _requests_by_status(server)
     with connect(server) as s:
         s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: 100\r\n\r\n{\"inputs\": ")
         status, error = status_and_error(read_all(s))
     assert status == 408 and "body" in error["message"], error
     assert still_serving(server)
+    now = _requests_by_status(server)  # counted as what the client was told, not as a client that left (499)
+    assert (now.get("408", 0), now.get("499", 0)) == (before.get("408", 0) + 1, before.get("499", 0)), (before, now)
+
+
+def _ask_for_every_token_vector(base: str, texts: int) -> socket.socket:
+    """A connection, offering a window of a few KB, that has asked for every token's vector of `texts`
+    texts (about 50 KB of JSON a text on the tiny model)."""
+    body = json.dumps({"inputs": [" ".join(["a quick brown fox jumps"] * 8)] * texts, "return_tokens": True}).encode()
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers
+    s.settimeout(10)
+    s.connect((host, int(port)))
+    s.sendall(b"POST /embed HTTP/1.1\r\nHost: x\r\n" + AUTH + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return s
+
+
+def _received_and_expected(s: socket.socket, pause_s: float = 0.0) -> tuple[int, int]:
+    """Bytes of body read until the server closed or reset the connection (or the whole answer came), and
+    the answer's whole length by its head; `pause_s` after each read."""
+    data, length = b"", -1
+    try:
+        while chunk := s.recv(1 << 16):
+            data += chunk
+            if length < 0 and b"\r\n\r\n" in data:
+                head = data.partition(b"\r\n\r\n")[0]
+                length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+            if 0 <= length <= len(data.partition(b"\r\n\r\n")[2]):
+                break
+            time.sleep(pause_s)
+    except ConnectionResetError:
+        pass
+    return len(data.partition(b"\r\n\r\n")[2]), length
+
+
+def test_a_client_that_reads_none_of_its_answer_is_cut_off(server):
+    """A client that stops reading would hold its answer in the server's memory for ever (its close waits
+    for the buffer to drain): with no progress for body_timeout_s the connection is aborted."""
+    with _ask_for_every_token_vector(server, 400) as s:  # 20 MB: more than the kernel's buffers hold (4 MB here)
+        time.sleep(4.0)  # the answer is made in well under a second; then 1 s without progress
+        received, expected = _received_and_expected(s)
+    assert expected > 15_000_000 and received < expected, (received, expected)
+    assert still_serving(server)
+
+
+def test_a_client_that_reads_slowly_gets_its_whole_answer(server, request):
+    """Progress, however slow, keeps the connection: a few KB every 10 ms takes the whole answer, though the
+    server's own buffer shrinks only each time a third of the kernel's (megabytes) has drained, less often
+    than the 1 s timeout."""
+    if request.node.callspec.params["server"] != 1:
+        pytest.skip("16 s; the connection's protocol is the same in every HTTP worker")
+    with _ask_for_every_token_vector(server, 100) as s:
+        received, expected = _received_and_expected(s, pause_s=0.01)
+    assert expected > 4_500_000 and received == expected, (received, expected)
 
 
 def test_a_kept_alive_connection_is_served_while_used_and_closed_when_idle(server):
