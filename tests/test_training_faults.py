@@ -244,6 +244,25 @@ def test_ctrl_c_interrupts_at_once_and_one_python_drops_still_stops_the_run():
     assert not stop_requested() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_signals_the_parent_ignores_stay_ignored():
+    """A shell starts a script's background job with SIGINT ignored (Ctrl-C is for the foreground): the
+    training's and export's handlers leave such a signal as it was, so the job runs on."""
+    from training.stop_signals import sigterm_as_interrupt, sigterm_stops_between_steps, stop_requested
+
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for stops in (sigterm_stops_between_steps, sigterm_as_interrupt):
+            with stops():
+                for signum in before:
+                    assert signal.getsignal(signum) is signal.SIG_IGN
+                    signal.raise_signal(signum)  # nothing happens
+                assert not stop_requested()
+            assert all(signal.getsignal(signum) is signal.SIG_IGN for signum in before)
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def test_an_interrupt_caught_after_it_ended_a_string_exec_still_exits_with_the_programs_code(tmp_path):
     """An interrupt that lands in code made by a string exec (every dataclass method, many made while torch
     imports) is marked unhandled by CPython even when caught: under `python -m`, as export, pretrain and

@@ -14,8 +14,8 @@ from typing import NoReturn
 @contextmanager
 def _on_signal(signum: int, handler) -> Iterator[None]:
     """`handler` for `signum` within the block; only the main thread may set one (elsewhere: no change)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is signal.SIG_IGN:
+        yield  # a signal the parent set to be ignored (a shell's background job: SIGINT) stays ignored
         return
     previous = signal.signal(signum, handler)
     try:
