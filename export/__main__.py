@@ -15,7 +15,7 @@ from export.pipeline import export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt,  # noqa: E402
                                    interrupted_exit_code, sigterm_as_interrupt)
-from training.writes import write_failed  # noqa: E402
+from training.writes import settled_path, write_failed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                              "sentence_bert_config.json max_seq_length, tokenizer_config.json model_max_length, "
                              "else its positions")
     args = parser.parse_args(argv)
+    args.out = settled_path(args.out)  # `--out a/x/../x`: see training.writes.settled_path
 
     try:
         with sigterm_as_interrupt():

@@ -360,7 +360,11 @@ def _move_into_place(src: Path, dst: Path) -> None:
         return
     old = temporary_sibling(dst, ".old")
     os.replace(dst, old / dst.name)
-    os.replace(src, dst)
+    try:
+        os.replace(src, dst)
+    except BaseException:
+        os.replace(old / dst.name, dst)  # the earlier artifact back in place, not hidden in .old
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

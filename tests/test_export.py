@@ -457,6 +457,15 @@ def test_a_hugging_face_cache_snapshot_is_named_by_its_repository(tmp_path):
     assert default_model_name(plain) == "my-domain-bert"
 
 
+def test_an_out_spelt_through_itself_is_replaced_not_lost(tiny_model_dir, tmp_path, capsys):
+    """`--out arts/a/../a` over an earlier artifact: the rename that set the earlier one aside took the
+    path away, leaving neither artifact in place."""
+    assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "arts" / "a")]) == 0
+    assert main(["--model", str(tiny_model_dir), "--out", str(tmp_path / "arts" / "a" / ".." / "a")]) == 0
+    read_manifest(tmp_path / "arts" / "a")
+    assert [p.name for p in (tmp_path / "arts").iterdir()] == ["a"]
+
+
 def test_an_out_whose_parent_takes_no_files_is_one_line(tiny_model_dir, tmp_path, capsys):
     (tmp_path / "a_file").write_text("x")
     for out, words in ((tmp_path / "a_file" / "art", "not a directory"), (Path("/proc/bertserve-art"), "/proc")):

@@ -481,6 +481,19 @@ def test_retraining_into_an_earlier_model_folder_replaces_it(tmp_path, capsys, t
     load_model_folder(out)
 
 
+def test_an_out_spelt_through_itself_is_replaced_not_lost(tmp_path, capsys, tiny_model_dir):
+    """`--out models/m/../m` names the folder through itself: the first of the final renames (m -> .m.old)
+    took that path away, and the run ended with neither model in place. Both an earlier folder and none."""
+    corpus = write_corpus(tmp_path / "corpus.txt", n_docs=80, seed=3)
+    earlier = Path(shutil.copytree(tiny_model_dir, tmp_path / "models" / "m"))
+    old_weights = (earlier / "model.safetensors").read_bytes()
+    for out, run in ((earlier / ".." / "m", "run-m"), (tmp_path / "models" / "new" / ".." / "new", "run-new")):
+        assert main(small_args(corpus, tmp_path / "cache", out, tmp_path / run, "--max-steps", "2")) == 0
+        load_model_folder(out)
+    assert (earlier / "model.safetensors").read_bytes() != old_weights
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["m", "new"]  # no .old, lock or partial
+
+
 def test_undecodable_bytes_and_a_huge_line_still_train(tmp_path):
     """Bad UTF-8 is replaced (with a warning), a 2 MB line is cut into pieces: no traceback."""
     corpus = write_corpus(tmp_path / "corpus.txt", n_docs=30, seed=5)

@@ -142,7 +142,11 @@ def _replace_dir(src: Path, dst: Path) -> None:
         old = dst.with_name(f".{dst.name}.old")
         shutil.rmtree(old, ignore_errors=True)
         os.replace(dst, old)
-        os.replace(src, dst)
+        try:
+            os.replace(src, dst)
+        except BaseException:
+            os.replace(old, dst)  # put the earlier model back rather than leave neither in place
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(src, dst)

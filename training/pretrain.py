@@ -36,7 +36,7 @@ from training.resume_checks import (RESUME_FIXED, RESUME_FIXED_IN_PHASE2, RESUME
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
                                    sigterm_as_interrupt, sigterm_stops_between_steps)
 from training.writes import (WriteError, check_model_out, check_out_free, check_run_dir_free, check_writable, out_held,
-                             run_dir_held)
+                             run_dir_held, settled_path)
 
 # Peak learning rates that train each preset stably at the default batch; --lr overrides.
 PRESET_LR = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4, "medium": 5e-4, "base": 1e-4, "large": 1e-4}
@@ -624,6 +624,7 @@ def predictions_for(seq_len: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = fill_defaults(build_parser().parse_args(argv))
+    args.out = settled_path(args.out)  # `--out a/m/../m` would lose both models at the final rename
     dist = DistInfo()
     try:
         check_args(args)

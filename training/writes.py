@@ -21,6 +21,17 @@ class WriteError(Exception):
     """A file of the run could not be written; the message names it and says why."""
 
 
+def settled_path(path: str | Path) -> str:
+    """`path` as given, or with its parent resolved where it goes through "..": a folder that is replaced
+    whole by renames in its parent must be named through a parent that stays put, and `a/m/../m` names
+    `m` through `m` itself, which the first rename (m -> .m.old) takes away. The last component is kept
+    (a link stays a link)."""
+    p = Path(path).expanduser()
+    if ".." not in p.parts:
+        return str(path)
+    return str(p.resolve() if p.name in ("", ".", "..") else p.parent.resolve() / p.name)
+
+
 def check_writable(folder: Path, flag: str, *, replaced_whole: bool = False) -> None:
     """Fail now, not after hours of training, when `folder` (the value of `flag`) cannot be written: its
     parent when it is `replaced_whole` (a model folder is written next to it, then renamed). Probes the
