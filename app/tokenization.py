@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,12 @@ from app.tokenizer_shortcuts import AsciiWords, Item, ascii_path, equivalent_par
 # a 1 MB text costs seconds to tokenise in full but only its first few hundred tokens are kept.
 _PREFIX_CHARS_PER_TOKEN = 16
 _CUT_CHARS = (" ", "\n", "\t", "\r")
+# CJK ideographs, as BERT's normalizer finds them (handle_chinese_chars puts spaces around each): a cut
+# before one is as safe as one at whitespace, and Chinese or Japanese text has little whitespace to cut at
+_CJK = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b73f\U0002b740-\U0002b81f"
+        "\U0002b820-\U0002ceaf\U0002f800-\U0002fa1f")
+_FIRST_CJK = re.compile(f"[{_CJK}]")
+_LAST_CJK = re.compile(f".*([{_CJK}])", re.DOTALL)
 # Which end of an over-long input truncation cuts: "right" keeps its start (the default), "left" its end.
 DIRECTIONS = ("right", "left")
 
@@ -93,6 +100,8 @@ class TextTokenizer:
             raise TokenizerFileError(f"{path} cannot be read as a tokenizer ({' '.join(str(e).split())}); "
                                      f"re-export the artifact") from e
         self._text, self._same = text, same
+        normalizer = config.get("normalizer") or {}
+        self._cjk_cuts = normalizer.get("type") == "BertNormalizer" and normalizer.get("handle_chinese_chars", True)
         self._left_truncating: dict[bool, Tokenizer] = {}  # plain ASCII or not -> made on first use
         self._truncating = _load(text, max_length, truncate=True, replace=same)
         # The same tokenizers for plain ASCII text, without BertNormalizer's and BertPreTokenizer's Unicode
@@ -137,12 +146,14 @@ class TextTokenizer:
 
     # -- encoding ---------------------------------------------------------------------------------------
     def _prefix(self, text: str) -> str:
-        """The shortest whitespace-cut prefix with at least max_length tokens, or the text itself.
-        Cut at whitespace, words before the cut tokenise exactly as in the whole text, so truncating
-        the prefix gives the same tokens as truncating the text."""
+        """The shortest prefix cut at whitespace (or before a CJK ideograph) with at least max_length tokens,
+        or the text itself. Cut there, words before the cut tokenise exactly as in the whole text, so
+        truncating the prefix gives the same tokens as truncating the text."""
         limit = self.max_length * _PREFIX_CHARS_PER_TOKEN
         while limit < len(text):
             cut = max(text.rfind(c, limit // 2, limit) for c in _CUT_CHARS)
+            if cut <= 0 and self._cjk_cuts and (last := _LAST_CJK.match(text, limit // 2, limit)):
+                cut = last.start(1)
             if cut <= 0:
                 return text
             if len(self._full.encode(text[:cut], add_special_tokens=False).ids) >= self.max_length:
@@ -157,6 +168,8 @@ class TextTokenizer:
         while limit < len(text):
             start = len(text) - limit
             found = [i for i in (text.find(c, start, start + limit // 2) for c in _CUT_CHARS) if i >= 0]
+            if not found and self._cjk_cuts and (first := _FIRST_CJK.search(text, start, start + limit // 2)):
+                found = [first.start()]
             if not found:
                 return text
             cut = min(found)

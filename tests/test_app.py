@@ -703,12 +703,15 @@ def test_compressed_bodies_are_decoded_within_the_size_limit_and_other_encodings
     assert out["after"].status_code == 200
 
 
-def test_huge_text_is_truncated_without_tokenising_all_of_it(artifact, reference, monkeypatch):
+@pytest.mark.parametrize("text", [
+    "Embedding servers turn text into vectors for search and clustering. " * 15_000,  # ~1 MB
+    "東京の空は青く、嵐が近づいている。" * 70_000,  # no whitespace to cut at: cut before an ideograph
+], ids=["english", "japanese"])
+def test_huge_text_is_truncated_without_tokenising_all_of_it(artifact, reference, monkeypatch, text):
     """A 1 MB text is cut to a prefix of a few thousand characters before it is tokenised (seconds of work
-    saved), with the same tokens as the whole text truncated."""
+    saved), with the same tokens as the whole text truncated; on the left too (without offsets)."""
     import app.tokenization
 
-    text = "Embedding servers turn text into vectors for search and clustering. " * 15_000  # ~1 MB
     assert len(text) > 1_000_000
     tokenised = []  # the length of every text the tokenizer was given
     encode_all = app.tokenization._encode_all
@@ -719,9 +722,16 @@ def test_huge_text_is_truncated_without_tokenising_all_of_it(artifact, reference
         async with serving(artifact) as (c, _):
             r = await c.post("/embed", json={"inputs": text, "return_tokens": True})
             too_long = await c.post("/embed", json={"inputs": text, "truncate": False})
-            return r, too_long
-    r, too_long = run(go())
-    assert r.status_code == 200 and 0 < max(tokenised) < 20_000, tokenised
+            left = await c.post("/embed", json={"inputs": text, "truncation_direction": "left"})
+            longest = max(tokenised)
+            # with offsets the whole text is tokenised, then cut: the reference for `left`
+            left_whole = await c.post("/embed", json={"inputs": text, "truncation_direction": "left",
+                                                      "return_tokens": True})
+            return r, too_long, left, left_whole, longest
+    r, too_long, left, left_whole, longest = run(go())
+    assert r.status_code == 200 and left.status_code == 200 and 0 < longest < 20_000, tokenised
+    np.testing.assert_allclose(left.json()["data"][0]["embedding"], left_whole.json()["data"][0]["embedding"],
+                               atol=1e-6)
     item = r.json()["data"][0]
     ref, enc = reference(text)  # the whole text tokenised, then truncated
     assert [t["id"] for t in item["tokens"]] == enc.ids and len(enc.ids) == 128
