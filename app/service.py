@@ -19,7 +19,7 @@ from app.pooling import l2_normalize, pool
 from app.sentence_dense import SentenceDense
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
-from artifact.manifest import Manifest
+from artifact.manifest import TOKEN_EMBEDDINGS, Manifest
 
 # A request still waiting after this long starts watching for its client going away. Watching costs a
 # task per request (a large share of a one-text /embed's event-loop time), and many answers come sooner;
@@ -176,6 +176,11 @@ class InferenceService:
         with self.admitted():
             self.batcher.check_admission()  # before the tokenising it would waste
             tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets, direction, prompt)
+            limit = self.settings.max_token_vectors
+            if TOKEN_EMBEDDINGS in outputs and tokenized.tokens > limit:
+                raise TooManyInputs(f"{field} asks for the vectors of {tokenized.tokens} tokens; the server returns "
+                                    f"at most {limit} token vectors a request (max_token_vectors): send fewer texts a "
+                                    f"request")
             timings = Timings(tokenize_s=tokenize_s)
             if not outputs:  # e.g. pooling none without tokens: nothing to compute
                 return Inference(tokenized, None, timings)

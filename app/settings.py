@@ -118,6 +118,10 @@ class Settings(BaseSettings):
     max_inputs_per_request: int = Field(2048, ge=1, description="most texts or pairs in one request (OpenAI's "
                                         "limit: LangChain's OpenAIEmbeddings sends 1,000); beyond: 413")
     max_input_chars: int = Field(2_000_000, ge=1, description="longest text accepted, even with truncation")
+    max_token_vectors: int = Field(16_384, ge=1, description="most token vectors one request may ask for "
+                                   "(/embed return_tokens, /tei/embed_all), counted in tokens: each is hidden_size "
+                                   "floats of the answer (BERT-base: about 9 KB of JSON), held in memory until sent "
+                                   "(TEI's own default, 32 inputs of 512 tokens); beyond: 413")
     max_request_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="largest request body; beyond: 413")
     max_header_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024, description="largest request line + "
                                   "headers of one request; beyond: 431 and the connection is closed")

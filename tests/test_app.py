@@ -739,6 +739,31 @@ def test_huge_text_is_truncated_without_tokenising_all_of_it(artifact, reference
     assert_error(too_long, 413, "input_too_long", "inputs[0]")
 
 
+def test_token_vectors_past_max_token_vectors_are_refused_before_the_model_runs(artifact):
+    """An answer of token vectors is held whole in memory: a request asking for more than max_token_vectors
+    of them is 413 naming the setting, on /embed and /tei/embed_all; pooled vectors of the same texts, and
+    token vectors up to the limit, are served."""
+    texts = ["one two three four five six seven eight nine ten"] * 4
+
+    async def go():
+        async with serving(artifact) as (c, _):
+            each = (await c.post("/tokenize", json={"inputs": texts[0]})).json()["usage"]["tokens"]
+        async with serving(artifact, max_token_vectors=3 * each) as (c, _):
+            return (each,
+                    await c.post("/embed", json={"inputs": texts, "return_tokens": True}),
+                    await c.post("/tei/embed_all", json={"inputs": texts}),
+                    await c.post("/embed", json={"inputs": texts}),
+                    await c.post("/embed", json={"inputs": texts[:3], "return_tokens": True}),
+                    await c.post("/tei/embed_all", json={"inputs": texts[:3]}))
+    each, over, over_tei, pooled, at_limit, at_limit_tei = run(go())
+    for r in (over, over_tei):
+        assert_error(r, 413, "too_many_inputs", f"vectors of {4 * each} tokens", f"at most {3 * each}",
+                     "max_token_vectors")
+    assert pooled.status_code == 200 and len(pooled.json()["data"]) == 4
+    assert at_limit.status_code == 200 and [len(d["token_embeddings"]) for d in at_limit.json()["data"]] == [each] * 3
+    assert at_limit_tei.status_code == 200 and [len(t) for t in at_limit_tei.json()] == [each] * 3
+
+
 def test_unsupported_without_pooler_or_nsp_head(artifact, tmp_path):
     folder = tmp_path / "bare"
     shutil.copytree(artifact, folder)

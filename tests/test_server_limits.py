@@ -13,7 +13,8 @@ import pytest
 
 from tests.test_server import running_server
 
-LIMITS = dict(max_header_bytes=4096, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=1.0, api_key="k")
+LIMITS = dict(max_header_bytes=4096, header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_s=1.0, api_key="k",
+              max_token_vectors=100_000)  # the answers of token vectors below are larger than the default allows
 AUTH = b"Authorization: Bearer k\r\n"
 
 

@@ -6,7 +6,7 @@ from starlette.responses import Response
 
 from app.errors import Unsupported
 from app.pooling import POOLING_OUTPUT, encode_rows, encode_vectors
-from app.responses import json_response
+from app.responses import json_response, json_response_off_loop
 from app.routes import DirectRoute, ServiceRoute, get_service, require_api_key
 from app.schemas import SERVICE_ERROR_RESPONSES, EmbedRequest, EmbedResponse, TokenizeRequest, TokenizeResponse, as_items
 from app.service import InferenceService
@@ -39,8 +39,9 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
         data = [{"index": i, "embedding": embeddings[i], "tokens": describe_tokens(enc),
                  "token_embeddings": encode_vectors(token_vectors[i], fmt)}
                 for i, enc in enumerate(result.tokenized.encodings)]
-    else:
-        data = [{"index": i, "embedding": e} for i, e in enumerate(embeddings)]
+        return await json_response_off_loop({"model": service.model_name, "data": data,
+                                             "usage": {"tokens": result.tokens}}, headers=result.timings.headers())
+    data = [{"index": i, "embedding": e} for i, e in enumerate(embeddings)]
     return json_response({"model": service.model_name, "data": data, "usage": {"tokens": result.tokens}},
                          headers=result.timings.headers())
 

@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from app.errors import TooManyInputs
 from app.pooling import POOLING_OUTPUT
-from app.responses import json_response
+from app.responses import json_response, json_response_off_loop
 from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
 from app.routes.classify import predict, rerank, rerank_either, rerank_route
 from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankResponse, Prediction, PredictRequest, Rank,
@@ -65,7 +65,7 @@ async def tei_embed_all(body: TeiEmbedAllRequest, request: Request,
     result = await service.infer(request, inputs, body.truncates, frozenset({TOKEN_EMBEDDINGS}), "inputs",
                                  direction=body.direction, prompt=service.prompt_for(inputs, body.prompt_name))
     tokens = [np.ascontiguousarray(t, dtype=np.float32) for t in result.outputs[TOKEN_EMBEDDINGS]]
-    return json_response(tokens, headers=result.timings.headers())
+    return await json_response_off_loop(tokens, headers=result.timings.headers())
 
 
 @router.post("/similarity", response_model=list[float], responses=SERVICE_ERROR_RESPONSES)
