@@ -199,6 +199,33 @@ def test_resume_takes_a_corpus_however_it_is_spelt_and_refuses_other_files(tmp_p
                       "another --corpus: the same 2 files in another order (quote a glob")
 
 
+def test_resume_refuses_a_corpus_file_changed_since_and_takes_it_back_as_it_was(tmp_path, capsys):
+    """The checkpoint's data position counts sentences of the corpus as it was: a file grown, or edited in
+    place at the same size, is refused naming it; put back as it was, the run resumes. A checkpoint from
+    before the contents were recorded resumes as before."""
+    a = write_corpus(tmp_path / "a.txt", n_docs=40, seed=1)
+    b = write_corpus(tmp_path / "b.txt", n_docs=40, seed=2)
+    flags = small_args(a, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                       "--checkpoint-every", "2")
+    at = flags.index("--corpus") + 1
+    flags[at:at + 1] = [str(a), str(b)]
+    assert main(flags) == 0
+    original = b.read_bytes()
+    capsys.readouterr()
+    b.write_bytes(original + b"\nA document added since.\n")
+    fails_in_one_line(capsys, [*flags, "--resume"], f"other contents of {b}", f"{len(original)} bytes then")
+    b.write_bytes(original[:-12] + original[-12:].swapcase())
+    fails_in_one_line(capsys, [*flags, "--resume"], f"other contents of {b} (the same size, other bytes)")
+    b.write_bytes(original)
+    assert main([*flags, "--resume", "--max-steps", "4"]) == 0
+
+    newest = list_checkpoints(tmp_path / "run")[-1]
+    state = torch.load(newest, weights_only=True)
+    torch.save({k: v for k, v in state.items() if k != "corpus_contents"}, newest)
+    b.write_bytes(original + b"\nNot seen by a checkpoint that recorded nothing of it.\n")
+    assert main([*flags, "--resume", "--max-steps", "6"]) == 0
+
+
 def _tokenizer_training_comes_out_otherwise(monkeypatch, tmp_path: Path) -> None:
     """A tokenizer trained from now on gets other ids than one trained before on the same corpus, as HF
     tokenizers' may (README): its last two tokens swap places."""

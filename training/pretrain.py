@@ -31,8 +31,9 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
 from training.resume_checks import (RESUME_FIXED, RESUME_FIXED_IN_PHASE2, RESUME_TAKEN, absolute_path,
-                                    check_corpus, check_resume, check_same_out, check_tokenizer, comparable,
-                                    corpus_files, paths_as_recorded_now)
+                                    check_corpus, check_corpus_contents, check_resume, check_same_out,
+                                    check_tokenizer, comparable, corpus_contents, corpus_files,
+                                    paths_as_recorded_now)
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
                                    sigterm_as_interrupt, sigterm_stops_between_steps)
 from training.writes import (WriteError, check_model_out, check_out_free, check_run_dir_free, check_writable, out_held,
@@ -453,12 +454,14 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
                               f"pass --resume to continue it, --fresh to start over, or another --run-dir")
     resume_from = existing[-1] if args.resume and existing else None
     resume_state = paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
+    corpus_now = corpus_contents(dcfgs[0].corpus)  # recorded in the checkpoints, compared by --resume
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
     named = None  # with it: the one --vocab-file or --init-from gives; None: one trained on the corpus
     if resume_state is not None:
         if args.run_dir is None:  # the default, runs/<--out's name>: another --out of that name may own it
             check_same_out(resume_from, resume_state.get("out"), out)
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
+        check_corpus_contents(resume_from, resume_state.get("corpus_contents"), corpus_now, dcfgs[0].corpus)
         changes = check_resume(resume_from, resume_state, flags)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
                                                      "data_config": comparable(dcfgs[0])})
@@ -503,6 +506,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         "model_source": source.record(),
         "model_config": asdict(model_config),
         "data_config": comparable(dcfgs[0]),
+        "corpus_contents": corpus_now,
         "phases_config": [comparable(c) for c in dcfgs[1:]],
         "train_config": asdict(cfg),
         "flags": flags,

@@ -2,6 +2,9 @@
 corpus, the tokenizer, whose --out it is), and paths and data settings as checkpoints record them."""
 from __future__ import annotations
 
+import hashlib
+import os
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -121,6 +124,40 @@ def check_corpus(path: Path, had: list[str], now: tuple[str, ...]) -> None:
                 how += f"; {what}: {first_few(files, 1)}"
     raise CheckpointError(f"checkpoint {path} was made with another --corpus: {how}; pass the corpus it was made "
                           f"with, or --fresh or another --run-dir to start over")
+
+
+_SAMPLE_BYTES = 64 * 1024
+
+
+def corpus_contents(files: Sequence[str]) -> list[list]:
+    """Each corpus file's size and a digest of its first and last 64 KB, which checkpoints record: a file
+    changed in place since (text added, removed, or edited near either end) is then refused by --resume, not
+    read at a data position that points at other sentences. A copy or a move keeps them, unlike the time."""
+    contents = []
+    for name in files:
+        try:
+            with open(name, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest = hashlib.sha256(f.read(_SAMPLE_BYTES))
+                if size > _SAMPLE_BYTES:
+                    f.seek(max(_SAMPLE_BYTES, size - _SAMPLE_BYTES))
+                    digest.update(f.read(_SAMPLE_BYTES))
+        except OSError as e:
+            raise CorpusError(f"cannot read corpus file {name}: {e.strerror or e}") from e
+        contents.append([size, digest.hexdigest()[:16]])
+    return contents
+
+
+def check_corpus_contents(path: Path, had: list | None, now: list, files: Sequence[str]) -> None:
+    """Refuse a checkpoint whose corpus files (the same ones: check_corpus) have changed since, naming the
+    first; a checkpoint from before contents were recorded (`had` None) is taken."""
+    for name, then, current in zip(files, had or [], now):
+        if list(then) != list(current):
+            change = (f"{then[0]} bytes then, {current[0]} now" if then[0] != current[0] else
+                      "the same size, other bytes")
+            raise CheckpointError(f"checkpoint {path} was made from other contents of {name} ({change}): its data "
+                                  f"position would now point at other sentences; resume with the file as it was, or "
+                                  f"pass --fresh or another --run-dir to start over")
 
 
 def _files_in_words(files: list[str]) -> str:
