@@ -334,7 +334,7 @@ def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
                                   "graphs_uncompiled", "graphs_on_cpu", "zero_lr", "nan_weight_decay",
                                   "negative_clip_norm", "zero_phase2_batch", "small_heldout_split",
                                   "small_training_split", "too_many_predictions", "no_heldout", "nan_heldout",
-                                  "one_sentence_documents"])
+                                  "one_sentence_documents", "utf16"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     extra: list[str] = []
@@ -342,6 +342,9 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
         corpus.write_text("\n\n   \n")
     elif case == "one_document":
         corpus.write_text("Just one document.\nIt has two sentences but nothing to pair it with.\n")
+    elif case == "utf16":  # as Windows' Notepad saves "Unicode"
+        write_corpus(corpus, n_docs=10)
+        corpus.write_bytes(corpus.read_text().encode("utf-16"))
     elif case == "one_sentence_documents":  # every pair NotNext: balancing keeps none
         corpus.write_text("\n\n".join(f"document {i} is one sentence of words without a full stop" for i in range(200)))
     elif case != "missing":
@@ -372,7 +375,8 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
                 "too_many_predictions": "--max-predictions must lie in [1, 29] at --max-seq-len 32, got 1000",
                 "no_heldout": "--heldout-fraction must lie in (0, 0.5]", "nan_heldout": "got nan",
                 "one_sentence_documents": "few of its documents have the two sentences or more that an IsNext "
-                                          "pair needs; give longer documents, or pass --no-nsp-balance"}[case]
+                                          "pair needs; give longer documents, or pass --no-nsp-balance",
+                "utf16": "is UTF-16 text (it starts with a UTF-16 byte-order mark); convert it to UTF-8"}[case]
     fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either

@@ -152,6 +152,11 @@ def _read_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
                 text, bad = lenient.decode(raw, final=ends), True
                 lenient.reset()
             if first:
+                if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+                    # every other byte NUL: read as UTF-8 it would be one document of garbage, refused as "too few"
+                    width = 32 if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)) else 16
+                    raise CorpusError(f"{path} is UTF-{width} text (it starts with a UTF-{width} byte-order mark); "
+                                      f"convert it to UTF-8, e.g. iconv -f UTF-{width} -t UTF-8")
                 text, first = text.removeprefix("\ufeff"), False
             if not raw:
                 return
