@@ -40,11 +40,17 @@ class ServingFront:
                  max_bytes: int, cors_origins: list[str] | None = None):
         self.api, self.metrics, self.direct, self.max_bytes = api, metrics, direct, max_bytes
         self.endpoints = endpoints  # the paths metrics name; any other is "other" (bounded label values)
+        # a path of a templated route (/v1/models/{model_id:path}) is named by its template
+        self._templated = [(e.split("{", 1)[0], e) for e in endpoints if "{" in e]
         self._handle = self._serve
         if cors_origins:  # Starlette's CORS middleware around what answers, inside the metrics
             self._handle = _Cors(self._serve, allow_origins=cors_origins, allow_methods=["GET", "POST"],
                                           allow_headers=["*"], expose_headers=[*TIMING_HEADERS, "retry-after"],
                                           max_age=600)
+
+    def _template_of(self, path: str) -> str:
+        return next((template for prefix, template in self._templated
+                     if path.startswith(prefix) and len(path) > len(prefix)), "other")
 
     @property
     def state(self):
@@ -79,7 +85,7 @@ class ServingFront:
             # /embed/ is /embed: Starlette would answer 307, which httpx and the openai client do not follow for a POST
             path = path.rstrip("/")
             scope = {**scope, "path": path}
-        endpoint = path if path in self.endpoints else "other"
+        endpoint = path if path in self.endpoints else self._template_of(path)
         notes = scope.setdefault("bertserve", {})
         status = 500
         started = time.perf_counter()

@@ -976,9 +976,14 @@ def test_metrics_count_requests_failures_and_stages(artifact):
             await c.post("/embed", json={"inputs": ""})
             await c.post("/nsp", json={"pairs": [["a", "b"]]})
             await c.get("/nope")
+            await c.get("/v1/models/tiny")
+            await c.get("/models/tiny")
             return (await c.get("/metrics")).text
     m = run(go())
     assert _metric(m, 'bertserve_requests_total{endpoint="/embed",status="200"}') == 1
+    # a templated route's path by its template, however many names it is asked with
+    assert _metric(m, 'bertserve_requests_total{endpoint="/v1/models/{model_id:path}",status="200"}') == 1
+    assert _metric(m, 'bertserve_requests_total{endpoint="/models/{model_id:path}",status="200"}') == 1
     assert _metric(m, 'bertserve_request_failures_total{endpoint="/embed",status="422",type="invalid_request"}') == 1
     assert _metric(m, 'bertserve_request_failures_total{endpoint="other",status="404",type="not_found"}') == 1
     for name in ("bertserve_tokenize_duration_seconds_count", "bertserve_queue_duration_seconds_count",
