@@ -83,7 +83,7 @@ class OpenAIEmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     input: Text | Annotated[list[Text], Field(json_schema_extra={"minItems": 1})] | list[int] | list[list[int]]
     model: str | None = Field(None, description="accepted and ignored: the server has one model")
-    encoding_format: EncodingFormat = "float"
+    encoding_format: EncodingFormat | None = Field("float", description="null: float, as OpenAI takes it")
     dimensions: Dimensions | None = Field(
         None, description="keep the first that many of the model's width (GET /info `dimensions`), normalised "
                           "after if the vectors are: for Matryoshka-trained models")

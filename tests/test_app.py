@@ -377,6 +377,7 @@ def test_openai_embeddings(artifact, reference):
     async def go():
         async with serving(artifact) as (c, _):
             one = (await c.post("/v1/embeddings", json={"input": "hello world", "model": "anything"})).json()
+            null_format = (await c.post("/v1/embeddings", json={"input": "hello world", "encoding_format": None})).json()
             many = (await c.post("/v1/embeddings", json={"input": ["a", "b c"], "encoding_format": "base64",
                                                           "user": "ignored"})).json()
             dims = (await c.post("/v1/embeddings", json={"input": "hello world", "dimensions": 64})).json()
@@ -384,8 +385,9 @@ def test_openai_embeddings(artifact, reference):
             too_many = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 129})
             none = await c.post("/v1/embeddings", json={"input": "x", "dimensions": 0})
             ids = await c.post("/v1/embeddings", json={"input": [[1, 2, 3]]})
-            return one, many, dims, same_dims, too_many, none, ids
-    one, many, dims, same_dims, too_many, none, ids = run(go())
+            return one, many, dims, same_dims, too_many, none, ids, null_format
+    one, many, dims, same_dims, too_many, none, ids, null_format = run(go())
+    assert null_format["data"] == one["data"]  # a null encoding_format (clients that send every field) is float
     assert one["object"] == "list" and one["model"] == "tiny" and one["data"][0]["object"] == "embedding"
     ref, enc = reference("hello world")  # our model's default: the raw [CLS] vector
     np.testing.assert_allclose(one["data"][0]["embedding"], ref["cls_embedding"], atol=1e-5)

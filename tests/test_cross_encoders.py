@@ -84,8 +84,10 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
                     await c.post("/rerank", json={"query": QUERY, "texts": []}),
                     await c.post("/nsp", json={"pairs": [[QUERY, TEXTS[0]]]}),
                     await c.post("/rerank", json={"query": "", "texts": TEXTS}),
-                    await c.post("/v1/rerank", json={"query": QUERY, "documents": ["a", ""]}))
-    ranks, raw, predicted, info, too_long, empty, nsp, no_query, empty_document = run(go())
+                    await c.post("/v1/rerank", json={"query": QUERY, "documents": ["a", ""]}),
+                    await c.post("/rerank", json={"query": QUERY, "texts": TEXTS, "documents": TEXTS[:1]}))
+    ranks, raw, predicted, info, too_long, empty, nsp, no_query, empty_document, both = run(go())
+    assert_error(both, 422, "invalid_request", "`texts`", "`documents`", "not both")
     # each text's own score, most relevant first: the ranking, whatever the random model's scores are
     assert sorted(r["index"] for r in ranks) == list(range(len(TEXTS)))
     np.testing.assert_allclose([r["score"] for r in ranks], want[[r["index"] for r in ranks]], atol=1e-5)

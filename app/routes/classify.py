@@ -13,7 +13,7 @@ import numpy as np
 from fastapi import APIRouter, Body, Depends, Request
 from starlette.responses import Response
 
-from app.errors import Unsupported
+from app.errors import InvalidInput, Unsupported
 from app.pooling import softmax
 from app.responses import json_response
 from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, require_api_key, validate_body
@@ -94,7 +94,10 @@ router.add_api_route("/v2/rerank", rerank_documents, methods=["POST"], response_
 
 async def rerank_either(body: JsonObject, request: Request, service: InferenceService) -> Response:
     """/rerank's body read as Cohere's and Jina's when it has `documents` and no `texts`, else as TEI's."""
-    if "documents" in body.root and "texts" not in body.root:
+    if "documents" in body.root and "texts" in body.root:  # which list to rank is the client's to say
+        raise InvalidInput("give the texts to rank as `texts` (text-embeddings-inference) or as `documents` "
+                           "(Cohere, Jina), not both")
+    if "documents" in body.root:
         return await rerank_documents(validate_body(DocumentsRerankRequest, body.root), request, service)
     return await rerank(validate_body(RerankRequest, body.root), request, service)
 

@@ -37,7 +37,7 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
                                  prompt=service.prompt_for(inputs, None))  # the model's default prompt, if any
     vectors = service.sentence_vectors(result.outputs, pooling, service.openai_normalize, body.dimensions)
     data = [{"object": "embedding", "index": i, "embedding": e}
-            for i, e in enumerate(encode_rows(vectors, body.encoding_format))]
+            for i, e in enumerate(encode_rows(vectors, body.encoding_format or "float"))]
     usage = {"prompt_tokens": result.tokens, "total_tokens": result.tokens}
     return json_response({"object": "list", "data": data, "model": service.model_name, "usage": usage},
                          headers=result.timings.headers())
