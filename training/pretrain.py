@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=int, default=400, help="held-out evaluation every N steps; 0: at the end only")
     g.add_argument("--eval-batches", type=int, default=t.eval_batches, help="held-out batches per evaluation")
     g.add_argument("--checkpoint-every", type=int, default=400, help="checkpoint every N steps (and at the end)")
-    g.add_argument("--keep-checkpoints", type=int, default=t.keep_checkpoints, help="newest checkpoints kept")
+    g.add_argument("--keep-checkpoints", type=int, default=t.keep_checkpoints,
+                   help="newest checkpoints kept (0: every one)")
     g.add_argument("--log-every", type=int, default=t.log_every, help="a metrics line every N steps")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bars; the training's loss still gets a line at each log step")
