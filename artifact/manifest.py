@@ -230,7 +230,8 @@ class Manifest:
 
     def graph(self, precision: str) -> GraphInfo:
         if precision not in self.graphs:
-            how = "on a GPU with `python -m export --device cuda`" if precision == "fp16" else "with `python -m export`"
+            how = {"fp16": "on a GPU with `python -m export --device cuda`",
+                   "int8": "with `python -m export --int8`"}.get(precision, "with `python -m export`")
             raise ManifestError(f"this artifact has no {precision} graph (it has {', '.join(self.graphs)}); "
                                 f"export one {how}")
         return self.graphs[precision]

@@ -41,6 +41,7 @@ FP16_MIN_COSINE = 0.999
 FP16_MAX_NSP_PROB_DIFF = 0.01
 INT8_MIN_COSINE = 0.995  # sentence vectors
 INT8_TOKEN_MIN_COSINE = 0.97
+INT8_MAX_SCORE_DIFF = 0.02  # a head's sigmoid / softmax (all-MiniLM-L6-v2 under a random head: 0.0011)
 
 LIMITS: dict[str, tuple[Limit, ...]] = {
     "fp32": (
@@ -60,6 +61,9 @@ LIMITS: dict[str, tuple[Limit, ...]] = {
               "the sentence vector most models serve by default: ranks like fp32's"),
         Limit(f"{TOKEN_EMBEDDINGS}_min_cosine", ">=", INT8_TOKEN_MIN_COSINE,
               "one token's vector carries its own noise, which a sentence vector averages out"),
+        Limit("nsp_prob_max_diff", "<=", INT8_MAX_SCORE_DIFF, "an NSP verdict must not move by more than 2 points"),
+        Limit("classifier_score_max_diff", "<=", INT8_MAX_SCORE_DIFF,
+              "a classifier's score (sigmoid or softmax) must not move by more than 2 points"),
     ),
 }
 

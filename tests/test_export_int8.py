@@ -55,6 +55,17 @@ def test_int8_limits():
             check_parity("int8", {**ok, name: bad})
 
 
+def test_int8_gates_head_scores():
+    """A cross-encoder's or NSP head's score is served from the int8 graph too: gated like fp16's, not
+    only recorded (a steep head passed every cosine with its sigmoid 0.15 off)."""
+    ok = {"cls_embedding_min_cosine": 0.998, "pooled_embedding_min_cosine": 0.998,
+          "classifier_score_max_diff": 0.001, "nsp_prob_max_diff": 0.001}
+    check_parity("int8", ok)
+    for name in ("classifier_score_max_diff", "nsp_prob_max_diff"):
+        with pytest.raises(ParityError, match=name):
+            check_parity("int8", {**ok, name: 0.15})
+
+
 def test_int8_export_fails_when_smoothing_loses_its_inverse(tiny_model_dir, tmp_path, monkeypatch):
     """A plausible int8 bug: the weights are smoothed but the Mul that divides the input is lost, so the
     graph still runs and its vectors are merely off. The gate must stop the export on them."""

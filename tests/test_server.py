@@ -714,7 +714,7 @@ def test_a_damaged_or_missing_file_is_one_line_naming_it(tiny_artifact_dir, tmp_
     ("list", "manifest is a JSON list"),
     ("no_graphs", "manifest names no graph"),
     ("bad_length", "max_length -5"),
-    ("no_int8", "no int8 graph"),
+    ("no_int8", "no int8 graph (it has fp32); export one with `python -m export --int8`"),
     ("length_text", "max_length is 'abc', not int"),
     ("graphs_list", "malformed"),
     ("unhashed", "has no sha256 of model.onnx"),
