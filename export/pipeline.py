@@ -209,6 +209,9 @@ def parity_feeds(tokenizer: Tokenizer, specials: dict[str, int], vocab_size: int
     # Sorted: get_vocab() is a Rust HashMap whose order changes from process to process, and with it
     # which ids the seeded draws picked (the int8 verdict once changed from run to run).
     words = sorted(i for i in tokenizer.get_vocab().values() if i not in special_ids and i < vocab_size)
+    if not words:
+        raise ExportError(f"the tokenizer has no token besides its special ones (below the config's vocab_size "
+                          f"{vocab_size}): nothing to check parity or serve text with")
     cls_id, sep_id, pad_id = specials[CLS], specials[SEP], specials[PAD]
     gate = (random_batches(words, cls_id, sep_id, pad_id, max_length, shapes, seed)
             + text_batches(tokenizer, SENTENCES, max_length, pad_id))

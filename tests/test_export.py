@@ -242,6 +242,12 @@ def broken_copies(src, root):
     d = copy("negative-width")
     (d / "config.json").write_text(json.dumps({**cfg, "hidden_size": -128}))
     cases["negative hidden_size"] = (d, "hidden_size must be a positive whole number, got -128")
+    d = copy("specials-only")  # transformers 5's BertTokenizerFast(vocab_file=...) can save such a tokenizer.json
+    (d / "vocab5.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    from training.wordpiece import tokenizer_from_vocab
+    tokenizer_from_vocab(d / "vocab5.txt").save(str(d / "tokenizer.json"))
+    (d / "vocab5.txt").unlink()
+    cases["tokenizer of special tokens only"] = (d, "the tokenizer has no token besides its special ones")
     d = copy("one-segment")
     (d / "config.json").write_text(json.dumps({**cfg, "type_vocab_size": 1}))
     cases["type_vocab_size 1"] = (d, "type_vocab_size 1: the model has no segment embedding for a pair's second text")
