@@ -71,6 +71,10 @@ class InferenceService:
         self.openai_normalize = (manifest.default_normalize if settings.openai_normalize is None
                                  else settings.openai_normalize)
         self.sentence_dense = sentence_dense  # the checkpoint's Dense modules, after its own pooling
+        # The prompts a request may name. sentence-transformers gives every embedding model "query" and
+        # "document", empty unless its config sets them, so encode(prompt_name="query") works on any model
+        # (and encode_query uses it).
+        self._prompts = manifest.prompts if manifest.classifier_labels else {**ST_DEFAULT_PROMPTS, **manifest.prompts}
         self._inflight = 0
         self.draining = False  # a stop signal came: new requests are refused
         self._expired = False  # the drain deadline passed: waiting requests are answered 503
@@ -92,10 +96,7 @@ class InferenceService:
     def prompt_for(self, items: Sequence[Item], prompt_name: str | None) -> str:
         """The prompt the tokenizer puts before each text (pairs stay as they are), as sentence-transformers
         encodes them: the named one; unnamed, the model's default prompt, if it has one; named "", none."""
-        # sentence-transformers gives every embedding model "query" and "document" prompts, empty unless its
-        # config sets them, so encode(prompt_name="query") works on any model (and encode_query uses it)
-        prompts = self.manifest.prompts if self.manifest.classifier_labels else {**ST_DEFAULT_PROMPTS,
-                                                                                 **self.manifest.prompts}
+        prompts = self._prompts
         if prompt_name == "":  # no prompt, the default's too (sentence-transformers' prompt="")
             return ""
         if prompt_name is not None:
