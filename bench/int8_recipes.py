@@ -16,6 +16,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +26,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
+from tokenizers import Tokenizer  # noqa: E402
 
 from bench.http_load import make_texts  # noqa: E402
 from export import smoothing  # noqa: E402
@@ -34,9 +36,32 @@ from export.parity import compare, random_batches, reference_outputs, text_batch
 from export.checkpoint_layout import read_layout  # noqa: E402
 from export.pipeline import _load_tokenizer, _served_length, parity_feeds, special_token_ids  # noqa: E402
 from training.wordpiece import CLS, PAD, SEP  # noqa: E402
-from training.model_folder import load_model_folder  # noqa: E402
+from training.model_folder import LoadedModel, load_model_folder  # noqa: E402
 
 FIGURES = ("cls_embedding", "pooled_embedding", "mean_pooling", "max_pooling", "token_embeddings")
+
+
+@dataclass
+class Checkpoint:
+    """A model folder as export reads it, with the parity gate's and calibration's feeds."""
+    loaded: LoadedModel
+    tokenizer: Tokenizer
+    specials: dict[str, int]
+    graph: EmbeddingGraph  # PyTorch, eval mode: the reference
+    served_length: int
+    gate: list[dict[str, np.ndarray]]
+    calibration: list[dict[str, np.ndarray]]
+
+
+def load_checkpoint(model: Path) -> Checkpoint:
+    layout = read_layout(model)
+    loaded = load_model_folder(layout.encoder_dir)
+    tokenizer = _load_tokenizer(layout.encoder_dir, loaded.config.vocab_size)
+    specials = special_token_ids(tokenizer)
+    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
+    served_length = _served_length(layout, loaded.config.max_position_embeddings, None)
+    gate, calibration = parity_feeds(tokenizer, specials, loaded.config.vocab_size, served_length)
+    return Checkpoint(loaded, tokenizer, specials, graph, served_length, gate, calibration)
 
 
 def dynamic(src: Path, dst: Path, **options) -> None:
@@ -106,13 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args(argv)
 
-    layout = read_layout(args.model)
-    loaded = load_model_folder(layout.encoder_dir)
-    tokenizer = _load_tokenizer(layout.encoder_dir, loaded.config.vocab_size)
-    specials = special_token_ids(tokenizer)
-    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
-    served_length = _served_length(layout, loaded.config.max_position_embeddings, None)
-    gate, calibration = parity_feeds(tokenizer, specials, loaded.config.vocab_size, served_length)
+    c = load_checkpoint(args.model)
+    loaded, tokenizer, specials, graph, served_length = c.loaded, c.tokenizer, c.specials, c.graph, c.served_length
+    gate, calibration = c.gate, c.calibration
     references = [reference_outputs(graph, feed) for feed in gate]
     # Other batches than the gate's, to choose a recipe on: calibration's, more seeded random ids, more text.
     words = sorted(i for i in tokenizer.get_vocab().values()

