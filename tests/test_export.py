@@ -537,3 +537,19 @@ def test_a_vocabulary_no_larger_than_the_positions_exports_without_onnx_runtimes
         m = export_artifact(folder, tmp_path / "art", parity_shapes=((2, 8),))
     assert m.graph("fp32").fused_operators["EmbedLayerNormalization"] == 1
     assert "word_embedding_table" not in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("kind", ["roberta", "mpnet"])
+def test_a_checkpoint_outside_berts_family_is_refused_by_its_type_in_one_line(kind, tmp_path, capsys):
+    """An MPNet (all-mpnet-base-v2's type) left out type_vocab_size, and the refusal used to blame that
+    instead of the model's type."""
+    import transformers
+    config_class = {"roberta": transformers.RobertaConfig, "mpnet": transformers.MPNetConfig}[kind]
+    model_class = {"roberta": transformers.RobertaModel, "mpnet": transformers.MPNetModel}[kind]
+    model_class(config_class(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=64)).save_pretrained(tmp_path / kind)
+    capsys.readouterr()  # transformers' own progress bar
+    assert main(["--model", str(tmp_path / kind), "--out", str(tmp_path / "art")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"model_type is {kind!r}; read are bert, distilbert, electra" in err, err
+    assert "type_vocab_size" not in err and not (tmp_path / "art").exists()

@@ -9,6 +9,7 @@ import torch
 from training import distilbert, electra
 
 _READERS = {reader.MODEL_TYPE: reader for reader in (distilbert, electra)}
+MODEL_TYPES = ("bert", *_READERS)  # the config.json model_types read
 SEQUENCE_CLASSIFIERS = ("BertForSequenceClassification", *(r.SEQUENCE_CLASSIFIER for r in _READERS.values()))
 
 
