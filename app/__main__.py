@@ -13,8 +13,10 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 if __name__ == "__main__":
     # Ctrl-C while the modules import would end in a traceback from deep inside one of them (or an error
-    # that hides it): it stays pending until they have, and then gets one quiet exit.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    # that hides it); a SIGTERM then would be lost where this is PID 1 (a container's: the kernel drops a
+    # signal PID 1 has no handler for), and the server would start and serve until SIGKILL. Both stay
+    # pending until the modules have imported, and then get one quiet exit.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 import argparse
 import sys
@@ -54,6 +56,12 @@ def _metavar(name: str, annotation) -> str:
     return name.split("_")[-1].upper()
 
 
+def _stop_before_serving(*_) -> None:
+    """SIGTERM before the server serves: nothing to drain, an orderly stop (exit 0, as the launcher's while
+    engines load)."""
+    raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     flags = parse_args(argv)
     try:
@@ -76,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     from artifact.manifest import ManifestError, read_manifest
     from artifact.session import SessionError, kernels_library
 
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # held since the top of this file
+    signal.signal(signal.SIGTERM, _stop_before_serving)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held since the top of this file
 
     try:  # a port already taken is said now, not after the model has loaded
         listening_socket(settings.host, settings.port).close()

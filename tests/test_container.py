@@ -11,8 +11,10 @@ import os
 import re
 import resource
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -45,6 +47,40 @@ def test_the_cpu_target_never_names_the_cuda_image():
     up_to_cpu = [line for line in lines[:cpu_end] if not line.startswith("ARG ")]
     assert not [line for line in up_to_cpu if re.search("cuda|nvidia", line, re.I)
                 or set(re.findall(r"(?:--from=|^FROM )(\S+)", line)) & set(later_stages)]
+
+
+def _blocked_signals(pid: int) -> int:
+    (mask,) = re.findall(r"^SigBlk:\s*([0-9a-f]+)$", Path(f"/proc/{pid}/status").read_text(), re.M)
+    return int(mask, 16)
+
+
+def test_a_sigterm_while_the_server_imports_stops_it_as_pid_1(tiny_artifact_dir):
+    """In the image `python -m app` is PID 1, and the kernel drops a signal that PID 1 has no handler for:
+    a `docker stop` or pod deletion while its modules import must still stop it, not leave it to start,
+    serve and be killed at the end of the grace period. PID 1 of a PID namespace of its own, no image."""
+    if (os.geteuid() != 0 or not shutil.which("unshare")
+            or subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode):
+        pytest.skip("needs root, unshare (util-linux) and the right to make a PID namespace")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
+    proc = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-m", "app",
+                             "--model-dir", str(tiny_artifact_dir), "--port", str(free_port())],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+        while not (server := children.read_text().split()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert server, "unshare started no process"
+        # SIGINT held: app/__main__.py is importing the server's modules, before any handler is in place
+        while not _blocked_signals(int(server[0])) & (1 << (signal.SIGINT - 1)) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(int(server[0]), signal.SIGTERM)
+        rc = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = proc.stdout.read()
+    assert rc == 0 and "Traceback" not in log and "startup complete" not in log, f"exit {rc}:\n{log}"
 
 
 def _reachable(url: str) -> bool:
