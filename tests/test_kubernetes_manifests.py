@@ -13,6 +13,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.metrics import MULTIPROC_DIR_VAR, Metrics
+from app.multiprocess.launcher import _ENGINE_START_S
 from app.settings import ENV_PREFIX, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,6 +23,7 @@ MANIFESTS = ROOT / "deploy" / "kubernetes"
 KUBERNETES_VERSIONS = ("1.25", "1.37")
 NOT_RESOURCES = {"kustomization.yaml", "prometheus-adapter-values.yaml"}  # kustomize's and Helm's inputs
 EXIT_MARGIN_S = 5  # after the drain deadline: closing connections, stopping the engine process
+START_MARGIN_S = 30  # around the engine's start: every artifact file's sha256 before, the HTTP workers after
 
 
 def _load(name: str) -> list[dict]:
@@ -133,6 +135,14 @@ def test_grace_period_outlasts_prestop_and_drain():
     drain = float(_env(server)[ENV_PREFIX + "DRAIN_SECONDS"])  # set, not left to a default that may change
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace >= int(command[1]) + drain + EXIT_MARGIN_S, (grace, command, drain)
+
+
+def test_startup_probe_outlasts_the_servers_own_wait_for_its_engine():
+    """The server gives its engine process _ENGINE_START_S to load and then exits saying why; a startup
+    probe that gives up first kills a replica whose engine would have been ready, at every restart."""
+    probe = _server(_one("Deployment"))["startupProbe"]
+    window = probe.get("initialDelaySeconds", 0) + probe.get("periodSeconds", 10) * probe.get("failureThreshold", 3)
+    assert window >= _ENGINE_START_S + START_MARGIN_S, (window, probe)
 
 
 def test_every_server_variable_names_a_setting():
