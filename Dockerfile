@@ -4,10 +4,10 @@
 #   docker run -p 8000:8000 -v ./artifacts:/model bertserve
 # podman / buildah: add `--format docker`; their default, the OCI format, has no HEALTHCHECK and drops it.
 # GPU: onnxruntime-gpu, with CUDA and cuDNN as pip packages that match its build, so only the host's NVIDIA
-# driver is needed (`docker run --gpus all ...`); it also carries our CUDA operator library
-# (custom_kernels/), built against those same pip packages (cuBLAS's and the runtime's headers come with
-# them; nvcc and CCCL come from pip too, in the build stage only: no CUDA devel image); the server runs an
-# artifact's custom-kernels graph with it.
+# driver is needed (`docker run --gpus all ...`), one that runs their CUDA 13: the 580 series or newer; it
+# also carries our CUDA operator library (custom_kernels/), built against those same pip packages (cuBLAS's
+# and the runtime's headers come with them; nvcc and CCCL come from pip too, in the build stage only: no CUDA
+# devel image); the server runs an artifact's custom-kernels graph with it.
 # The CPU stages come first and never name the CUDA image: the classic builder (DOCKER_BUILDKIT=0) builds
 # every stage up to the target, so `--target cpu` stops before the GPU stages; BuildKit and podman build
 # only the stages the target uses.
