@@ -4,6 +4,7 @@ its endpoints, port, user, settings, drain deadline and metrics."""
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 
@@ -150,6 +151,23 @@ def test_every_server_variable_names_a_setting():
     names = {name[len(ENV_PREFIX):].lower() for name in _env(_server(_one("Deployment")))
              if name.startswith(ENV_PREFIX)}
     assert names <= set(Settings.model_fields)
+
+
+def test_the_server_starts_with_the_images_and_the_manifests_values(monkeypatch, tmp_path):
+    """Each value parses as its setting and the settings agree with each other (as `python -m app` checks
+    them at start: a bad one stops every replica), the model folder aside: /model is the pod's."""
+    instructions = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+    image = {name[len(ENV_PREFIX):]: value for line in instructions if line.startswith("ENV ")
+             for name, value in re.findall(r"(\w+)=(\S+)", line) if name.startswith(ENV_PREFIX)}
+    pod = {name[len(ENV_PREFIX):]: value for name, value in _env(_server(_one("Deployment"))).items()
+           if name.startswith(ENV_PREFIX) and value is not None}
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    for name, value in {**image, **pod, "MODEL_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(ENV_PREFIX + name, value)
+    settings = Settings()
+    assert (settings.workers, settings.port) == (int(pod["WORKERS"]), int(image["PORT"]))
 
 
 def _exported_gauges(monkeypatch) -> set[str]:
