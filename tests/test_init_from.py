@@ -126,6 +126,30 @@ def test_tokenizer_is_used_as_it_is_without_truncation_or_padding(root, corpus, 
     assert data.train.shards.tokens(0, len(expected)).tolist() == expected and len(expected) > 8
 
 
+def test_transformers_reads_the_tokenizer_written_as_the_sources(root, corpus, tokenizer_dir, tmp_path):
+    """A tokenizer that lower-cases but keeps accents and does not split CJK characters (as transformers
+    saves one): transformers builds its normaliser from tokenizer_config.json, so the folder written must
+    say so, or transformers (and sentence-transformers) tokenise its texts unlike training and the server."""
+    words = tmp_path / "words"
+    words.mkdir()
+    vocab = (tokenizer_dir / "vocab.txt").read_text().splitlines() + ["café", "cafe", "北京", "北", "京"]
+    (words / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    (words / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "strip_accents": False,
+         "tokenize_chinese_chars": False}))
+    saved = tmp_path / "tokenizer"
+    transformers.AutoTokenizer.from_pretrained(words).save_pretrained(saved)
+    shutil.copy2(words / "vocab.txt", saved)  # as transformers < 5 saves it too
+    source = hf_folder(tmp_path / "source", saved, transformers.BertForPreTraining)
+    out = tmp_path / "model"
+    assert main(init_args(corpus, root / "cache", source, out, tmp_path / "run", "--max-steps", "1")) == 0
+
+    text = "Café near 北京"
+    expected = transformers.AutoTokenizer.from_pretrained(source)(text)["input_ids"]
+    assert [vocab[i] for i in expected[1:-1]] == ["café", "near", "北京"]
+    assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == expected
+
+
 @pytest.mark.parametrize("layout", ["bare", "sentence_transformers"])
 def test_folder_without_heads_trains_and_writes_a_transformers_folder(layout, root, corpus, request, tmp_path):
     source = request.getfixturevalue({"bare": "bare_dir", "sentence_transformers": "sentence_transformers_dir"}[layout])

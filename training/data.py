@@ -34,7 +34,7 @@ from training.writes import check_writable, remove_stale_siblings, write_failed
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 1          # bump when the shard layout or the tokenisation changes
+_FORMAT = 2          # bump when the shard layout, the tokenisation or the tokenizer files saved change
 _MIN_FREQUENCY = 2   # of a WordPiece we train
 _DONE = "DONE"
 _WAIT_LOG_S = 60.0

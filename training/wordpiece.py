@@ -103,9 +103,20 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path | str, model_max_length: int = 
     (out_dir / "vocab.txt").write_text("".join(f"{t}\n" for t, _ in vocab), encoding="utf-8")
     specials = {"pad_token": PAD, "unk_token": UNK, "cls_token": CLS, "sep_token": SEP, "mask_token": MASK}
     (out_dir / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
-    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": is_lowercase(tok),
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": is_lowercase(tok), **_normalizer_settings(tok),
               "model_max_length": model_max_length, **specials}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _normalizer_settings(tok: Tokenizer) -> dict:
+    """A BertNormalizer's accent stripping and CJK splitting in tokenizer_config.json's words: transformers
+    builds a BertTokenizer's normaliser from these, not from tokenizer.json, and would otherwise take its
+    defaults (accents stripped when lower-casing, CJK characters split) whatever the tokenizer does."""
+    normalizer = json.loads(tok.to_str())["normalizer"] or {}
+    if normalizer.get("type") != "BertNormalizer":
+        return {}
+    return {"strip_accents": normalizer.get("strip_accents"),
+            "tokenize_chinese_chars": normalizer.get("handle_chinese_chars", True)}
 
 
 def load_tokenizer_from_folder(folder: Path | str) -> Tokenizer:
