@@ -177,6 +177,18 @@ def test_folder_without_heads_trains_and_writes_a_transformers_folder(layout, ro
     assert (out / "modules.json").is_file() == (layout == "sentence_transformers")
 
 
+def test_a_sentence_transformers_folder_trained_longer_cuts_texts_where_the_server_does(
+        root, corpus, sentence_transformers_dir, tmp_path):
+    """Trained at 64 tokens, past the source's max_seq_length of 48: sentence-transformers reads the folder
+    written with the length the server takes (trained_max_length), not the source's shorter one."""
+    st = pytest.importorskip("sentence_transformers")
+    out = tmp_path / "model"
+    assert main(init_args(corpus, root / "cache", sentence_transformers_dir, out, tmp_path / "run", "--max-steps", "1",
+                          "--max-seq-len", str(POSITIONS), "--max-predictions", "10", "--batch-size", "4")) == 0
+    assert trained_max_length(out) == POSITIONS
+    assert st.SentenceTransformer(str(out), device="cpu").max_seq_length == POSITIONS
+
+
 def test_a_distilbert_masked_lm_trains_and_writes_a_bert_folder(root, corpus, tokenizer_dir, tmp_path):
     """A DistilBertForMaskedLM (read as BERT, training/distilbert.py) keeps its MLM head; the NSP head and
     the segment embeddings start fresh, and the folder written is a BERT that transformers loads whole."""

@@ -94,8 +94,9 @@ def save_model_folder(
     max_length: int | None = None, copies: dict[str, Path | str] | None = None,
 ) -> Path:
     """Write config, weights, tokenizer files (copied from `tokenizer_dir`) and any extra JSON files;
-    `max_length` (the longest sequence trained at) becomes tokenizer_config.json's model_max_length;
-    `copies` (see sentence_transformers_files) are copied or written as they are.
+    `max_length` (the longest sequence trained at) becomes tokenizer_config.json's model_max_length, and a
+    copied sentence_bert_config.json's max_seq_length; `copies` (see sentence_transformers_files) are
+    copied or written as they are otherwise.
     Nothing appears at `out_dir` until everything is written."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,12 @@ def save_model_folder(
                 shutil.copytree(source, tmp / name)
             else:
                 shutil.copy2(source, tmp / name)
+        sbert_config = tmp / SENTENCE_BERT_CONFIG_FILE
+        if max_length is not None and sbert_config.is_file():
+            # sentence-transformers cuts texts at this length where it is given: the length the server takes
+            config = json.loads(sbert_config.read_text())
+            if config.get("max_seq_length") is not None:
+                sbert_config.write_text(json.dumps({**config, "max_seq_length": max_length}, indent=2) + "\n")
         # mkdtemp makes the folder private: a model folder is meant to be read by others (a server user,
         # a teammate), as export leaves its artifact folders
         for path in (tmp, *tmp.rglob("*")):
