@@ -28,8 +28,11 @@ def electra_folder(root, tokenizer_dir, model_class=transformers.ElectraModel, s
         "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 64, **config}), seed)
 
 
-def test_an_electra_discriminator_is_served_as_transformers_computes_it(tiny_tokenizer_dir, tmp_path):
-    folder, model = electra_folder(tmp_path / "hf", tiny_tokenizer_dir)
+@pytest.mark.parametrize("model_class", [transformers.ElectraModel, transformers.ElectraForPreTraining])
+def test_an_electra_discriminator_is_served_as_transformers_computes_it(model_class, tiny_tokenizer_dir, tmp_path):
+    """ElectraForPreTraining is how google/electra-*-discriminator ship: its replaced-token head is left out."""
+    folder, model = electra_folder(tmp_path / "hf", tiny_tokenizer_dir, model_class)
+    model = getattr(model, "electra", model)
     m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
     assert not m.has_pooler and not m.has_nsp_head
     tok = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json"))

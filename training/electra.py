@@ -11,6 +11,9 @@ MODEL_TYPE = "electra"
 SEQUENCE_CLASSIFIER = "ElectraForSequenceClassification"
 POOLER_ACTIVATION = torch.nn.GELU  # exact, as transformers' get_activation("gelu")
 
+# ElectraForPreTraining's replaced-token head (as google/electra-*-discriminator ship): not served, and not
+# BERT's MLM head either, so left out as transformers' ElectraModel leaves it.
+_DISCRIMINATOR_HEAD = "discriminator_predictions."
 _HEAD_NAMES = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
 
 
@@ -24,11 +27,13 @@ def bert_config(raw_config: dict) -> dict:
 
 
 def bert_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An ElectraModel's or ElectraForSequenceClassification's tensors in transformers' BERT names (a bare
+    """An ElectraModel's, ElectraForPreTraining's or ElectraForSequenceClassification's tensors in transformers' BERT names (a bare
     BertModel's, plus `pooler.*` and `classifier.*` for a classifier's head). Tensors it does not know keep
     their names, for the loader to name."""
     out = {}
     for key, value in state.items():
+        if key.startswith(_DISCRIMINATOR_HEAD):
+            continue
         key = key.removeprefix("electra.")
         for old, new in _HEAD_NAMES.items():
             if key.startswith(old):
