@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer
 from test_trainer import fails_in_one_line, read_metrics, write_corpus
 
 from artifact.source_folder import trained_max_length
@@ -314,3 +315,21 @@ def test_legacy_checkpoint_names_load_as_transformers_loads_them(pretraining_dir
     assert loaded.has_mlm_head and loaded.has_nsp_head
     ours, theirs = loaded.model.state_dict(), reference.model.state_dict()
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_tokenizer_without_a_normalizer_trains_and_is_read_as_it_is(root, corpus, pretraining_dir, tmp_path):
+    """tokenizer.json's `"normalizer": null` (no lower-casing, accents kept, CJK unsplit) used to stop the
+    run with a traceback; transformers must then read the folder written without any of the three."""
+    source = tmp_path / "source"
+    shutil.copytree(pretraining_dir, source)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    spec["normalizer"] = None
+    (source / "tokenizer.json").write_text(json.dumps(spec))
+    out = tmp_path / "model"
+    assert main(init_args(corpus, root / "cache_null", source, out, tmp_path / "run", "--max-steps", "1")) == 0
+    text = "Café near 北京, THE cat"
+    ours = Tokenizer.from_file(str(source / "tokenizer.json"))
+    ours.no_truncation()  # the source's tokenizer.json cuts at 8, as transformers saved it
+    ours.no_padding()
+    ours = ours.encode(text).ids
+    assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == ours

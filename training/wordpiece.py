@@ -84,7 +84,7 @@ def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each
 
 
 def is_lowercase(tok: Tokenizer) -> bool:
-    return bool(json.loads(tok.to_str())["normalizer"].get("lowercase", False))
+    return bool((json.loads(tok.to_str())["normalizer"] or {}).get("lowercase", False))
 
 
 def fingerprint(tok: Tokenizer) -> str:
@@ -112,7 +112,9 @@ def _normalizer_settings(tok: Tokenizer) -> dict:
     """A BertNormalizer's accent stripping and CJK splitting in tokenizer_config.json's words: transformers
     builds a BertTokenizer's normaliser from these, not from tokenizer.json, and would otherwise take its
     defaults (accents stripped when lower-casing, CJK characters split) whatever the tokenizer does."""
-    normalizer = json.loads(tok.to_str())["normalizer"] or {}
+    normalizer = json.loads(tok.to_str())["normalizer"]
+    if normalizer is None:  # no normaliser at all: neither, where transformers would take both
+        return {"strip_accents": False, "tokenize_chinese_chars": False}
     if normalizer.get("type") != "BertNormalizer":
         return {}
     return {"strip_accents": normalizer.get("strip_accents"),
