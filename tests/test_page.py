@@ -12,10 +12,15 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 import numpy as np
 import pytest
+import torch
+from tokenizers import Tokenizer
 
+from export.pipeline import export_artifact
 from tests.headless_chromium import chrome
 from tests.test_app import run, serving
 from tests.test_server import running_server
+from training.model import BertForPreTraining, preset_config
+from training.model_folder import save_model_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTEFACTS = ROOT / "test-artifacts"  # git-ignored: the screenshots
@@ -227,3 +232,51 @@ def test_the_page_says_when_the_model_has_no_nsp_head(tiny_artifact_dir, tmp_pat
         assert not browser.find_element("id", "nsp-form").is_displayed()
         _wait(browser, lambda: _js(browser, "return document.getElementById('tokens-output').dataset.inputs"),
               "the rest of the page works")
+
+
+@pytest.fixture(scope="module")
+def long_artifact_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """A tiny random model served up to 512 tokens a text, as BERT-base is."""
+    torch.manual_seed(0)
+    vocab_size = Tokenizer.from_file(str(tiny_tokenizer_dir / "tokenizer.json")).get_vocab_size()
+    model = BertForPreTraining(preset_config("tiny", vocab_size=vocab_size, max_position_embeddings=512))
+    root = tmp_path_factory.mktemp("long")
+    export_artifact(save_model_folder(model, tiny_tokenizer_dir, root / "model"), root / "art")
+    return root / "art"
+
+
+def _answered(browser, section: str, output_id: str, inputs: list[str]) -> str | None:
+    """Waits until the section drew `inputs`' answer or showed an error; returns the error's text."""
+    def done():
+        drawn = _js(browser, "return document.getElementById(arguments[0]).dataset.inputs", output_id)
+        return (drawn is not None and json.loads(drawn) == inputs) or _js(
+            browser, "return !document.querySelector(`#${arguments[0]} .error`).hidden", section)
+    _wait(browser, done, f"#{output_id} drawn or an error shown")
+    error = browser.find_element("css selector", f"#{section} .error")
+    return error.text if error.is_displayed() else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_compares_two_texts_of_512_tokens(long_artifact_dir):
+    long_a, long_b = " ".join([A] * 80), " ".join([B] * 80)  # each cut at 512 tokens: a 512 x 512 heatmap
+    with running_server(long_artifact_dir) as base, chrome() as browser, \
+            httpx.Client(base_url=base, timeout=60) as api:
+        browser.get(base + "/")
+        _wait(browser, lambda: _js(browser, "return document.getElementById('tokens-output').dataset.inputs"),
+              "the first heatmap drawn")
+        _fill(browser, "sentence-a", long_a)
+        _fill(browser, "sentence-b", long_b)
+        _submit(browser, "tokens-form")
+        assert _answered(browser, "tokens", "tokens-output", [long_a, long_b]) is None
+        data = api.post("/embed", json={"inputs": [long_a, long_b], "pooling": "none", "return_tokens": True,
+                                        "encoding_format": "base64"}).json()["data"]
+        expected = _cosines(*(_vectors(item["token_embeddings"], len(item["tokens"])) for item in data))
+        assert expected.shape == (512, 512)
+        canvas = _js(browser, "return {...document.querySelector('#tokens-output canvas').dataset}")
+        assert (int(canvas["rows"]), int(canvas["cols"])) == expected.shape
+        # the colour scale's ends, the smallest and the largest cosine of all 262,144
+        ends = _js(browser, "return [...document.querySelectorAll('#tokens-output .legend > span')]"
+                            ".map(s => parseFloat(s.textContent))")
+        np.testing.assert_allclose([ends[0], ends[2]], [expected.min(), expected.max()], atol=0.006)
+        assert not _errors(browser)

@@ -62,8 +62,13 @@ function cosine(u, v) {
 const cosines = (rows, cols) => rows.map((u) => cols.map((v) => cosine(u, v)));
 
 function range(matrices) {
-  const values = matrices.flat(2);
-  return {lo: Math.min(...values), hi: Math.max(...values)};
+  // a loop, not Math.min(...values): two 512-token texts make 262,144 arguments, past the call stack
+  let lo = Infinity, hi = -Infinity;
+  for (const value of matrices.flat(2)) {
+    lo = Math.min(lo, value);
+    hi = Math.max(hi, value);
+  }
+  return {lo, hi};
 }
 
 function colour(value, {lo, hi}) {
