@@ -280,3 +280,27 @@ def test_the_page_compares_two_texts_of_512_tokens(long_artifact_dir):
                             ".map(s => parseFloat(s.textContent))")
         np.testing.assert_allclose([ends[0], ends[2]], [expected.min(), expected.max()], atol=0.006)
         assert not _errors(browser)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_fits_a_phones_width(tiny_artifact_dir):
+    long_a, long_b = " ".join([A] * 4), " ".join([B] * 4)  # 40-odd tokens each: a heatmap wider than the screen
+    with running_server(tiny_artifact_dir) as base, chrome() as browser:
+        # Chromium's window is never narrower than 500 pixels: a phone's viewport, as DevTools emulates one
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 360, "height": 740, "deviceScaleFactor": 1, "mobile": True})
+        browser.get(base + "/")
+        _wait(browser, lambda: _js(browser, "return document.getElementById('nsp-output').dataset.inputs"), "NSP drawn")
+        _fill(browser, "sentence-a", long_a)
+        _fill(browser, "sentence-b", long_b)
+        _submit(browser, "tokens-form")
+        _drawn(browser, "tokens-output", [long_a, long_b])
+        assert _js(browser, "return document.querySelector('#tokens-output canvas').clientWidth") > 360
+        # nothing past the screen's right edge: the heatmap scrolls in its section, the NSP scores wrap
+        page = _js(browser, "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert page == [360, 360], page
+        edges = _js(browser, "return [...document.querySelectorAll('#nsp-output .nsp-row > span')]"
+                             ".map(s => s.getBoundingClientRect().right)")
+        assert len(edges) == 8 and max(edges) <= 360, edges
+        assert not _errors(browser)
