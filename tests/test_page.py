@@ -6,6 +6,7 @@ import base64
 import json
 import re
 import shutil
+import signal
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
@@ -18,7 +19,7 @@ from tokenizers import Tokenizer
 from export.pipeline import export_artifact
 from tests.headless_chromium import chrome
 from tests.test_app import run, serving
-from tests.test_server import running_server
+from tests.test_server import running_server, start_server
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import save_model_folder
 
@@ -304,3 +305,22 @@ def test_the_page_fits_a_phones_width(tiny_artifact_dir):
                              ".map(s => s.getBoundingClientRect().right)")
         assert len(edges) == 8 and max(edges) <= 360, edges
         assert not _errors(browser)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_says_when_the_server_stopped(tiny_artifact_dir):
+    proc, base = start_server(tiny_artifact_dir)
+    try:
+        with chrome() as browser:
+            browser.get(base + "/")
+            _wait(browser, lambda: _js(browser, "return document.getElementById('tokens-output').dataset.inputs"),
+                  "the first heatmap drawn")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+            _submit(browser, "tokens-form")
+            _wait(browser, lambda: browser.find_element("css selector", "#tokens .error").is_displayed(), "an error")
+            assert browser.find_element("css selector", "#tokens .error").text.startswith("The server did not answer")
+    finally:
+        proc.kill()
+        proc.wait()

@@ -31,7 +31,13 @@ async function api(path, body) {
     init.body = JSON.stringify(body);
   }
   if (apiKey) init.headers.Authorization = `Bearer ${apiKey}`;
-  const response = await fetch(path, init);  // a relative path: the API is where the page is
+  const request = new Request(path, init);  // a relative path: the API is where the page is
+  let response;
+  try {
+    response = await fetch(request);
+  } catch (e) {  // no answer at all, where the browser says only "Failed to fetch"
+    throw new ApiError(0, `The server did not answer (stopped, or out of reach): ${e.message}`);
+  }
   const data = await response.json().catch(() => null);
   if (!response.ok) {
     throw new ApiError(response.status, data && data.error ? data.error.message : `${path} answered ${response.status}`);
