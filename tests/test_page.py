@@ -298,7 +298,11 @@ def test_the_page_fits_a_phones_width(tiny_artifact_dir):
         _submit(browser, "tokens-form")
         _drawn(browser, "tokens-output", [long_a, long_b])
         assert _js(browser, "return document.querySelector('#tokens-output canvas').clientWidth") > 360
-        # nothing past the screen's right edge: the heatmap scrolls in its section, the NSP scores wrap
+        texts = [*TEXTS, "https://example.com/" + "a" * 200]  # listed under its number, in one word
+        _fill(browser, "texts-input", "\n".join(texts))
+        _submit(browser, "texts-form")
+        _drawn(browser, "texts-output", texts)
+        # nothing past the screen's right edge: the heatmap scrolls in its section, the NSP scores and the URL wrap
         page = _js(browser, "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
         assert page == [360, 360], page
         edges = _js(browser, "return [...document.querySelectorAll('#nsp-output .nsp-row > span')]"
