@@ -328,3 +328,21 @@ def test_the_page_says_when_the_server_stopped(tiny_artifact_dir):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_sections_error_is_announced(tiny_artifact_dir):
+    with running_server(tiny_artifact_dir) as base, chrome() as browser:
+        browser.get(base + "/")
+        _wait(browser, lambda: _js(browser, "return document.getElementById('tokens-output').dataset.inputs"),
+              "the first heatmap drawn")
+        _fill(browser, "sentence-a", " ")
+        _submit(browser, "tokens-form")
+        _wait(browser, lambda: browser.find_element("css selector", "#tokens .error").is_displayed(), "an error")
+        # a screen reader reads out an alert's text when it appears, wherever the focus is
+        nodes = browser.execute_cdp_cmd("Accessibility.getFullAXTree", {})["nodes"]
+        alerts = [n for n in nodes if n.get("role", {}).get("value") == "alert" and not n.get("ignored")]
+        texts = [n.get("name", {}).get("value") for n in nodes if n.get("role", {}).get("value") == "StaticText"
+                 and n.get("parentId") in {a["nodeId"] for a in alerts}]
+        assert texts == ["Type a sentence in both fields."], (alerts, texts)
