@@ -346,3 +346,14 @@ def test_a_sections_error_is_announced(tiny_artifact_dir):
         texts = [n.get("name", {}).get("value") for n in nodes if n.get("role", {}).get("value") == "StaticText"
                  and n.get("parentId") in {a["nodeId"] for a in alerts}]
         assert texts == ["Type a sentence in both fields."], (alerts, texts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_loads_on_a_server_that_serves_one_request_at_once(tiny_artifact_dir):
+    with running_server(tiny_artifact_dir, max_concurrent_requests=1) as base, chrome() as browser:
+        browser.get(base + "/")
+        for output in ("tokens-output", "texts-output", "nsp-output"):
+            _wait(browser, lambda: _js(browser, "return document.getElementById(arguments[0]).dataset.inputs", output)
+                  or any(e.is_displayed() for e in browser.find_elements("css selector", ".error")), f"{output} drawn")
+        assert [e.text for e in browser.find_elements("css selector", ".error") if e.is_displayed()] == []

@@ -338,9 +338,10 @@ async function start() {
   document.getElementById("nsp-missing").hidden = info.has_nsp_head;
   document.getElementById("nsp-form").hidden = !info.has_nsp_head;
   for (const button of document.querySelectorAll("main button")) button.disabled = false;
-  runs.tokens();
-  runs.texts();
-  if (info.has_nsp_head) runs.nsp();
+  // one section after another, as compareTexts' requests go: the server may serve only one request at once
+  await runs.tokens();
+  await runs.texts();
+  if (info.has_nsp_head) await runs.nsp();
 }
 
 document.getElementById("key-form").addEventListener("submit", (event) => {
