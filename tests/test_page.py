@@ -3,10 +3,13 @@ in headless Chromium against `python -m app`, drawing what the API computes."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import re
 import shutil
 import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
@@ -357,3 +360,55 @@ def test_the_page_loads_on_a_server_that_serves_one_request_at_once(tiny_artifac
             _wait(browser, lambda: _js(browser, "return document.getElementById(arguments[0]).dataset.inputs", output)
                   or any(e.is_displayed() for e in browser.find_elements("css selector", ".error")), f"{output} drawn")
         assert [e.text for e in browser.find_elements("css selector", ".error") if e.is_displayed()] == []
+
+
+@contextlib.contextmanager
+def _behind_prefix(base: str, prefix: str):
+    """A reverse proxy on a loopback port that serves `base` under `prefix`, cutting the prefix off as nginx's
+    `location /bert/ { proxy_pass http://server/; }` does; yields its URL for `prefix`."""
+    class Proxy(BaseHTTPRequestHandler):
+        def forward(self):
+            if not self.path.startswith(prefix + "/"):
+                self.send_error(404)
+                return
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+            r = httpx.request(self.command, base + self.path[len(prefix):], headers=headers, content=body, timeout=60)
+            self.send_response(r.status_code)
+            for k, v in r.headers.items():
+                if k.lower() not in ("content-length", "content-encoding", "transfer-encoding", "connection"):
+                    self.send_header(k, v)
+            self.send_header("content-length", str(len(r.content)))
+            self.end_headers()
+            self.wfile.write(r.content)
+
+        do_GET = do_POST = forward
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}{prefix}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_and_the_docs_behind_a_path_prefix(tiny_artifact_dir):
+    with running_server(tiny_artifact_dir) as base, _behind_prefix(base, "/bert") as url, chrome() as browser:
+        browser.get(url + "/")
+        _wait(browser, lambda: _js(browser, "return document.getElementById('nsp-output').dataset.inputs"), "NSP drawn")
+        browser.find_element("link text", "API docs").click()
+        _wait(browser, lambda: "/embed" in _js(browser, "return [...document.querySelectorAll('.opblock-summary-path')]"
+                                                        ".map(e => e.textContent).join(' ')"), "Swagger UI drawn")
+        assert not _errors(browser)
+        browser.get(url + "/redoc")
+        _wait(browser, lambda: "/embed" in browser.find_element("tag name", "body").text, "ReDoc drawn")
+        urls = _requested_urls(browser)
+        assert {url + "/static/page.js", url + "/embed", url + "/openapi.json", url + "/static/redoc.standalone.js"} \
+            <= set(urls)
+        assert not [u for u in urls if urlsplit(u).scheme not in ("data", "blob") and not u.startswith(url + "/")]

@@ -31,8 +31,13 @@ async def page() -> FileResponse:
     return FileResponse(STATIC / "index.html", headers=_SAME_ORIGIN_ONLY)
 
 
-def _static(request: Request, name: str) -> str:
-    return f"{request.scope.get('root_path', '')}/static/{name}"
+# Relative URLs, as the page's own: behind a proxy that serves the API under a path prefix (/bert/docs to
+# /docs), the browser asks for /bert/static/... and /bert/openapi.json, which the proxy passes on.
+_OPENAPI = "openapi.json"
+
+
+def _static(name: str) -> str:
+    return f"static/{name}"
 
 
 def _same_origin_only(response: HTMLResponse) -> HTMLResponse:
@@ -43,16 +48,14 @@ def _same_origin_only(response: HTMLResponse) -> HTMLResponse:
 @router.get("/docs", include_in_schema=False)
 async def swagger_ui(request: Request) -> HTMLResponse:
     return _same_origin_only(get_swagger_ui_html(
-        openapi_url=request.scope.get("root_path", "") + request.app.openapi_url,
-        title=f"{request.app.title} - Swagger UI",
-        swagger_js_url=_static(request, "swagger-ui-bundle.js"), swagger_css_url=_static(request, "swagger-ui.css"),
-        swagger_favicon_url=_static(request, "favicon.png"),
+        openapi_url=_OPENAPI, title=f"{request.app.title} - Swagger UI",
+        swagger_js_url=_static("swagger-ui-bundle.js"), swagger_css_url=_static("swagger-ui.css"),
+        swagger_favicon_url=_static("favicon.png"),
         swagger_ui_parameters={"validatorUrl": None}))  # no badge fetched from swagger.io
 
 
 @router.get("/redoc", include_in_schema=False)
 async def redoc(request: Request) -> HTMLResponse:
     return _same_origin_only(get_redoc_html(
-        openapi_url=request.scope.get("root_path", "") + request.app.openapi_url,
-        title=f"{request.app.title} - ReDoc", redoc_js_url=_static(request, "redoc.standalone.js"),
-        redoc_favicon_url=_static(request, "favicon.png"), with_google_fonts=False))
+        openapi_url=_OPENAPI, title=f"{request.app.title} - ReDoc", redoc_js_url=_static("redoc.standalone.js"),
+        redoc_favicon_url=_static("favicon.png"), with_google_fonts=False))
