@@ -412,3 +412,25 @@ def test_the_page_and_the_docs_behind_a_path_prefix(tiny_artifact_dir):
         assert {url + "/static/page.js", url + "/embed", url + "/openapi.json", url + "/static/redoc.standalone.js"} \
             <= set(urls)
         assert not [u for u in urls if urlsplit(u).scheme not in ("data", "blob") and not u.startswith(url + "/")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_browser_asks_for_the_page_again_each_time(tiny_artifact_dir):
+    """After an upgrade the next visit shows the new page, never the old one (or the new with the old page.js)
+    from the browser's cache: each file is asked for again (answered 304 while unchanged)."""
+    with running_server(tiny_artifact_dir) as base, chrome() as browser:
+        browser.get(base + "/")
+        described = "return document.getElementById('model').textContent.includes(':')"
+        _wait(browser, lambda: _js(browser, described), "the model described")
+        browser.get_log("performance")
+        browser.get(base + "/")  # a visit, as from a bookmark: not a reload, which asks anyway
+        _wait(browser, lambda: _js(browser, described), "the model described again")
+        messages = [json.loads(entry["message"])["message"] for entry in browser.get_log("performance")]
+        cached = {m["params"]["requestId"] for m in messages if m["method"] == "Network.requestServedFromCache"}
+        answers = {m["params"]["response"]["url"]: (m["params"]["response"]["status"],
+                                                    m["params"]["requestId"] in cached
+                                                    or m["params"]["response"].get("fromDiskCache"))
+                   for m in messages if m["method"] == "Network.responseReceived"}
+        expected = {"/": (200, False), "/static/page.js": (304, False), "/static/page.css": (304, False)}
+        assert {path: answers.get(base + path) for path in expected} == expected, answers

@@ -7,7 +7,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.staticfiles import StaticFiles
-from starlette.responses import FileResponse, HTMLResponse
+from starlette.responses import FileResponse, HTMLResponse, Response
+from starlette.types import Scope
 
 from app.routes import get_and_head
 
@@ -18,17 +19,30 @@ STATIC = Path(__file__).resolve().parents[1] / "static"  # installed as package 
 _SAME_ORIGIN_ONLY = {"Content-Security-Policy": "default-src 'self'; script-src 'self' 'unsafe-inline'; "
                      "style-src 'self' 'unsafe-inline'; img-src 'self' data:; worker-src 'self' blob:"}
 
+# A browser keeps a file that has no Cache-Control for a tenth of its age (Last-Modified) without asking:
+# after an upgrade it would show the old page, or the new page with the old page.js. "no-cache": it asks
+# each time, and is answered 304 while the file is unchanged.
+_REVALIDATE = {"Cache-Control": "no-cache"}
+
+
+class _RevalidatedFiles(StaticFiles):
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(_REVALIDATE)
+        return response
+
+
 # No API key is needed to load these: the page asks for one and sends it with the API calls it makes.
 # GET / is in the API schema (beside POST /, the TEI route); the documentation pages are not.
 router = APIRouter(tags=["page"])
 # Our files first, then fastapi-offline's swagger-ui-bundle.js, swagger-ui.css, redoc.standalone.js, favicon.png.
-router.mount("/static", StaticFiles(directory=STATIC, packages=[("fastapi_offline", "static")]), name="static")
+router.mount("/static", _RevalidatedFiles(directory=STATIC, packages=[("fastapi_offline", "static")]), name="static")
 
 
 @get_and_head(router, "/", response_class=HTMLResponse)
 async def page() -> FileResponse:
     """A page for meeting the model (HTML)."""
-    return FileResponse(STATIC / "index.html", headers=_SAME_ORIGIN_ONLY)
+    return FileResponse(STATIC / "index.html", headers={**_SAME_ORIGIN_ONLY, **_REVALIDATE})
 
 
 # Relative URLs, as the page's own: behind a proxy that serves the API under a path prefix (/bert/docs to
