@@ -38,34 +38,48 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
 # The same command the tests start.
 CMD ["python", "-m", "app"]
 
-# The serving install goes into /opt/venv in a stage of its own; the images copy only /opt/venv, so the
-# sources never reach them.
-FROM ${PYTHON_IMAGE} AS sources
+# The serving install goes into /opt/venv in stages of their own; the images copy only /opt/venv, so the
+# sources never reach them. The packages it needs come first, from pyproject.toml alone, so that a change to
+# the code reinstalls only the project (and rebuilds the GPU operator library only when its sources change).
+FROM scratch AS sources
 COPY pyproject.toml README.m[d] /src/
 COPY artifact/ /src/artifact/
 COPY custom_kernels/ /src/custom_kernels/
 COPY app/ /src/app/
 COPY scripts/install-serve.sh /src/scripts/
 
-FROM sources AS venv-cpu
-RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh cpu
+FROM ${PYTHON_IMAGE} AS packages-cpu
+COPY pyproject.toml /src/
+COPY scripts/install-serve.sh /src/scripts/
+RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh cpu --deps-only
+
+FROM packages-cpu AS venv-cpu
+COPY --from=sources /src/ /src/
+RUN PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh cpu
 
 FROM runtime AS cpu
 COPY --from=venv-cpu /opt/venv/ /opt/venv/
 
 # GPU only from here on (see the top: `--target cpu` never reaches these stages).
-FROM sources AS venv-gpu
-RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh gpu
+FROM ${PYTHON_IMAGE} AS packages-gpu
+COPY pyproject.toml /src/
+COPY scripts/install-serve.sh /src/scripts/
+RUN python -m venv /opt/venv && PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh gpu --deps-only
 
-# The operator library, built against the CUDA runtime and cuBLAS that the serving install brought, with
+FROM packages-gpu AS venv-gpu
+COPY --from=sources /src/ /src/
+RUN PYTHON=/opt/venv/bin/python /src/scripts/install-serve.sh gpu
+
+# The operator library, built against the CUDA runtime and cuBLAS that the serving install brings, with
 # nvcc of the same CUDA version and CCCL of the same major (its wheels number their own releases) added
 # here only: the image copies /opt/venv from venv-gpu.
-FROM venv-gpu AS kernels
+FROM packages-gpu AS kernels
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN cuda="$(/opt/venv/bin/python -c 'import importlib.metadata as m; print(m.version("nvidia-cuda-runtime"))')" \
  && /opt/venv/bin/python -m pip install --no-cache-dir --disable-pip-version-check --progress-bar off \
-      "nvidia-cuda-nvcc==${cuda%.*}.*" "nvidia-cuda-cccl~=${cuda%%.*}.0" \
- && PATH=/opt/venv/bin:$PATH bash /src/custom_kernels/build.sh /out
+      "nvidia-cuda-nvcc==${cuda%.*}.*" "nvidia-cuda-cccl~=${cuda%%.*}.0"
+COPY custom_kernels/ /src/custom_kernels/
+RUN PATH=/opt/venv/bin:$PATH bash /src/custom_kernels/build.sh /out
 
 FROM runtime AS gpu
 COPY --from=venv-gpu /opt/venv/ /opt/venv/

@@ -56,3 +56,31 @@ def test_install_script_builds_a_torch_free_server(tmp_path, tiny_artifact_dir):
         # the page's files are package data, the docs' bundles come with the `serve` extra
         for path in ("/", "/static/page.js", "/static/page.css", "/docs", "/static/swagger-ui-bundle.js"):
             assert httpx.get(f"{base}{path}", timeout=30).status_code == 200, path
+
+
+def test_deps_only_installs_what_the_extra_needs_and_not_the_project(tmp_path):
+    """The Dockerfile's first install layer, from pyproject.toml and the script alone: every requirement of
+    the flavour's extra, its references to this project's other extras followed, and not the project
+    (whose code comes in a later layer). pip is a recorder here: the arguments it is given."""
+    import tomllib
+
+    context = tmp_path / "context"
+    (context / "scripts").mkdir(parents=True)
+    shutil.copy2(ROOT / "pyproject.toml", context)
+    shutil.copy2(ROOT / "scripts/install-serve.sh", context / "scripts")
+    recorded = tmp_path / "pip-arguments"
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then shift 2; printf "%s\\n" "$@" > {recorded}; exit 0; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    for flavour, extra, added in (("cpu", "serve", []), ("gpu", "gpu", ["onnxruntime-gpu[cuda,cudnn]"])):
+        r = subprocess.run(["bash", str(context / "scripts/install-serve.sh"), flavour, "--deps-only"],
+                           env={"PYTHON": str(python), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        given = [a for a in recorded.read_text().splitlines() if a not in ("install", "off") and not a.startswith("-")]
+        own = [f"{project['name']}[http]"]
+        assert own == [x for x in extras[extra] if x.startswith(project["name"])]  # what this test follows
+        assert given == project["dependencies"] + extras["http"] + [x for x in extras[extra] if x not in own] + added
+        assert "serving runtime OK" not in r.stdout  # the project is not installed: nothing to check yet
