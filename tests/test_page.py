@@ -350,6 +350,16 @@ def test_a_sections_error_is_announced(tiny_artifact_dir):
                  and n.get("parentId") in {a["nodeId"] for a in alerts}]
         assert texts == ["Type a sentence in both fields."], (alerts, texts)
 
+        # each table's expander has a name of its own (its figure's), not eight alike "The numbers"
+        _wait(browser, lambda: _js(browser, "return document.querySelectorAll('#texts-output figure').length") > 1,
+              "the texts' matrices drawn")
+        nodes = browser.execute_cdp_cmd("Accessibility.getFullAXTree", {})["nodes"]
+        names = [n.get("name", {}).get("value") for n in nodes
+                 if n.get("role", {}).get("value") == "DisclosureTriangle" and not n.get("ignored")]
+        texts_figures = _js(browser, "return document.querySelectorAll('#texts-output figure').length")
+        assert len(names) == texts_figures + 1 and len(set(names)) == len(names), names
+        assert all(name.startswith("The numbers") for name in names), names
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)

@@ -156,11 +156,13 @@ function element(tag, properties = {}, ...children) {
   return node;
 }
 
-function table(matrix, rowLabels, colLabels) {
+function table(matrix, rowLabels, colLabels, name) {
   const head = element("tr", {}, element("th"), ...colLabels.map((l) => element("th", {scope: "col"}, l.text)));
   const body = matrix.map((row, i) => element("tr", {}, element("th", {scope: "row"}, rowLabels[i].text),
     ...row.map((v) => element("td", {}, v.toFixed(3)))));
-  return element("details", {}, element("summary", {}, "The numbers"),
+  const summary = element("summary", {}, "The numbers");
+  if (name) summary.setAttribute("aria-label", `The numbers: ${name}`);  // one name each, for a screen reader
+  return element("details", {}, summary,
     element("table", {}, element("thead", {}, head), element("tbody", {}, ...body)));
 }
 
@@ -177,7 +179,7 @@ function heatmap(matrix, rowLabels, colLabels, scale, {caption = null, marked = 
   canvas.setAttribute("role", "img");
   canvas.setAttribute("aria-label", "cosine similarities as colours; the numbers are in the table below");
   const parts = caption ? [caption] : [];
-  const node = element("figure", {}, ...parts, canvas, table(matrix, rowLabels, colLabels));
+  const node = element("figure", {}, ...parts, canvas, table(matrix, rowLabels, colLabels, caption && caption.textContent));
   drawHeatmap(canvas, matrix, rowLabels, colLabels, scale, marked, maxWidth);
   const tooltip = document.getElementById("tooltip");
   canvas.addEventListener("mousemove", (event) => {
