@@ -116,3 +116,34 @@ def test_the_compiled_ddp_model_is_one_graph_that_computes_what_the_model_does(t
     assert loss.item() == pytest.approx(eager(**inputs).loss.item(), abs=1e-5)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), name
+
+
+SLOW_PREPARATION = """
+import datetime, sys, time
+import torch.distributed.distributed_c10d as c10d
+import training.data, training.trainer
+from training.pretrain import main
+
+c10d.default_pg_timeout = datetime.timedelta(seconds=5)  # the training group's (NCCL's is 10 minutes)
+build = training.data._build
+def slow_build(*args, **kwargs):
+    time.sleep(10)
+    return build(*args, **kwargs)
+training.data._build = slow_build
+training.trainer.write_plots_quietly = lambda run_dir: None  # rank 0 alone, while rank 1 waits 5 s at most
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_ranks_wait_for_rank_0s_data_preparation_past_the_process_groups_timeout(tmp_path):
+    """Rank 0 tokenises the corpus while the others wait, however long that takes: a preparation longer
+    than the process group's timeout (NCCL's 10 minutes; here gloo's, cut to 5 s) is no failure."""
+    script = tmp_path / "slow_preparation.py"
+    script.write_text(SLOW_PREPARATION)
+    corpus = write_corpus(tmp_path / "corpus.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                       "--heldout-fraction", "0.2")]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("done:") == 1

@@ -356,7 +356,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _rank0_first(dist: DistInfo, fn):
     """Run `fn` on rank 0 first (it builds the caches), then on the other ranks; an error on rank 0
-    stops every rank instead of leaving them waiting at a barrier."""
+    stops every rank instead of leaving them waiting at a barrier. The ranks wait for each other however
+    long `fn` takes (dist.waits)."""
     if not dist.distributed:
         return fn()
     failure: list[str | None] = [None]
@@ -366,14 +367,14 @@ def _rank0_first(dist: DistInfo, fn):
             result = fn()
         except Exception as e:
             failure[0] = f"{type(e).__name__}: {e}"
-            torch.distributed.broadcast_object_list(failure, src=0)
+            torch.distributed.broadcast_object_list(failure, src=0, group=dist.waits)
             raise
-    torch.distributed.broadcast_object_list(failure, src=0)
+    torch.distributed.broadcast_object_list(failure, src=0, group=dist.waits)
     if not dist.is_main:
         if failure[0] is not None:
             raise _RankZeroFailed(failure[0])
         result = fn()
-    barrier(dist)
+    torch.distributed.barrier(group=dist.waits)
     return result
 
 

@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -98,12 +99,19 @@ class Phase:
     batch_size: int
 
 
+# How long the other ranks wait for what rank 0 alone does first (tokenising a corpus into the cache can take
+# hours). A collective of the training's group gives up after that group's timeout (NCCL's 10 minutes, gloo's
+# 30), so these waits go through a gloo group of their own, `DistInfo.waits`.
+RANK0_WAIT = timedelta(days=7)
+
+
 @dataclass(frozen=True)
 class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    waits: torch_dist.ProcessGroup | None = field(default=None, compare=False)  # distributed: RANK0_WAIT's group
 
     @property
     def is_main(self) -> bool:
@@ -116,7 +124,7 @@ class DistInfo:
 
 def setup_distributed(device: str = "auto") -> DistInfo:
     """One process per device. Under `torchrun` (RANK / WORLD_SIZE / LOCAL_RANK set) this joins the
-    process group: NCCL on GPUs, gloo on CPUs."""
+    process group (NCCL on GPUs, gloo on CPUs) and the gloo group of waits for rank 0 (RANK0_WAIT)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,7 +140,8 @@ def setup_distributed(device: str = "auto") -> DistInfo:
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     if world_size > 1 and not torch_dist.is_initialized():
         torch_dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank, world_size, local_rank, dev)
+    waits = torch_dist.new_group(backend="gloo", timeout=RANK0_WAIT) if world_size > 1 else None
+    return DistInfo(rank, world_size, local_rank, dev, waits)
 
 
 def teardown_distributed() -> None:
