@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from test_trainer import REPO, fails_in_one_line, read_metrics, small_args, write_corpus
@@ -147,3 +149,42 @@ def test_the_ranks_wait_for_rank_0s_data_preparation_past_the_process_groups_tim
     done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("done:") == 1
+
+
+CACHE_OF_ITS_OWN = """
+import os, sys
+import training.data
+from training.pretrain import main
+
+training.data._WAIT_LOG_S = 1.0
+args = sys.argv[1:]
+if os.environ["RANK"] == "1":  # as on another machine: a --cache-dir of its own, empty
+    args[args.index("--cache-dir") + 1] += "-rank1"
+sys.exit(main(args))
+"""
+
+
+def test_a_rank_waiting_for_a_cache_rank_0_prepared_elsewhere_says_so_and_goes_on_once_it_is_copied(tmp_path):
+    script, err = tmp_path / "cache_of_its_own.py", tmp_path / "stderr.txt"
+    script.write_text(CACHE_OF_ITS_OWN)
+    corpus, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                       "--heldout-fraction", "0.2")]
+    with err.open("w") as stderr:
+        run = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while "which rank 0 prepares" not in err.read_text():
+                assert run.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+                time.sleep(0.5)
+            [prepared] = cache.glob("data-*")
+            copy = tmp_path / "cache-rank1" / "copying"
+            shutil.copytree(prepared, copy)
+            copy.rename(copy.with_name(prepared.name))
+            out, _ = run.communicate(timeout=120)
+        finally:
+            run.terminate()  # torchrun ends its workers on SIGTERM (each in a session of its own: a kill would not)
+            run.wait(timeout=60)
+    assert run.returncode == 0, err.read_text()[-3000:]
+    assert out.count("done:") == 1

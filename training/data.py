@@ -345,10 +345,15 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
 
 
 def _wait_for(done: Path) -> None:
+    """Until `done` appears; said once a minute (a warning: nothing configures logging, and a rank waiting
+    for a cache that rank 0 wrote on another machine would wait silently)."""
     started = last_log = time.monotonic()
     while not done.is_file():
         if time.monotonic() - last_log > _WAIT_LOG_S:
-            log.info("waiting %.0fs for rank 0 to prepare %s", time.monotonic() - started, done.parent)
+            log.warning("waited %.0fs for %s, which rank 0 prepares: where the machines share no storage, copy "
+                        "that folder from rank 0's machine to this path under another name, then rename it (this "
+                        "rank reads it once its %s file is there)", time.monotonic() - started, done.parent,
+                        done.name)
             last_log = time.monotonic()
         time.sleep(1.0)
 
