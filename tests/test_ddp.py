@@ -188,3 +188,18 @@ def test_a_rank_waiting_for_a_cache_rank_0_prepared_elsewhere_says_so_and_goes_o
             run.wait(timeout=60)
     assert run.returncode == 0, err.read_text()[-3000:]
     assert out.count("done:") == 1
+
+
+def test_resuming_with_another_number_of_processes_is_refused_before_the_data_is_prepared(tmp_path):
+    corpus, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache"
+    assert main(small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "2",
+                           "--heldout-fraction", "0.2")) == 0
+    new_cache = tmp_path / "new-cache"  # the data prepared again (another machine): refused before that
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "training.pretrain", *small_args(corpus, new_cache, tmp_path / "model", tmp_path / "run", "--max-steps",
+                                            "4", "--heldout-fraction", "0.2", "--resume")]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert "ckpt-00000002.pt was written with world size 1; resume with the same number of processes (now 2)" \
+        in done.stderr, done.stderr[-3000:]
+    assert not list(new_cache.glob("data-*")) and "training tiny" not in done.stdout

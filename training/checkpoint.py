@@ -118,6 +118,13 @@ def check_compatible(path: Path, state: dict[str, Any], expected: dict[str, dict
             )
 
 
+def check_world_size(path: Path, state: dict[str, Any], world_size: int) -> None:
+    """Refuse a checkpoint written by another number of processes: it holds each one's random state."""
+    if len(state["rng"]) != world_size:
+        raise CheckpointError(f"checkpoint {path} was written with world size {len(state['rng'])}; resume with "
+                              f"the same number of processes (now {world_size}): it holds each one's random state")
+
+
 def rng_state(device: torch.device) -> dict[str, Any]:
     """Every random generator training draws from (dropout; anything seeded by python or numpy)."""
     np_state = np.random.get_state()

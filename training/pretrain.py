@@ -20,8 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from artifact.source_folder import TRAINING_SUMMARY_FILE, trained_max_length
-from training.checkpoint import (CheckpointError, check_compatible, list_checkpoints, load_checkpoint,
-                                 remove_stale_temporaries)
+from training.checkpoint import (CheckpointError, check_compatible, check_world_size, list_checkpoints,
+                                 load_checkpoint, remove_stale_temporaries)
 from training.corpus import CorpusError
 from training.data import DataConfig, named_tokenizer, prepare_data
 from training.ddp import DDPOptions
@@ -462,6 +462,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
     if resume_state is not None:
         if args.run_dir is None:  # the default, runs/<--out's name>: another --out of that name may own it
             check_same_out(resume_from, resume_state.get("out"), out)
+        check_world_size(resume_from, resume_state, dist.world_size)  # before hours of data preparation
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         check_corpus_contents(resume_from, resume_state.get("corpus_contents"), corpus_now, dcfgs[0].corpus)
         changes = check_resume(resume_from, resume_state, flags)

@@ -27,7 +27,8 @@ from torch import nn
 from tqdm import tqdm
 
 from training.batch_stream import BatchSource, BatchStream
-from training.checkpoint import FORMAT_VERSION, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from training.checkpoint import (FORMAT_VERSION, check_world_size, load_checkpoint, rng_state, save_checkpoint,
+                                 set_rng_state)
 from training.ddp import DDPOptions, compile_ddp, wrap_ddp
 from training.model import BertForPreTraining, PreTrainingOutput
 from training.model_inputs import cpu_inputs, inputs_to_device, model_inputs
@@ -536,9 +537,7 @@ def _restore(checkpoint: dict[str, Any], path: Path, model: BertForPreTraining, 
     for group, decay in zip(optimizer.param_groups, weight_decay):
         group["weight_decay"] = decay
     schedule.load_state_dict(checkpoint["schedule"])
-    if len(checkpoint["rng"]) != dist.world_size:
-        raise ValueError(f"checkpoint {path} was written by {len(checkpoint['rng'])} processes; "
-                         f"resume with the same number (now {dist.world_size})")
+    check_world_size(path, checkpoint, dist.world_size)
     set_rng_state(checkpoint["rng"][dist.rank], dist.device)
     return TrainState.from_checkpoint(checkpoint)
 
