@@ -151,28 +151,29 @@ def test_the_ranks_wait_for_rank_0s_data_preparation_past_the_process_groups_tim
     assert done.stdout.count("done:") == 1
 
 
-CACHE_OF_ITS_OWN = """
+AS_ON_ANOTHER_MACHINE = """
 import os, sys
 import training.data
 from training.pretrain import main
 
 training.data._WAIT_LOG_S = 1.0
 args = sys.argv[1:]
-if os.environ["RANK"] == "1":  # as on another machine: a --cache-dir of its own, empty
-    args[args.index("--cache-dir") + 1] += "-rank1"
+if os.environ["RANK"] == "1":  # as on another machine: FLAG-rank1 for the folder FLAG names (env OWN)
+    args[args.index(os.environ["OWN"]) + 1] += "-rank1"
 sys.exit(main(args))
 """
 
 
 def test_a_rank_waiting_for_a_cache_rank_0_prepared_elsewhere_says_so_and_goes_on_once_it_is_copied(tmp_path):
-    script, err = tmp_path / "cache_of_its_own.py", tmp_path / "stderr.txt"
-    script.write_text(CACHE_OF_ITS_OWN)
+    script, err = tmp_path / "as_on_another_machine.py", tmp_path / "stderr.txt"
+    script.write_text(AS_ON_ANOTHER_MACHINE)
     corpus, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
            *small_args(corpus, cache, tmp_path / "model", tmp_path / "run", "--max-steps", "2",
                        "--heldout-fraction", "0.2")]
     with err.open("w") as stderr:
-        run = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        run = subprocess.Popen(cmd, cwd=REPO, env={**_env(tmp_path), "OWN": "--cache-dir"}, stdout=subprocess.PIPE,
+                               stderr=stderr, text=True)
         try:
             deadline = time.monotonic() + 120
             while "which rank 0 prepares" not in err.read_text():
@@ -203,3 +204,26 @@ def test_resuming_with_another_number_of_processes_is_refused_before_the_data_is
     assert "ckpt-00000002.pt was written with world size 1; resume with the same number of processes (now 2)" \
         in done.stderr, done.stderr[-3000:]
     assert not list(new_cache.glob("data-*")) and "training tiny" not in done.stdout
+
+
+def test_resuming_from_copies_of_the_run_folder_that_differ_is_refused(tmp_path):
+    """On machines that share no storage each rank resumes from its own --run-dir: one left with an older
+    copy is refused on every rank (it trained from other weights, then hung at the end)."""
+    corpus, cache, run_dir = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache", tmp_path / "run"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    common = ["--heldout-fraction", "0.2", "--checkpoint-every", "2"]
+    done = subprocess.run([*torchrun, "-m", "training.pretrain", *small_args(corpus, cache, tmp_path / "model", run_dir,
+                                                                             "--max-steps", "4", *common)],
+                          cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stale = shutil.copytree(run_dir, tmp_path / "run-rank1")
+    (stale / "ckpt-00000004.pt").unlink()
+    script = tmp_path / "as_on_another_machine.py"
+    script.write_text(AS_ON_ANOTHER_MACHINE)
+    done = subprocess.run([*torchrun, str(script), *small_args(corpus, cache, tmp_path / "model", run_dir,
+                                                               "--max-steps", "6", "--resume", *common)],
+                          cwd=REPO, env={**_env(tmp_path), "OWN": "--run-dir"}, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode != 0
+    assert ("the ranks' --run-dir hold other newest checkpoints (ckpt-00000004.pt on rank 0; ckpt-00000002.pt on "
+            "rank 1): copy rank 0's run folder") in done.stderr, done.stderr[-3000:]

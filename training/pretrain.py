@@ -378,6 +378,21 @@ def _rank0_first(dist: DistInfo, fn):
     return result
 
 
+def _check_same_checkpoint(dist: DistInfo, newest: Path | None) -> None:
+    """Refuse, on every rank, to resume where the ranks' own --run-dir (copies, on machines that share no
+    storage) hold other newest checkpoints: a rank restoring another step would train from other weights and
+    data, then wait forever for steps its peers never take."""
+    names: list[str | None] = [None] * dist.world_size
+    torch.distributed.all_gather_object(names, None if newest is None else newest.name, group=dist.waits)
+    if len(set(names)) > 1:
+        ranks: dict[str, list[str]] = {}
+        for rank, name in enumerate(names):
+            ranks.setdefault(name or "none", []).append(str(rank))
+        found = "; ".join(f"{name} on rank{'s' if len(r) > 1 else ''} {', '.join(r)}" for name, r in ranks.items())
+        raise CheckpointError(f"the ranks' --run-dir hold other newest checkpoints ({found}): copy rank 0's run "
+                              f"folder to every machine before --resume")
+
+
 def _versions() -> dict[str, str]:
     import numpy
     import tokenizers
@@ -455,6 +470,8 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         raise CheckpointError(f"{run_dir} holds checkpoints of an earlier run (newest {existing[-1].name}); "
                               f"pass --resume to continue it, --fresh to start over, or another --run-dir")
     resume_from = existing[-1] if args.resume and existing else None
+    if args.resume and dist.distributed:
+        _check_same_checkpoint(dist, resume_from)
     resume_state = paths_as_recorded_now(load_checkpoint(resume_from)) if resume_from is not None else None
     corpus_now = corpus_contents(dcfgs[0].corpus)  # recorded in the checkpoints, compared by --resume
     trained_with = None  # the tokenizer whose ids the checkpoint's weights learnt (unknown to an older checkpoint)
