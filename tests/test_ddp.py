@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -153,10 +154,10 @@ def test_the_ranks_wait_for_rank_0s_data_preparation_past_the_process_groups_tim
 
 AS_ON_ANOTHER_MACHINE = """
 import os, sys
-import training.data
+import training.data, training.pretrain
 from training.pretrain import main
 
-training.data._WAIT_LOG_S = 1.0
+training.data._WAIT_LOG_S = training.pretrain.LOCAL_RANK_0_SAYS_S = 1.0
 args = sys.argv[1:]
 if os.environ["RANK"] == "1":  # as on another machine: FLAG-rank1 for the folder FLAG names (env OWN)
     args[args.index(os.environ["OWN"]) + 1] += "-rank1"
@@ -227,3 +228,50 @@ def test_resuming_from_copies_of_the_run_folder_that_differ_is_refused(tmp_path)
     assert done.returncode != 0
     assert ("the ranks' --run-dir hold other newest checkpoints (ckpt-00000004.pt on rank 0; ckpt-00000002.pt on "
             "rank 1): copy rank 0's run folder") in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("corpus_name, flag, said", [
+    ("missing.txt", None, "missing.txt does not exist"),
+    ("corpus.txt", "--no-such-flag", "error: unrecognized arguments: --no-such-flag"),
+])
+def test_a_refusal_under_torchrun_is_said_once(tmp_path, corpus_name, flag, said):
+    write_corpus(tmp_path / "corpus.txt")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "training.pretrain", *small_args(tmp_path / corpus_name, tmp_path / "cache", tmp_path / "model",
+                                            tmp_path / "run", *([flag] if flag else []))]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert done.stderr.count(said) == 1 and done.stderr.count("usage:") <= 1, done.stderr[-3000:]
+
+
+def test_a_refusal_of_one_rank_alone_is_said_by_it(tmp_path):
+    script = tmp_path / "as_on_another_machine.py"
+    script.write_text(AS_ON_ANOTHER_MACHINE)
+    corpus = write_corpus(tmp_path / "corpus.txt")  # rank 1 is given corpus.txt-rank1, missing
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *small_args(corpus, tmp_path / "cache", tmp_path / "model", tmp_path / "run")]
+    done = subprocess.run(cmd, cwd=REPO, env={**_env(tmp_path), "OWN": "--corpus"}, capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode != 0
+    assert f"error (rank 1): corpus path {corpus}-rank1 does not exist" in done.stderr, done.stderr[-3000:]
+
+
+def test_an_interrupt_under_torchrun_is_said_once(tmp_path):
+    corpus, run_dir = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+           "training.pretrain", *small_args(corpus, tmp_path / "cache", tmp_path / "model", run_dir,
+                                            "--max-steps", "100000", "--checkpoint-every", "5",
+                                            "--heldout-fraction", "0.2")]
+    run = subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(run_dir.glob("ckpt-*.pt")):
+            assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.2)
+        run.send_signal(signal.SIGINT)  # Ctrl-C: torchrun passes it on to each process
+        _, err = run.communicate(timeout=120)
+    finally:
+        run.terminate()
+        run.wait(timeout=60)
+    assert err.count("interrupted; continue with --resume") == 1, err[-3000:]

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from tokenizers import Tokenizer
@@ -62,6 +63,28 @@ class _RankZeroFailed(Exception):
     """Another rank's copy of an error rank 0 already reported."""
 
 
+# Under torchrun every process of a machine meets a refusal (a flag, a missing corpus) at about the same
+# moment. Local rank 0 says it, once, and exits; torchrun then stops the others. They say theirs only if that
+# stop has not come after this long: a refusal of theirs alone.
+LOCAL_RANK_0_SAYS_S = 10.0
+
+
+def _local_rank_0() -> bool:
+    """Whether this process speaks for its machine: one process, or torchrun's first on each machine."""
+    return int(os.environ.get("WORLD_SIZE", "1")) == 1 or int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
+def _leave_it_to_local_rank_0() -> None:
+    if not _local_rank_0():
+        time.sleep(LOCAL_RANK_0_SAYS_S)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        _leave_it_to_local_rank_0()  # the usage once, not once per process
+        super().error(message)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in the help, except None and on/off switches: those flags say in words what happens when
     left out (a store_true flag is off unless given, a --no-X flag on)."""
@@ -73,7 +96,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     d, t = DataConfig(), TrainConfig()
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m training.pretrain",
         description="Pretrain BERT (masked LM + next-sentence prediction) on your text and write a model "
                     "folder (config.json, model.safetensors, tokenizer files) that `python -m export` and "
@@ -661,14 +684,16 @@ def main(argv: list[str] | None = None) -> int:
     except _RankZeroFailed:
         return 2  # rank 0 printed it
     except (CorpusError, ModelFolderError, CheckpointError, WriteError, ValueError, FloatingPointError) as e:
+        _leave_it_to_local_rank_0()
         print(f"error: {e}" if not dist.distributed else f"error (rank {dist.rank}): {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         forget_caught_interrupt()
         run_dir = run_dir_of(args)
-        print("interrupted; continue with --resume" if list_checkpoints(run_dir) else
-              f"interrupted before the first checkpoint in {run_dir}; run the same command again to start over",
-              file=sys.stderr)
+        if _local_rank_0():  # torchrun passes the interrupt to every process
+            print("interrupted; continue with --resume" if list_checkpoints(run_dir) else
+                  f"interrupted before the first checkpoint in {run_dir}; run the same command again to start over",
+                  file=sys.stderr)
         return interrupted_exit_code()
     finally:
         teardown_distributed()
