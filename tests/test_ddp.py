@@ -275,3 +275,39 @@ def test_an_interrupt_under_torchrun_is_said_once(tmp_path):
         run.terminate()
         run.wait(timeout=60)
     assert err.count("interrupted; continue with --resume") == 1, err[-3000:]
+
+
+FAILS_ONCE = """
+import os, sys
+import training.trainer
+from training.pretrain import main
+
+step, calls = training.trainer.optimizer_step, []
+def failing_step(*args, **kwargs):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0" and len(calls) == 3:
+        raise RuntimeError("rank 1 fails in step 3")
+    return step(*args, **kwargs)
+training.trainer.optimizer_step = failing_step
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_torchrun_restarts_a_failed_run_from_its_last_checkpoint(tmp_path):
+    """--resume from the first start, and torchrun's --max-restarts goes on from the checkpoint before the
+    failure, to the weights of a run that never failed."""
+    script = tmp_path / "fails_once.py"
+    script.write_text(FAILS_ONCE)
+    corpus, cache = write_corpus(tmp_path / "corpus.txt"), tmp_path / "cache"
+    common = ["--max-steps", "4", "--checkpoint-every", "2", "--heldout-fraction", "0.2", "--resume"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = {}
+    for name, how in (("restarted", ["--max-restarts", "1", str(script)]), ("whole", ["-m", "training.pretrain"])):
+        done[name] = subprocess.run([*torchrun, *how, *small_args(corpus, cache, tmp_path / name,
+                                                                  tmp_path / f"run-{name}", *common)],
+                                    cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+        assert done[name].returncode == 0, done[name].stderr[-3000:]
+    assert "rank 1 fails in step 3" in done["restarted"].stderr
+    assert f"resuming from {tmp_path / 'run-restarted' / 'ckpt-00000002.pt'}" in done["restarted"].stdout
+    weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in done]
+    assert weights[0] == weights[1]

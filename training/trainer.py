@@ -24,6 +24,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 from tqdm import tqdm
 
 from training.batch_stream import BatchSource, BatchStream
@@ -140,9 +141,22 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     else:
         raise ValueError(f"--device must be auto, cpu or cuda, got {device!r}")
     if world_size > 1 and not torch_dist.is_initialized():
-        torch_dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+        torch_dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", **_store_of_this_attempt())
     waits = torch_dist.new_group(backend="gloo", timeout=RANK0_WAIT) if world_size > 1 else None
     return DistInfo(rank, world_size, local_rank, dev, waits)
+
+
+def _store_of_this_attempt() -> dict[str, Any]:
+    """Under torchrun, the process group's rendezvous in the agent's store under keys of this attempt's own.
+    torch 2.13 found there the keys a failed attempt had left (the addresses of its processes, gone), so a
+    group that `--max-restarts` started again never connected ('Connection refused'). {} elsewhere: env://."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    agent = torch_dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                                timeout=default_pg_timeout)
+    return {"store": torch_dist.PrefixStore(f"attempt-{env['TORCHELASTIC_RESTART_COUNT']}", agent),
+            "rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"])}
 
 
 def teardown_distributed() -> None:
