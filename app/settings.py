@@ -180,6 +180,17 @@ class Settings(BaseSettings):
                              f"(https://app.example.com,http://localhost:3000), or * alone")
         return v
 
+    @field_validator("port", mode="before")
+    @classmethod
+    def _not_a_service_link(cls, v):
+        """Kubernetes sets BERTSERVE_PORT=tcp://IP:PORT in every pod of a namespace with a Service named
+        bertserve (a service link), over the image's BERTSERVE_PORT: say so, not only that it is no number."""
+        if isinstance(v, str) and v.startswith(("tcp://", "udp://", "sctp://")):
+            raise ValueError(f"{v!r} is the address Kubernetes gives pods for a Service named bertserve (a service "
+                             "link), not a port: set `enableServiceLinks: false` in the pod spec, or "
+                             "BERTSERVE_PORT in the container's env")
+        return v
+
     @field_validator("model_dir")
     @classmethod
     def _folder_exists(cls, v: Path) -> Path:

@@ -153,18 +153,38 @@ def test_every_server_variable_names_a_setting():
     assert names <= set(Settings.model_fields)
 
 
+def _service_links(pod: dict) -> dict[str, str]:
+    """The variables Kubernetes puts in a pod's environment for each Service of its namespace unless the pod
+    turns them off (`enableServiceLinks: false`), as Docker's links did: over the image's own (ENV), under
+    the container's `env`. A Service named bertserve gives BERTSERVE_PORT=tcp://IP:PORT, for one."""
+    if not pod.get("enableServiceLinks", True):
+        return {}
+    links = {}
+    for service in (doc for _, doc in _resources() if doc["kind"] == "Service"):
+        name, ip = service["metadata"]["name"].upper().replace("-", "_"), "10.96.0.10"
+        port = service["spec"]["ports"][0]["port"]
+        address = f"tcp://{ip}:{port}"
+        links.update({f"{name}_SERVICE_HOST": ip, f"{name}_SERVICE_PORT": str(port), f"{name}_PORT": address,
+                      f"{name}_PORT_{port}_TCP": address, f"{name}_PORT_{port}_TCP_ADDR": ip})
+    return links
+
+
 def test_the_server_starts_with_the_images_and_the_manifests_values(monkeypatch, tmp_path):
     """Each value parses as its setting and the settings agree with each other (as `python -m app` checks
-    them at start: a bad one stops every replica), the model folder aside: /model is the pod's."""
+    them at start: a bad one stops every replica), the model folder aside: /model is the pod's. The pod's
+    environment is the image's, then the Services' links, then the container's own."""
     instructions = (ROOT / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
     image = {name[len(ENV_PREFIX):]: value for line in instructions if line.startswith("ENV ")
              for name, value in re.findall(r"(\w+)=(\S+)", line) if name.startswith(ENV_PREFIX)}
-    pod = {name[len(ENV_PREFIX):]: value for name, value in _env(_server(_one("Deployment"))).items()
+    deployment = _one("Deployment")
+    links = {name[len(ENV_PREFIX):]: value for name, value in
+             _service_links(deployment["spec"]["template"]["spec"]).items() if name.startswith(ENV_PREFIX)}
+    pod = {name[len(ENV_PREFIX):]: value for name, value in _env(_server(deployment)).items()
            if name.startswith(ENV_PREFIX) and value is not None}
     for name in list(os.environ):
         if name.startswith(ENV_PREFIX):
             monkeypatch.delenv(name)
-    for name, value in {**image, **pod, "MODEL_DIR": str(tmp_path)}.items():
+    for name, value in {**image, **links, **pod, "MODEL_DIR": str(tmp_path)}.items():
         monkeypatch.setenv(ENV_PREFIX + name, value)
     settings = Settings()
     assert (settings.workers, settings.port) == (int(pod["WORKERS"]), int(image["PORT"]))

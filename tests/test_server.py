@@ -580,6 +580,9 @@ def test_text_embeddings_inference_paths_under_tei(tiny_artifact_dir):
     ([], {"BERTSERVE_DEVICE": "tpu"}, "device"),
     ([], {"BERTSERVE_MAX_BATCH_TOKENS": "lots"}, "max_batch_tokens"),
     ([], {"BERTSERVE_API_KEY": " \n"}, "api_key: Value error, the key is only whitespace"),  # not "no key"
+    # Kubernetes' variable for a Service named bertserve, over the image's BERTSERVE_PORT
+    ([], {"BERTSERVE_PORT": "tcp://10.96.0.10:80"}, "port: Value error, 'tcp://10.96.0.10:80' is the address "
+                                                     "Kubernetes gives pods for a Service named bertserve"),
 ])
 def test_bad_settings_stop_the_server_at_once(tiny_artifact_dir, args, env, words):
     cmd = [sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), *args]
