@@ -22,6 +22,7 @@ import argparse
 import sys
 import types
 import typing
+from pathlib import Path
 
 from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.build import cannot_serve
     from app.engine import EngineError, resolve_device_precision
     from app.main import create_app
+    from app.metrics import MULTIPROC_DIR_VAR, use_metrics_folder
     from app.uvicorn_server import ServingServer, listening_socket, uvicorn_options
     from artifact.manifest import ManifestError, read_manifest
     from artifact.session import SessionError, kernels_library
@@ -111,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         from app.multiprocess.launcher import serve_with_workers
 
         return serve_with_workers(settings, flags, device)
+    if os.environ.get(MULTIPROC_DIR_VAR):  # a metrics folder named for the server: this run's values alone
+        use_metrics_folder(Path(os.environ[MULTIPROC_DIR_VAR]))
     front = create_app(settings)
     config = uvicorn.Config(front, host=settings.host, port=settings.port, **uvicorn_options(settings, front.metrics))
     try:

@@ -12,12 +12,21 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import multiprocess
 
-from app.shared_metrics import SharedMetrics, remove_gauges
+from app.shared_metrics import SUFFIX as SHARED_SUFFIX, SharedMetrics, remove_gauges
 
 _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 MULTIPROC_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
+
+
+def use_metrics_folder(folder: Path) -> None:
+    """Makes `folder` (created if missing) the one this run's processes write their metrics to, emptied
+    first: values of an earlier run must not count."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in [*folder.glob("*.db"), *folder.glob(f"*{SHARED_SUFFIX}")]:
+        stale.unlink()
+    os.environ[MULTIPROC_DIR_VAR] = str(folder)
 
 
 def process_ended(pid: int) -> None:

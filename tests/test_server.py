@@ -253,6 +253,18 @@ def test_several_workers_share_one_engine_process_and_sum_their_metrics(server, 
         np.testing.assert_allclose(r.json()["data"][0]["embedding"], one["embedding"], atol=1e-5)
 
 
+def test_one_process_given_a_metrics_folder_counts_its_own_run_only(tiny_artifact_dir, tmp_path, monkeypatch):
+    """PROMETHEUS_MULTIPROC_DIR set for the server, as with workers: the folder is made when missing, and
+    what an earlier run left there is not summed into a restarted server's metrics."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))
+    embedded = 'bertserve_requests_total{endpoint="/embed",status="200"}'
+    for _ in range(2):
+        with running_server(tiny_artifact_dir) as base:
+            assert metric(base, embedded) == 0
+            assert httpx.post(f"{base}/embed", json={"inputs": "a text"}, timeout=30).status_code == 200
+            assert metric(base, embedded) == 1
+
+
 def test_one_engine_process_per_gpu_with_the_workers_shared_out(tiny_artifact_dir):
     """cuda_device_ids: one engine process per device, worker i on engine i mod their number. Without a GPU
     here, both engines run on the CPU (device auto): the plumbing is what is checked."""

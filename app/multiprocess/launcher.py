@@ -19,14 +19,13 @@ import threading
 import time
 from pathlib import Path
 
-from app.metrics import MULTIPROC_DIR_VAR
+from app.metrics import MULTIPROC_DIR_VAR, use_metrics_folder
 from app.multiprocess.cpu_cores import describe, split_cores
 from app.multiprocess.engine_process import CANNOT_SERVE_EXIT
 from app.multiprocess.engine_process import run as run_engine
 from app.multiprocess.held_signals import LAUNCHER_STOP_SIGNAL, start_with_stop_signals_held
 from app.multiprocess.http_workers import ENGINE_SOCKET_VAR, HttpWorkers, worker_stop_s
 from app.settings import ENV_PREFIX, Settings
-from app.shared_metrics import SUFFIX as SHARED_SUFFIX
 from app.uvicorn_server import listening_socket
 
 log = logging.getLogger("app")
@@ -113,11 +112,7 @@ def run_folder():
         folder.rmdir()
         folder = Path(tempfile.mkdtemp(prefix="bertserve-run-", dir="/tmp"))
     given = os.environ.get(MULTIPROC_DIR_VAR)
-    metrics = Path(given) if given else folder / "metrics"
-    metrics.mkdir(parents=True, exist_ok=True)
-    for stale in [*metrics.glob("*.db"), *metrics.glob(f"*{SHARED_SUFFIX}")]:
-        stale.unlink()
-    os.environ[MULTIPROC_DIR_VAR] = str(metrics)
+    use_metrics_folder(Path(given) if given else folder / "metrics")
     try:
         yield folder
     finally:
