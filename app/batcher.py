@@ -35,7 +35,7 @@ import numpy as np
 
 from app.engine import Batch
 from app.backlog import EngineSpeed, retry_after_s
-from app.errors import EngineLost, NotReady, Overloaded, TooManyInputs
+from app.errors import EngineLost, InternalError, NotReady, Overloaded, ServiceError, TooManyInputs
 from app.metrics import Metrics
 
 log = logging.getLogger("app.batcher")
@@ -529,9 +529,12 @@ class DynamicBatcher:
             done.set_result(None)
         if isinstance(outcome, Exception):
             log.error("inference failed on a batch of %d entries", len(entries), exc_info=outcome)
+            # Logged once, here: each request is answered 500 without its own copy of the traceback
+            failed = outcome if isinstance(outcome, ServiceError) else InternalError(
+                f"inference failed ({type(outcome).__name__}); see the server log")
             for entry in entries:
                 if not entry.group.future.done():
-                    entry.group.future.set_exception(outcome)
+                    entry.group.future.set_exception(failed)
             if isinstance(outcome, EngineLost) and self._on_engine_lost is not None:
                 self._on_engine_lost()
             return

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import os
 import shutil
 import string
@@ -854,6 +855,24 @@ def test_concurrent_requests_are_batched_and_correct(artifact):
     batches = _metric(metrics, "bertserve_batch_size_count")
     assert batches < 55 - 5, metrics  # 55 sequences in clearly fewer batches
     assert _metric(metrics, 'bertserve_batch_size_bucket{le="1.0"}') < batches
+
+
+def test_a_failed_batch_is_logged_once_and_its_requests_answered_500(artifact, caplog):
+    """The batch's traceback goes to the log once, not again for each request in it (a batch holds up to
+    max_batch_size of them); each client is told where to look, not the engine's own words."""
+    async def go():
+        async with serving(artifact, max_wait_ms=50) as (c, app):
+            def fail(batch):
+                raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions")
+            app.state.service.batcher._run = fail
+            with caplog.at_level(logging.ERROR):
+                return await asyncio.gather(*(c.post("/embed", json={"inputs": f"text {i}"}) for i in range(4)))
+    rs = run(go())
+    batches = [r for r in caplog.records if r.getMessage().startswith("inference failed on a batch")]
+    assert batches and all(r.exc_info for r in batches)
+    assert [r for r in caplog.records if r.exc_info] == batches, [r.getMessage() for r in caplog.records]
+    for r in rs:
+        assert_error(r, 500, "internal_error", "inference failed (RuntimeError); see the server log")
 
 
 def test_overload_answers_429_with_retry_after(artifact):
