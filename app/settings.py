@@ -156,9 +156,11 @@ class Settings(BaseSettings):
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 
     @field_validator("api_key", "model_name", "max_queue_ms", "cuda_device_ids", "cuda_graph_short_lengths",
-                     "cors_allow_origins", mode="before")
+                     "cors_allow_origins", "intra_op_threads", "inference_workers", "max_batch_tokens", "max_padding",
+                     "overlap_min_tokens", "openai_pooling", "openai_normalize", mode="before")
     @classmethod
     def _empty_is_unset(cls, v):
+        """Empty is unset, for every setting that may be: compose passes an unset ${X} as empty, and so may Helm."""
         return None if isinstance(v, str) and not v.strip() else v
 
     @field_validator("api_key", mode="before")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -1059,6 +1060,18 @@ def test_settings_fail_on_bad_values(artifact, tmp_path, monkeypatch):
     monkeypatch.setenv("BERTSERVE_MAX_BATCH_SIZE", "-3")
     with pytest.raises(ValidationError):
         Settings(model_dir=artifact)
+
+
+def test_an_empty_variable_leaves_an_optional_setting_unset(artifact, monkeypatch):
+    """BERTSERVE_X= (compose's ${X} of an unset X, a Helm value left empty) is the setting left unset, for
+    every setting that may be (`unset` in the README's table, or documented as "Empty: ...")."""
+    optional = [name for name, field in Settings.model_fields.items() if not field.is_required()
+                and type(None) in typing.get_args(field.annotation)]
+    assert "overlap_min_tokens" in optional
+    for name in optional:
+        monkeypatch.setenv(f"BERTSERVE_{name.upper()}", "")
+    s = Settings(model_dir=artifact)
+    assert {name: getattr(s, name) for name in optional} == dict.fromkeys(optional)
 
 
 def test_worker_app_turns_the_tokenizers_threads_off(artifact, monkeypatch):
