@@ -63,13 +63,20 @@ def _stop_before_serving(*_) -> None:
     raise SystemExit(0)
 
 
+def _bad_setting(error: dict) -> str:
+    """One of pydantic's errors in words naming the setting as it may be given: its flag and its variable."""
+    name = ".".join(map(str, error["loc"]))
+    if not name:  # a check of several settings together: its message names them
+        return error["msg"]
+    return f"{name} (--{name.replace('_', '-')}, {ENV_PREFIX}{name.upper()}): {error['msg']}"
+
+
 def main(argv: list[str] | None = None) -> int:
     flags = parse_args(argv)
     try:
         settings = Settings(**flags)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()]
-        print("bad settings (flags or BERTSERVE_* variables):\n" + "\n".join(lines), file=sys.stderr)
+        print("bad settings: " + "; ".join(_bad_setting(err) for err in e.errors()), file=sys.stderr)
         return 2
     configure_logging(settings)
     keep_freed_memory()  # before the model's arrays: the launcher, or the whole server in one process

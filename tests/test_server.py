@@ -587,19 +587,21 @@ def test_text_embeddings_inference_paths_under_tei(tiny_artifact_dir):
 
 
 @pytest.mark.parametrize("args,env,words", [
-    (["--model-dir", "/nonexistent/no-artifact-here"], {}, "model_dir"),
-    (["--port", "0"], {}, "port"),
-    ([], {"BERTSERVE_DEVICE": "tpu"}, "device"),
-    ([], {"BERTSERVE_MAX_BATCH_TOKENS": "lots"}, "max_batch_tokens"),
-    ([], {"BERTSERVE_API_KEY": " \n"}, "api_key: Value error, the key is only whitespace"),  # not "no key"
+    (["--model-dir", "/nonexistent/no-artifact-here"], {}, "model_dir (--model-dir, BERTSERVE_MODEL_DIR): "),
+    (["--port", "0"], {}, "port (--port, BERTSERVE_PORT): "),
+    ([], {"BERTSERVE_DEVICE": "tpu"}, "device (--device, BERTSERVE_DEVICE): "),
+    ([], {"BERTSERVE_MAX_BATCH_TOKENS": "lots"}, "max_batch_tokens (--max-batch-tokens, BERTSERVE_MAX_BATCH_TOKENS): "),
+    ([], {"BERTSERVE_API_KEY": " \n"}, "BERTSERVE_API_KEY): Value error, the key is only whitespace"),  # not "no key"
     # Kubernetes' variable for a Service named bertserve, over the image's BERTSERVE_PORT
-    ([], {"BERTSERVE_PORT": "tcp://10.96.0.10:80"}, "port: Value error, 'tcp://10.96.0.10:80' is the address "
-                                                     "Kubernetes gives pods for a Service named bertserve"),
+    ([], {"BERTSERVE_PORT": "tcp://10.96.0.10:80"}, "BERTSERVE_PORT): Value error, 'tcp://10.96.0.10:80' is the "
+                                                     "address Kubernetes gives pods for a Service named bertserve"),
 ])
 def test_bad_settings_stop_the_server_at_once(tiny_artifact_dir, args, env, words):
+    """In one line, naming the setting as a flag and as a variable (whichever way it was given)."""
     cmd = [sys.executable, "-m", "app", "--model-dir", str(tiny_artifact_dir), *args]
     r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and words in r.stderr, r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("bad settings: ") and words in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_a_device_or_operators_this_machine_cannot_run_stop_the_server_in_one_line(tiny_artifact_dir):
