@@ -19,6 +19,7 @@ if __name__ == "__main__":
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 import argparse
+import logging
 import sys
 import types
 import typing
@@ -28,7 +29,7 @@ from pydantic import ValidationError
 from pydantic_core import PydanticUndefined
 
 from app.heap import keep_freed_memory
-from app.settings import ENV_PREFIX, Settings, configure_logging, shown_default
+from app.settings import ENV_PREFIX, Settings, configure_logging, shown_default, unknown_variables
 
 
 def parse_args(argv: list[str] | None = None) -> dict[str, str]:
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
         print("bad settings: " + "; ".join(_bad_setting(err) for err in e.errors()), file=sys.stderr)
         return 2
     configure_logging(settings)
+    for name, closest in unknown_variables(dict(os.environ)):
+        logging.getLogger("app").warning("%s is not a setting: ignored%s", name,
+                                         f" (did you mean {closest}?)" if closest else "")
     keep_freed_memory()  # before the model's arrays: the launcher, or the whole server in one process
 
     import uvicorn

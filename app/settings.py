@@ -243,6 +243,26 @@ def shown_default(value: object) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+# BERTSERVE_* variables that are not settings: read by the operator library (custom_kernels/), or set by the
+# server for its own processes.
+OTHER_VARIABLES = frozenset(ENV_PREFIX + name for name in (
+    "KERNELS_LIBRARY", "KERNELS_AUTOTUNE", "KERNELS_AUTOTUNE_LOG", "KERNELS_WORKSPACE_MB", "ENGINE_SOCKET"))
+# Kubernetes' service links for a Service named bertserve (BERTSERVE_SERVICE_HOST, BERTSERVE_PORT_80_TCP, ...)
+_SERVICE_LINK = re.compile(ENV_PREFIX + r"(SERVICE_\w+|PORT_\d+_\w+)")
+
+
+def unknown_variables(environ: dict[str, str]) -> list[tuple[str, str | None]]:
+    """The BERTSERVE_* variables that name no setting (pydantic-settings ignores them: a misspelt one would
+    go unnoticed), each with the setting's variable it is closest to, if any."""
+    import difflib
+
+    settings = [name.upper() for name in Settings.model_fields]
+    unknown = sorted(name for name in environ if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):] not in settings
+                     and name not in OTHER_VARIABLES and not _SERVICE_LINK.fullmatch(name))
+    closest = [difflib.get_close_matches(name[len(ENV_PREFIX):], settings, n=1, cutoff=0.75) for name in unknown]
+    return [(name, ENV_PREFIX + close[0] if close else None) for name, close in zip(unknown, closest)]
+
+
 def configure_logging(settings: Settings) -> None:
     """The log format and level of every server process (the launcher, HTTP workers, the engine)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

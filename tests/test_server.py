@@ -781,3 +781,14 @@ def test_onnx_runtime_telemetry_is_off_unless_asked_for(entry):
     chosen = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**env, "ORT_DISABLE_TELEMETRY": "0"},
                             capture_output=True, text=True, timeout=60)
     assert chosen.stdout.split()[0] == "0", chosen.stderr
+
+
+def test_a_variable_that_names_no_setting_is_said_with_the_closest_one():
+    """pydantic-settings ignores BERTSERVE_* variables that name no field: a misspelt one would go unnoticed."""
+    from app.settings import unknown_variables
+
+    environ = {"BERTSERVE_MAX_BACH_TOKENS": "4096", "BERTSERVE_FROBNICATE": "1", "BERTSERVE_PORT": "8000",
+               "BERTSERVE_KERNELS_LIBRARY": "/opt/lib.so", "BERTSERVE_SERVICE_HOST": "10.0.0.1",
+               "BERTSERVE_PORT_80_TCP_ADDR": "10.0.0.1", "OTHER_PORT": "1"}
+    assert unknown_variables(environ) == [("BERTSERVE_FROBNICATE", None),
+                                          ("BERTSERVE_MAX_BACH_TOKENS", "BERTSERVE_MAX_BATCH_TOKENS")]
