@@ -263,9 +263,23 @@ def unknown_variables(environ: dict[str, str]) -> list[tuple[str, str | None]]:
     return [(name, ENV_PREFIX + close[0] if close else None) for name, close in zip(unknown, closest)]
 
 
+class _UvicornNamed(logging.Filter):
+    """uvicorn logs its start, stop and errors alike as `uvicorn.error`: named `uvicorn` here, so that an
+    INFO line does not read as an error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "uvicorn.error":
+            record.name = "uvicorn"
+        return True
+
+
 def configure_logging(settings: Settings) -> None:
-    """The log format and level of every server process (the launcher, HTTP workers, the engine)."""
+    """The log format and level of every server process (the launcher, HTTP workers, the engine), uvicorn's
+    lines included (app/uvicorn_server.py leaves them to this root logger)."""
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _UvicornNamed) for f in handler.filters):
+            handler.addFilter(_UvicornNamed())
 
 
 def _numbers(text: str | None) -> list[int]:

@@ -37,7 +37,9 @@ def uvicorn_options(settings: Settings, metrics: Metrics | None = None) -> dict:
     if metrics is not None:
         def answered(status: int, type_: str, seconds: float) -> None:
             metrics.request_answered("other", status, seconds, {"error_type": type_})
-    return dict(log_level=settings.log_level, access_log=settings.access_log, loop=loop,
+    # log_config None: uvicorn's lines go through the root logger that configure_logging set up, so every
+    # line of the server has one format, with its time (uvicorn's own has none)
+    return dict(log_config=None, log_level=settings.log_level, access_log=settings.access_log, loop=loop,
                 http=limited_protocol(limits, answered) if http == "httptools" else "h11",
                 h11_max_incomplete_event_size=settings.max_header_bytes,
                 timeout_keep_alive=settings.keep_alive_s,

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import shutil
+import re
 import signal
 import socket
 import subprocess
@@ -792,3 +793,19 @@ def test_a_variable_that_names_no_setting_is_said_with_the_closest_one():
                "BERTSERVE_PORT_80_TCP_ADDR": "10.0.0.1", "OTHER_PORT": "1"}
     assert unknown_variables(environ) == [("BERTSERVE_FROBNICATE", None),
                                           ("BERTSERVE_MAX_BACH_TOKENS", "BERTSERVE_MAX_BATCH_TOKENS")]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_every_log_line_has_one_format_with_its_time(tiny_artifact_dir, workers):
+    """uvicorn's own lines (start, access log, stop) came without a time, in another format than the app's."""
+    proc, base = start_server(tiny_artifact_dir, workers=workers, access_log="true")
+    try:
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    lines = [line for line in proc.stdout.read().splitlines() if line.strip()]
+    odd = [line for line in lines if not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ", line)]
+    assert not odd and proc.returncode == 0, "\n".join(lines)
+    assert any("INFO uvicorn: Application startup complete" in line for line in lines), "\n".join(lines)
+    assert any('INFO uvicorn.access: 127.0.0.1:' in line and '"GET /health HTTP/1.1" 200' in line for line in lines)
