@@ -39,6 +39,22 @@ class ConnectionLimits:
     body_timeout_s: float  # from the end of the headers to the end of the body
 
 
+class _ProtocolLog(logging.LoggerAdapter):
+    """uvicorn's protocol logger, less its "Invalid HTTP request received.": send_400_response below says it,
+    with the client's address (one line a malformed request, not two)."""
+
+    @property
+    def level(self) -> int:  # uvicorn reads its logger's level
+        return self.logger.level
+
+    def warning(self, msg, *args, **kwargs) -> None:
+        if msg != "Invalid HTTP request received.":
+            self.logger.warning(msg, *args, **kwargs)
+
+
+_PROTOCOL_LOG = _ProtocolLog(logging.getLogger("uvicorn.error"), {})
+
+
 def limited_protocol(limits: ConnectionLimits,
                      answered: Callable[[int, str, float], None] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's httptools protocol with `limits`, its small writes coalesced (app/coalesced_writes.py);
@@ -53,6 +69,7 @@ def limited_protocol(limits: ConnectionLimits,
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(CoalescedWrites(transport, self.loop))
+            self.logger = _PROTOCOL_LOG
             self._in_head = True  # the bytes arriving belong to a request line or headers
             self._head_bytes = 0
             self._started = False  # some byte of the current request arrived

@@ -797,10 +797,14 @@ def test_a_variable_that_names_no_setting_is_said_with_the_closest_one():
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_every_log_line_has_one_format_with_its_time(tiny_artifact_dir, workers):
-    """uvicorn's own lines (start, access log, stop) came without a time, in another format than the app's."""
+    """uvicorn's own lines (start, access log, stop) came without a time, in another format than the app's,
+    and a malformed request was logged twice."""
     proc, base = start_server(tiny_artifact_dir, workers=workers, access_log="true")
     try:
         assert httpx.get(f"{base}/health", timeout=10).status_code == 200
+        with socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1])), timeout=10) as bad:
+            bad.sendall(b"NOT HTTP\r\n\r\n")
+            assert bad.recv(100).startswith(b"HTTP/1.1 400 ")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
@@ -809,3 +813,5 @@ def test_every_log_line_has_one_format_with_its_time(tiny_artifact_dir, workers)
     assert not odd and proc.returncode == 0, "\n".join(lines)
     assert any("INFO uvicorn: Application startup complete" in line for line in lines), "\n".join(lines)
     assert any('INFO uvicorn.access: 127.0.0.1:' in line and '"GET /health HTTP/1.1" 200' in line for line in lines)
+    # a malformed request is one line, ours (with the client), not uvicorn's too
+    assert [line.split(": ", 1)[1][:34] for line in lines if "WARNING" in line] == ["closed a connection from 127.0.0.1"]
