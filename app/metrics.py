@@ -16,7 +16,7 @@ from app.shared_metrics import SUFFIX as SHARED_SUFFIX, SharedMetrics, remove_ga
 
 _LATENCY = (.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-_TOKENS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+_TOKENS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)  # 512: the CPU's default batch
 MULTIPROC_DIR_VAR = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
 
 
