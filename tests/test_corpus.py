@@ -122,6 +122,19 @@ def test_a_folder_names_the_files_its_glob_does(tmp_path):
     assert resolve_corpus_files([str(tmp_path / "data") + "/"]) == folder
 
 
+@pytest.mark.timeout(10)
+def test_a_folder_with_links_to_folders_above_is_read_once_and_at_once(tmp_path):
+    """Two links back up the tree (`latest -> .`, `up -> ..`): glob's `**` went round them 2^40 times."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    (tmp_path / "data" / "a.txt").write_text("x")
+    (tmp_path / "data" / "sub" / "b.txt").write_text("x")
+    (tmp_path / "data" / "latest").symlink_to(".", target_is_directory=True)
+    (tmp_path / "data" / "sub" / "up").symlink_to("..", target_is_directory=True)
+    for corpus in ("data", "data/**", "data/**/*.txt"):
+        files = resolve_corpus_files([str(tmp_path / corpus)])
+        assert [f.relative_to(tmp_path.resolve()).as_posix() for f in files] == ["data/a.txt", "data/sub/b.txt"]
+
+
 @pytest.mark.parametrize("case, message", [
     ("missing", "does not exist"), ("empty_folder", "no .txt or .jsonl files"),
     ("wrong_suffix", "neither .txt nor .jsonl"), ("glob_no_match", "no .txt or .jsonl files"),

@@ -131,8 +131,43 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
 
 
 def _glob_files(pattern: str) -> list[Path]:
-    return sorted(Path(f) for f in glob.glob(pattern, recursive=True)
+    return sorted(Path(f) for f in _expand(pattern)
                   if Path(f).suffix.lower() in CORPUS_SUFFIXES and Path(f).is_file())
+
+
+def _expand(pattern: str) -> Iterator[str]:
+    """glob.glob(pattern, recursive=True), except that `**` enters no folder it is already inside: glob's
+    own walk goes round a link to a folder above until the path is too long, and with two such links
+    (`latest -> .`, `up -> ..`) that is 2^40 paths."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        yield from glob.glob(pattern)
+        return
+    i = parts.index("**")
+    head, rest = os.path.join(*parts[:i]) if i else ".", parts[i + 1:]
+    for base in glob.glob(head) if glob.has_magic(head) else [head]:
+        for folder in _folders_under(base, frozenset({os.path.realpath(base)})) if os.path.isdir(base) else ():
+            if rest:
+                yield from _expand(os.path.join(glob.escape(folder), *rest))
+            else:
+                yield from (os.path.join(folder, e.name) for e in _entries(folder))
+
+
+def _folders_under(folder: str, inside: frozenset[str]) -> Iterator[str]:
+    """`folder` and every folder below it, as `**` walks them (hidden ones left out, links followed), but
+    not into a folder of `inside`, the real folders on the way down."""
+    yield folder
+    for e in _entries(folder):
+        if e.is_dir() and (real := os.path.realpath(e.path)) not in inside:
+            yield from _folders_under(os.path.join(folder, e.name), inside | {real})
+
+
+def _entries(folder: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(folder) as it:
+            return sorted((e for e in it if not e.name.startswith(".")), key=lambda e: e.name)
+    except OSError:  # unreadable: left out, as glob leaves it
+        return []
 
 
 def _read_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
