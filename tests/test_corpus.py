@@ -98,6 +98,29 @@ def test_a_10mb_line_is_read_in_bounded_sentences(tmp_path, line):
         assert " ".join(first[1:-1]).split() == line.split()
 
 
+def test_gzip_compressed_files_read_as_their_plain_text(tmp_path):
+    """.txt.gz and .jsonl.gz, named or in a folder (where they were left out without a word), read as the
+    same text uncompressed; a damaged one is refused in one line naming it."""
+    import gzip
+    text = "One. Two.\n\nThree.\n"
+    jsonl = json.dumps({"text": "Four. Five."}) + "\n"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text(text)
+    (tmp_path / "data" / "b.TXT.GZ").write_bytes(gzip.compress(text.encode()))
+    (tmp_path / "data" / "c.jsonl.gz").write_bytes(gzip.compress(jsonl.encode()))
+    (tmp_path / "data" / "d.tar.gz").write_bytes(gzip.compress(b"x"))
+    files = resolve_corpus_files([str(tmp_path / "data")])
+    assert [f.name for f in files] == ["a.txt", "b.TXT.GZ", "c.jsonl.gz"]
+    assert list(read_documents(files)) == [["One.", "Two."], ["Three."]] * 2 + [["Four.", "Five."]]
+    with pytest.raises(CorpusError, match="neither .txt nor .jsonl"):
+        resolve_corpus_files([str(tmp_path / "data" / "d.tar.gz")])
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(text.encode() * 100)[:40])
+    (tmp_path / "plain.txt.gz").write_text(text)
+    for name, reason in (("cut.txt.gz", "Compressed file ended before"), ("plain.txt.gz", "Not a gzipped file")):
+        with pytest.raises(CorpusError, match=f"cannot read corpus file .*{name}: {reason}"):
+            list(read_documents([tmp_path / name]))
+
+
 def test_resolve_files_folders_and_globs(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     for name in ("a/1.txt", "a/b/2.jsonl", "a/b/3.csv", "a/b/4.TXT", "c.txt", "D.Txt"):

@@ -1,6 +1,6 @@
 """Reads a text corpus into documents (lists of sentences): .txt files in the original BERT format
 (one sentence or paragraph per line, documents separated by blank lines) and .jsonl files (a `text`
-field per document), named as files, folders or globs.
+field per document), either also gzip-compressed (.txt.gz, .jsonl.gz), named as files, folders or globs.
 
 Everything streams: a file is never read whole, and an over-long line is cut into bounded pieces.
 """
@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import codecs
 import glob
+import gzip
 import json
 import logging
 import os
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CORPUS_SUFFIXES = (".txt", ".jsonl")
+CORPUS_SUFFIXES = (".txt", ".jsonl")  # each also read gzip-compressed, with .gz after it
 # Longer "sentences" (tables, minified data, a 10 MB line with no full stop) are cut into pieces of at
 # most this many characters, at whitespace where there is some: pairs are built from whole sentences.
 MAX_SENTENCE_CHARS = 1000
@@ -120,19 +122,27 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
             found = _glob_files(str(p))
         else:
             raise CorpusError(f"corpus path {entry} does not exist; check the path or the glob")
-        if p.is_file() and p.suffix.lower() not in CORPUS_SUFFIXES:
-            raise CorpusError(f"corpus file {entry} is neither .txt nor .jsonl; convert it or leave it out")
+        if p.is_file() and corpus_kind(p) is None:
+            raise CorpusError(f"corpus file {entry} is neither .txt nor .jsonl (nor either with .gz); convert it "
+                              f"or leave it out")
         files.extend(found)
     unique = list(dict.fromkeys(f.resolve() for f in files))
     if not unique:
-        raise CorpusError(f"no .txt or .jsonl files found in {', '.join(paths)}; "
+        raise CorpusError(f"no .txt or .jsonl files (or .txt.gz, .jsonl.gz) found in {', '.join(paths)}; "
                           f"point --corpus at files with one of those suffixes")
     return unique
 
 
+def corpus_kind(path: Path) -> str | None:
+    """".txt" or ".jsonl" for a corpus file, compressed (NAME.txt.gz) or not; None for any other file."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes[-1:] == [".gz"]:
+        suffixes.pop()
+    return suffixes[-1] if suffixes and suffixes[-1] in CORPUS_SUFFIXES else None
+
+
 def _glob_files(pattern: str) -> list[Path]:
-    return sorted(Path(f) for f in _expand(pattern)
-                  if Path(f).suffix.lower() in CORPUS_SUFFIXES and Path(f).is_file())
+    return sorted(Path(f) for f in _expand(pattern) if corpus_kind(Path(f)) and Path(f).is_file())
 
 
 def _expand(pattern: str) -> Iterator[str]:
@@ -171,12 +181,19 @@ def _entries(folder: str) -> list[os.DirEntry]:
 
 
 def _read_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
-    """(text, ends_a_line, had_bad_bytes) pieces of at most _READ_BYTES bytes of a UTF-8 file.
+    """(text, ends_a_line, had_bad_bytes) pieces of at most _READ_BYTES bytes of a UTF-8 file, decompressed
+    as it is read where it ends in .gz. Bytes that are not UTF-8 become U+FFFD; a character cut at a piece's
+    end is completed by the next."""
+    try:
+        yield from _decoded_pieces(path, gzip.open if path.suffix.lower() == ".gz" else open)
+    except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz, a file gone or unreadable
+        raise CorpusError(f"cannot read corpus file {path}: {getattr(e, 'strerror', None) or e}") from e
 
-    Bytes that are not UTF-8 become U+FFFD; a character cut at a piece's end is completed by the next."""
+
+def _decoded_pieces(path: Path, opener) -> Iterator[tuple[str, bool, bool]]:
     strict, lenient = codecs.getincrementaldecoder("utf-8")(), codecs.getincrementaldecoder("utf-8")("replace")
     first = True
-    with open(path, "rb") as f:
+    with opener(path, "rb") as f:
         while True:
             raw = f.readline(_READ_BYTES)
             ends = raw.endswith(b"\n") or len(raw) < _READ_BYTES  # short and no newline: the file's end
@@ -269,7 +286,7 @@ def read_documents(files: Iterable[Path], stats: CorpusStats | None = None, *,
     for path in files:
         stats.files += 1
         bad_json, bad_bytes = stats.bad_jsonl_lines, stats.lines_with_bad_bytes
-        reader = _jsonl_documents if path.suffix.lower() == ".jsonl" else _txt_documents
+        reader = _jsonl_documents if corpus_kind(path) == ".jsonl" else _txt_documents
         for doc in reader(path, stats):
             stats.documents += 1
             stats.sentences += len(doc)

@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, metavar="DIR",
                    help="model folder with pretraining heads (ours, or a transformers BertForPreTraining folder)")
     p.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
-                   help=".txt (one sentence per line, blank line between documents) or .jsonl files, folders or "
-                        "globs; all of it is the evaluation set")
+                   help=".txt (one sentence per line, blank line between documents) or .jsonl files, either also "
+                        ".gz, folders or globs; all of it is the evaluation set")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"tokens per sequence pair (default: the longest the model was trained at, at most "
                         f"{MAX_DEFAULT_SEQ_LEN})")

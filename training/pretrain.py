@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
                    help=".txt (one sentence/paragraph per line, blank line between documents) or .jsonl "
-                        "(`text` field) files, folders or globs; none: the embedded default corpus")
+                        "(`text` field) files, either also .gz, folders or globs; none: the embedded default corpus")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="tokens per training sequence (default: 48 for the demonstration*, 128 otherwise)")
     g.add_argument("--max-predictions", type=int, default=None,
