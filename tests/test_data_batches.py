@@ -160,6 +160,25 @@ def test_the_cache_is_reused_and_invalidated_by_what_made_it(tmp_path, monkeypat
     assert len(list((tmp_path / "cache").glob(".*tmp"))) == 0  # no temporary folders left
 
 
+def test_a_killed_builds_folder_goes_with_the_next_build_whatever_its_settings(tmp_path):
+    """A build killed with -9 leaves its temporary folder; the corpus is then often edited, which gives the
+    next build another key: that one removes it too (it was left for good), never a live process's."""
+    import subprocess
+    import sys
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cache = tmp_path / "cache"
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        killed, live = (cache / f".data-0123456789abcdef.{p.pid}.tmp" for p in (dead, alive))
+        for folder in (killed, live):
+            (folder / "shards").mkdir(parents=True)
+            (folder / "shards" / "tokens-00000.bin").write_bytes(b"\0" * 1000)
+        corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
+        prepare_data(DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(cache)), show_progress=False)
+        assert not killed.exists() and live.exists()
+        alive.kill()
+
+
 def test_other_ranks_wait_for_rank_0(tmp_path):
     corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
     cfg = DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(tmp_path / "cache"))

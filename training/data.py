@@ -301,7 +301,10 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
            trained: Tokenizer | None) -> None:
     """Everything into a temporary sibling, renamed into place at the end (so it is whole or absent)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_siblings(folder)  # what a killed run left (a live one's build is left alone)
+    # What killed builds left, of any settings (the corpus is often edited after a stop, which changes the
+    # key); a live one's build is left alone.
+    for name in {p.name.split(".")[1] for p in folder.parent.glob(".data-*.tmp")}:
+        remove_stale_siblings(folder.parent / name)
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     timings: dict[str, float] = {}
