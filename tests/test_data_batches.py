@@ -12,7 +12,7 @@ from data_corpora import prepare, write_txt_corpus
 from training.batch_stream import BatchStream
 from training.data import DataConfig, prepare_data, split_documents
 from training.shards import TokenShards, write_shards
-from training.wordpiece import CLS, PAD, SEP, SPECIAL_TOKENS
+from training.wordpiece import CLS, PAD, SEP, SPECIAL_TOKENS, save_tokenizer
 
 MAX_SEQ_LEN = 48
 
@@ -177,6 +177,25 @@ def test_a_killed_builds_folder_goes_with_the_next_build_whatever_its_settings(t
         prepare_data(DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(cache)), show_progress=False)
         assert not killed.exists() and live.exists()
         alive.kill()
+
+
+def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line(tmp_path, monkeypatch):
+    """tokenizers reports a full disk as a bare Exception, which came out as a traceback; it is now the one
+    line of any other full disk, and nothing is left in the cache."""
+    import training.data as data_module
+    from training.writes import WriteError
+
+    def save_on_a_full_disk(tok, out_dir):
+        out_dir.mkdir(parents=True)
+        (out_dir / "tokenizer.json").symlink_to("/dev/full")  # every write: ENOSPC
+        save_tokenizer(tok, out_dir)
+
+    monkeypatch.setattr(data_module, "save_tokenizer", save_on_a_full_disk)
+    corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
+    with pytest.raises(WriteError, match=r"^no space left on device writing .*cache/data-\w+$"):
+        prepare_data(DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(tmp_path / "cache")),
+                     show_progress=False)
+    assert not list((tmp_path / "cache").iterdir())
 
 
 def test_other_ranks_wait_for_rank_0(tmp_path):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -98,7 +100,13 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path | str, model_max_length: int = 
     """tokenizer.json for us, vocab.txt + configs so `transformers.BertTokenizerFast` loads it too."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"))
+    try:
+        tok.save(str(out_dir / "tokenizer.json"))
+    except Exception as e:  # tokenizers raises a bare Exception: "No space left on device (os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(out_dir / "tokenizer.json")) from e
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     (out_dir / "vocab.txt").write_text("".join(f"{t}\n" for t, _ in vocab), encoding="utf-8")
     specials = {"pad_token": PAD, "unk_token": UNK, "cls_token": CLS, "sep_token": SEP, "mask_token": MASK}
