@@ -1,6 +1,7 @@
 """What the trainer sees: batch layout, determinism, resuming, ranks, held-out split and the cache."""
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 
@@ -138,7 +139,7 @@ def test_stats_describe_the_corpus(data):
 def test_the_cache_is_reused_and_invalidated_by_what_made_it(tmp_path, monkeypatch):
     corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=50, sentences=(2, 5), words=(3, 8))
     cfg = DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(tmp_path / "cache"))
-    first = prepare_data(cfg, show_progress=False)
+    first = prepare_data(cfg)
     assert first.stats["built_now"]
     assert (first.tokenizer_dir / "vocab.txt").is_file() and (first.tokenizer_dir / "tokenizer.json").is_file()
 
@@ -148,14 +149,14 @@ def test_the_cache_is_reused_and_invalidated_by_what_made_it(tmp_path, monkeypat
         again = prepare_data(DataConfig(**{**cfg.__dict__, "max_seq_len": 64, "whole_word_masking": True}),
                              show_progress=False)
         assert not again.stats["built_now"] and again.stats["cache"] == first.stats["cache"]
-        on_rank_1 = prepare_data(cfg, rank=1, world_size=2, show_progress=False)
+        on_rank_1 = prepare_data(cfg, rank=1, world_size=2)
         assert on_rank_1.stats["cache"] == first.stats["cache"]
 
-    cased = prepare_data(DataConfig(**{**cfg.__dict__, "lowercase": False}), show_progress=False)
+    cased = prepare_data(DataConfig(**{**cfg.__dict__, "lowercase": False}))
     assert cased.stats["built_now"] and cased.stats["cache"] != first.stats["cache"]
     with corpus.open("a") as f:
         f.write("\nOne more document appears here.\n")
-    grown = prepare_data(cfg, show_progress=False)
+    grown = prepare_data(cfg)
     assert grown.stats["built_now"] and grown.stats["documents"] == 51
     assert len(list((tmp_path / "cache").glob(".*tmp"))) == 0  # no temporary folders left
 
@@ -174,7 +175,7 @@ def test_a_killed_builds_folder_goes_with_the_next_build_whatever_its_settings(t
             (folder / "shards").mkdir(parents=True)
             (folder / "shards" / "tokens-00000.bin").write_bytes(b"\0" * 1000)
         corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
-        prepare_data(DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(cache)), show_progress=False)
+        prepare_data(DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(cache)))
         assert not killed.exists() and live.exists()
         alive.kill()
 
@@ -198,6 +199,31 @@ def test_a_full_disk_while_the_tokenizer_is_saved_is_one_line(tmp_path, monkeypa
     assert not list((tmp_path / "cache").iterdir())
 
 
+def test_a_build_says_how_far_it_has_got_where_no_bar_is_drawn(tmp_path, monkeypatch, capsys):
+    """In a log file a build of a large corpus said nothing for as long as it took (20 minutes for 1.5 GB):
+    now a line as each pass over the corpus begins and ends, and a line a minute in between."""
+    import gzip
+
+    import training.data as data_module
+    monkeypatch.setattr(data_module, "_PROGRESS_LINE_S", 0.0)
+    corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=60, sentences=(2, 4), words=(3, 8))
+    packed = tmp_path / "d.txt.gz"
+    packed.write_bytes(gzip.compress(corpus.read_bytes()))
+    size = corpus.stat().st_size + packed.stat().st_size
+    prepare_data(DataConfig(corpus=(str(corpus), str(packed)), vocab_size=200, cache_dir=str(tmp_path / "cache")),
+                 show_progress=False, progress_lines=True)
+    lines = capsys.readouterr().out.splitlines()
+    shown = data_module._size(size)  # the .gz counted as stored (compressed), so that the passes end at 100%
+    assert lines[0].startswith("preparing data in ")
+    assert lines[0].endswith(f": training a tokenizer on, then tokenising, 2 corpus file(s), {shown}")
+    for what in ("tokenizer training", "tokenising"):
+        during = [line for line in lines if line.startswith(f"{what}: ") and "%" in line]
+        assert during and during[-1].startswith(f"{what}: {shown} of {shown} read (100%), "), lines
+        assert f"{what}: {shown} read in 00:0" in "\n".join(lines)
+    assert lines[-1].startswith("prepared data in ") and ": 120 documents, " in lines[-1]
+    assert json.loads((next((tmp_path / "cache").glob("data-*")) / "corpus.json").read_text())["bytes_read"] == size
+
+
 def test_other_ranks_wait_for_rank_0(tmp_path):
     corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
     cfg = DataConfig(corpus=(str(corpus),), vocab_size=200, cache_dir=str(tmp_path / "cache"))
@@ -206,7 +232,7 @@ def test_other_ranks_wait_for_rank_0(tmp_path):
     waiter.start()
     waiter.join(timeout=1.5)
     assert waiter.is_alive()  # nothing built yet: rank 1 waits
-    built = prepare_data(cfg, rank=0, show_progress=False)
+    built = prepare_data(cfg, rank=0)
     waiter.join(timeout=10)
     assert not waiter.is_alive() and result["r1"].stats["cache"] == built.stats["cache"]
 
@@ -218,13 +244,13 @@ def test_an_existing_vocab_file_is_used(tmp_path, data):
                             show_progress=False)
     assert prepared.tokenizer.get_vocab() == data.tokenizer.get_vocab()
     with pytest.raises(ValueError, match="does not exist"):
-        prepare_data(DataConfig(corpus=(str(corpus),), vocab_file=str(tmp_path / "none.txt")), show_progress=False)
+        prepare_data(DataConfig(corpus=(str(corpus),), vocab_file=str(tmp_path / "none.txt")))
 
 
 def test_documents_never_span_token_files(tmp_path, data):
     docs = [[f"Document {d} sentence {s} has words." for s in range(d % 5 + 1)] for d in range(200)]
-    one = write_shards(docs, data.tokenizer, tmp_path / "one", show_progress=False)
-    many = write_shards(docs, data.tokenizer, tmp_path / "many", shard_tokens=100, show_progress=False)
+    one = write_shards(docs, data.tokenizer, tmp_path / "one")
+    many = write_shards(docs, data.tokenizer, tmp_path / "many", shard_tokens=100)
     assert len(one["shards"]) == 1 and len(many["shards"]) > 10
     a, b = TokenShards(tmp_path / "one"), TokenShards(tmp_path / "many")
     assert np.array_equal(a.sentence_starts, b.sentence_starts) and np.array_equal(a.document_starts, b.document_starts)
@@ -233,7 +259,7 @@ def test_documents_never_span_token_files(tmp_path, data):
         assert np.array_equal(a.tokens(lo, hi), b.tokens(lo, hi))
     # "[SEP]" written in the text stays text.
     sep = data.tokenizer.token_to_id(SEP)
-    special = write_shards([["Put [SEP] and [MASK] here."], ["x"]], data.tokenizer, tmp_path / "sp", show_progress=False)
+    special = write_shards([["Put [SEP] and [MASK] here."], ["x"]], data.tokenizer, tmp_path / "sp")
     assert special["tokens"] > 4 and sep not in TokenShards(tmp_path / "sp").tokens(0, special["tokens"])
 
 

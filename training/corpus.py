@@ -42,6 +42,7 @@ class CorpusStats:
     """Counted while reading; the reader adds to it, so one object can follow several passes."""
 
     files: int = 0
+    bytes_read: int = 0  # of the files as they are stored (compressed, for a .gz): how far a pass has got
     documents: int = 0
     sentences: int = 0
     words: int = 0
@@ -180,22 +181,24 @@ def _entries(folder: str) -> list[os.DirEntry]:
         return []
 
 
-def _read_pieces(path: Path) -> Iterator[tuple[str, bool, bool]]:
+def _read_pieces(path: Path, stats: CorpusStats) -> Iterator[tuple[str, bool, bool]]:
     """(text, ends_a_line, had_bad_bytes) pieces of at most _READ_BYTES bytes of a UTF-8 file, decompressed
-    as it is read where it ends in .gz. Bytes that are not UTF-8 become U+FFFD; a character cut at a piece's
-    end is completed by the next."""
+    as it is read where it ends in .gz, counting the file's bytes read into `stats`. Bytes that are not
+    UTF-8 become U+FFFD; a character cut at a piece's end is completed by the next."""
     try:
-        yield from _decoded_pieces(path, gzip.open if path.suffix.lower() == ".gz" else open)
+        yield from _decoded_pieces(path, stats, path.suffix.lower() == ".gz")
     except (OSError, EOFError, zlib.error) as e:  # a truncated or damaged .gz, a file gone or unreadable
         raise CorpusError(f"cannot read corpus file {path}: {getattr(e, 'strerror', None) or e}") from e
 
 
-def _decoded_pieces(path: Path, opener) -> Iterator[tuple[str, bool, bool]]:
+def _decoded_pieces(path: Path, stats: CorpusStats, gzipped: bool) -> Iterator[tuple[str, bool, bool]]:
     strict, lenient = codecs.getincrementaldecoder("utf-8")(), codecs.getincrementaldecoder("utf-8")("replace")
-    first = True
-    with opener(path, "rb") as f:
+    first, before = True, stats.bytes_read
+    with (gzip.open if gzipped else open)(path, "rb") as f:
+        stored = f.fileobj if gzipped else f
         while True:
             raw = f.readline(_READ_BYTES)
+            stats.bytes_read = before + stored.tell()
             ends = raw.endswith(b"\n") or len(raw) < _READ_BYTES  # short and no newline: the file's end
             try:
                 text, bad = strict.decode(raw, final=ends), False
@@ -219,7 +222,7 @@ def _txt_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
     doc: Document = []
     carry = ""  # the unfinished last sentence of a line that is still being read
     bad_lines = 0
-    for piece, line_ends, bad in _read_pieces(path):
+    for piece, line_ends, bad in _read_pieces(path, stats):
         bad_lines += bad
         if line_ends and not carry and not piece.strip():
             if doc:
@@ -249,7 +252,7 @@ def _text_document(text: str) -> Document:
 def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
     bad_lines = bad_json = 0
     line, line_bad = [], False
-    for piece, line_ends, bad in _read_pieces(path):
+    for piece, line_ends, bad in _read_pieces(path, stats):
         line.append(piece)
         line_bad |= bad
         if not line_ends:

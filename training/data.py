@@ -15,15 +15,16 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
+from tqdm import tqdm
 
-from training.corpus import CorpusError, CorpusStats, read_documents, resolve_corpus_files
+from training.corpus import CorpusError, CorpusStats, Document, read_documents, resolve_corpus_files
 from training.docstring_corpus import docstring_corpus, docstring_corpus_path
 from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, draw_pairs, finish
 from training.masking import Masker
@@ -38,6 +39,7 @@ _FORMAT = 2          # bump when the shard layout, the tokenisation or the token
 _MIN_FREQUENCY = 2   # of a WordPiece we train
 _DONE = "DONE"
 _WAIT_LOG_S = 60.0
+_PROGRESS_LINE_S = 60.0  # between the lines of a pass over the corpus where no bar is drawn
 
 
 @dataclass(frozen=True)
@@ -297,7 +299,40 @@ def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
     return hashlib.sha256(repr((_FORMAT, corpus_id, vocab, cfg.lowercase)).encode()).hexdigest()[:16]
 
 
-def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progress: bool,
+class _Progress:
+    """How far a build has got: a bar per pass over the corpus on a terminal (`bars`); with `lines`, where
+    no bar is drawn (a log file, or --no-progress), a line as each pass begins and ends and every
+    _PROGRESS_LINE_S in between, for the minutes or hours a large corpus takes. Lines go to stdout with the
+    training's, bars to stderr."""
+
+    def __init__(self, bars: bool, lines: bool):
+        self.bars, self.lines = bars, lines
+
+    def say(self, text: str) -> None:
+        if self.bars or self.lines:
+            print(text, flush=True)
+
+    def reading(self, documents: Iterable[Document], stats: CorpusStats, total: int, what: str) -> Iterator[Document]:
+        """`documents`, followed through the `total` bytes of the corpus that `stats` counts as read."""
+        started = last = time.monotonic()
+        with tqdm(total=total, desc=what, unit="B", unit_scale=True, disable=None if self.bars else True,
+                  mininterval=1.0) as bar:
+            plain = bar.disable and self.lines
+            for doc in documents:
+                yield doc
+                bar.update(stats.bytes_read - bar.n)
+                if plain and time.monotonic() - last >= _PROGRESS_LINE_S:
+                    last = time.monotonic()
+                    self.say(f"{what}: {_size(stats.bytes_read)} of {_size(total)} read "
+                             f"({100 * stats.bytes_read / max(total, 1):.0f}%), {tqdm.format_interval(last - started)}")
+        self.say(f"{what}: {_size(stats.bytes_read)} read in {tqdm.format_interval(time.monotonic() - started)}")
+
+
+def _size(n: int) -> str:
+    return tqdm.format_sizeof(n, "B", 1000)
+
+
+def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, progress: _Progress,
            trained: Tokenizer | None) -> None:
     """Everything into a temporary sibling, renamed into place at the end (so it is whole or absent)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -311,16 +346,21 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
     try:
         started = time.perf_counter()
         if files is None:
-            files = [docstring_corpus(Path(cfg.cache_dir) / "docstrings", show_progress=show_progress)]
+            files = [docstring_corpus(Path(cfg.cache_dir) / "docstrings", show_progress=progress.bars)]
         timings["extract_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
         tokenizer = named_tokenizer(cfg) or trained
+        total = sum(f.stat().st_size for f in files)
+        steps = "training a tokenizer on, then tokenising," if tokenizer is None else "tokenising"
+        progress.say(f"preparing data in {folder}: {steps} {len(files):,} corpus file(s), {_size(total)}")
         if tokenizer is None:
             counted = CorpusStats()
             # the shards' pass below reads the same files again: it warns of their bad lines, once
-            sentences = (s for doc in read_documents(files, counted, warn=False) for s in doc)
-            tokenizer = train_wordpiece(sentences, cfg.vocab_size, cfg.lowercase, _MIN_FREQUENCY, show_progress)
+            documents = progress.reading(read_documents(files, counted, warn=False), counted, total,
+                                         "tokenizer training")
+            tokenizer = train_wordpiece((s for doc in documents for s in doc), cfg.vocab_size, cfg.lowercase,
+                                        _MIN_FREQUENCY)
             # fail before tokenising a bad corpus
             split_documents(counted.documents, cfg.heldout_fraction, counted.bad_jsonl_lines)
         save_tokenizer(tokenizer, tmp / "tokenizer")
@@ -328,7 +368,8 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
 
         started = time.perf_counter()
         stats = CorpusStats()
-        meta = write_shards(read_documents(files, stats), tokenizer, tmp / "shards", show_progress=show_progress)
+        meta = write_shards(progress.reading(read_documents(files, stats), stats, total, "tokenising"), tokenizer,
+                            tmp / "shards")
         timings["tokenize_s"] = time.perf_counter() - started
         split_documents(meta["documents"], cfg.heldout_fraction, stats.bad_jsonl_lines)
 
@@ -344,7 +385,8 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, show_progres
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("prepared data in %s (%s)", folder, ", ".join(f"{k} {v:.1f}" for k, v in timings.items()))
+    progress.say(f"prepared data in {folder}: {meta['documents']:,} documents, {meta['tokens']:,} tokens, in "
+                 f"{tqdm.format_interval(sum(timings.values()))}")
 
 
 def _wait_for(done: Path) -> None:
@@ -388,9 +430,10 @@ def named_tokenizer(cfg: DataConfig) -> Tokenizer | None:
 
 
 def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True,
-                 trained: Tokenizer | None = None) -> PreparedData:
+                 progress_lines: bool = False, trained: Tokenizer | None = None) -> PreparedData:
     """Builds (or loads from cache) the tokenizer and the token shards. Only rank 0 builds; other ranks
-    wait for the cache's DONE marker, so it is safe to call on every rank. `trained`, a tokenizer trained
+    wait for the cache's DONE marker, so it is safe to call on every rank. A build shows bars on a terminal
+    (`show_progress`) and otherwise, with `progress_lines`, lines (_Progress). `trained`, a tokenizer trained
     earlier on these settings (a resumed run's), is built with instead of training one: training again can
     give other ids (README)."""
     corpus_id, files = _corpus_fingerprint(cfg)
@@ -400,7 +443,7 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
         if rank == 0:
             check_writable(Path(cfg.cache_dir), "--cache-dir")  # before the minutes a build takes
             try:
-                _build(cfg, files, folder, show_progress, trained)
+                _build(cfg, files, folder, _Progress(show_progress, progress_lines), trained)
             except OSError as e:
                 if _is_write_error(e, Path(cfg.cache_dir)):  # a full disk, or the folder made read-only since
                     raise write_failed(folder, e) from e

@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="newest checkpoints kept (0: every one)")
     g.add_argument("--log-every", type=int, default=t.log_every, help="a metrics line every N steps")
     g.add_argument("--no-progress", action="store_true",
-                   help="no progress bars; the training's loss still gets a line at each log step")
+                   help="no progress bars; the training's loss still gets a line at each log step, and data "
+                        "preparation a line a minute")
 
     g = p.add_argument_group("hardware")
     g.add_argument("--device", default="auto", help="auto (cuda when available), cuda or cpu")
@@ -532,7 +533,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
     with sigterm_as_interrupt() if not dist.distributed else contextlib.nullcontext():
         prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
                                                                 show_progress=dist.is_main and not args.no_progress,
-                                                                trained=trained_with))
+                                                                progress_lines=dist.is_main, trained=trained_with))
                     for c in dcfgs]
     prepare_s = time.perf_counter() - started
     if trained_with is not None and named is None:  # a cache another run prepared with a tokenizer of its own

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
-from tqdm import tqdm
 
 from training.corpus import Document
 
@@ -108,7 +107,7 @@ def _encoded_documents(documents: Iterable[Document], tokenizer: Tokenizer, max_
 
 
 def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: Path, *,
-                 shard_tokens: int = SHARD_TOKENS, show_progress: bool = True) -> dict:
+                 shard_tokens: int = SHARD_TOKENS) -> dict:
     """Tokenise `documents` (no special tokens added) into a shard folder; returns its totals.
     Sentences with no tokens and documents with no sentences left are dropped."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -116,10 +115,8 @@ def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: P
     # "[SEP]" written in the text (docstrings about BERT have it) must stay text, not become the special id.
     tokenizer.encode_special_tokens = True
     try:
-        with tqdm(desc="tokenising", unit="doc", disable=None if show_progress else True, mininterval=1.0) as bar:
-            for lengths, ids in _encoded_documents(documents, tokenizer, _BATCH_SENTENCES):
-                writer.add(lengths, ids)
-                bar.update(1)
+        for lengths, ids in _encoded_documents(documents, tokenizer, _BATCH_SENTENCES):
+            writer.add(lengths, ids)
     finally:
         tokenizer.encode_special_tokens = False
     return writer.close()

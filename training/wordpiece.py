@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import re
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -45,14 +44,14 @@ def _add_pair_template(tok: Tokenizer) -> Tokenizer:
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = True,
-                    min_frequency: int = 2, show_progress: bool = False) -> Tokenizer:
+                    min_frequency: int = 2) -> Tokenizer:
     if vocab_size < len(SPECIAL_TOKENS) + 100:
         raise ValueError(f"vocab_size {vocab_size} is too small; use at least {len(SPECIAL_TOKENS) + 100}")
     tok = _pipeline(models.WordPiece(unk_token=UNK, max_input_chars_per_word=100), lowercase)
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
-        # its bar redraws with carriage returns: only on a terminal, not into a log file
-        continuing_subword_prefix="##", show_progress=show_progress and sys.stderr.isatty(),
+        # the caller follows the corpus as it is read, in a bar of its own (training.data)
+        continuing_subword_prefix="##", show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
     return _add_pair_template(tok)
