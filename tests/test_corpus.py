@@ -68,6 +68,25 @@ def test_a_corpus_refused_for_too_few_documents_names_the_jsonl_lines_it_skipped
                      show_progress=False)
 
 
+def test_jsonl_documents_in_another_field_are_read_with_text_field(tmp_path, caplog):
+    """A dump whose documents are in `content` (or `body`, `raw_content`): refused as documents too few,
+    with the flag that reads them named; read with it, into a cache of its own."""
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps({"id": i, "content": f"Document {i} has a sentence. And another about {i}."})
+                         + "\n" for i in range(40)) + json.dumps({"content": {"nested": "no"}}) + "\n")
+    cfg = DataConfig(corpus=(str(f),), vocab_size=200, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(CorpusError, match=r"\(41 \.jsonl line\(s\) skipped: not JSON objects with a string `text` "
+                                          r"field; --text-field names another\)"):
+        prepare_data(cfg, show_progress=False)
+    with caplog.at_level(logging.WARNING):
+        data = prepare_data(DataConfig(**{**cfg.__dict__, "text_field": "content"}), show_progress=False)
+    assert data.stats["documents"] == 40 and data.stats["bad_jsonl_lines"] == 1
+    assert f"{f}: skipped 1 lines that are not JSON objects with a string `content` field" in caplog.text
+    assert list(read_documents([f], text_field="content"))[0] == ["Document 0 has a sentence.", "And another about 0."]
+    with pytest.raises(ValueError, match="--text-field content names a field of your .jsonl corpus; pass --corpus"):
+        DataConfig(text_field="content")
+
+
 def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):
     f = tmp_path / "c.txt"
     f.write_bytes(b"Good line.\nBad \xff\xfe bytes here.\n\nOther doc \xc3\x28.\n")

@@ -91,6 +91,7 @@ def test_rerun_without_resume_is_refused_and_other_configurations_too(finished_r
     (["--batch-size", "4"], "--batch-size 8 (now 4)"), (["--seed", "1"], "--seed 0 (now 1)"),
     (["--max-seq-len", "48"], "--max-seq-len 32 (now 48)"),
     (["--whole-word-masking"], "--whole-word-masking off (now on)"),
+    (["--text-field", "body"], "--text-field text (now body)"),
     (["--max-steps", "10"], "is at step 12, past --max-steps 10; pass --max-steps 12 or more"),
 ])
 def test_resume_refuses_a_flag_the_checkpoint_was_made_under_and_writes_nothing(flags, expected, finished_run,

@@ -1,6 +1,7 @@
 """Reads a text corpus into documents (lists of sentences): .txt files in the original BERT format
 (one sentence or paragraph per line, documents separated by blank lines) and .jsonl files (a `text`
-field per document), either also gzip-compressed (.txt.gz, .jsonl.gz), named as files, folders or globs.
+field per document, or another named), either also gzip-compressed (.txt.gz, .jsonl.gz), named as files,
+folders or globs.
 
 Everything streams: a file is never read whole, and an over-long line is cut into bounded pieces.
 """
@@ -249,7 +250,7 @@ def _text_document(text: str) -> Document:
     return [s for line in text.splitlines() for s in split_sentences(line)]
 
 
-def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
+def _jsonl_documents(path: Path, stats: CorpusStats, text_field: str) -> Iterator[Document]:
     bad_lines = bad_json = 0
     line, line_bad = [], False
     for piece, line_ends, bad in _read_pieces(path, stats):
@@ -262,9 +263,9 @@ def _jsonl_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
         if not text.strip():
             continue
         try:
-            text = json.loads(text)["text"]
+            text = json.loads(text)[text_field]
             if not isinstance(text, str):
-                raise TypeError("text is not a string")
+                raise TypeError(f"{text_field} is not a string")
         except (ValueError, KeyError, TypeError):
             bad_json += 1
             continue
@@ -281,24 +282,26 @@ def _note_bad_bytes(path: Path, bad_lines: int, stats: CorpusStats) -> None:
         stats.files_with_bad_bytes.append(str(path))
 
 
-def read_documents(files: Iterable[Path], stats: CorpusStats | None = None, *,
-                   warn: bool = True) -> Iterator[Document]:
-    """Every non-empty document of `files`, in order, counting into `stats`, with a warning for each file
-    that had lines skipped or bytes replaced; `warn` off for a second pass over the same files."""
+def read_documents(files: Iterable[Path], stats: CorpusStats | None = None, *, warn: bool = True,
+                   text_field: str = "text") -> Iterator[Document]:
+    """Every non-empty document of `files` (a .jsonl line's in its `text_field`), in order, counting into
+    `stats`, with a warning for each file that had lines skipped or bytes replaced; `warn` off for a second
+    pass over the same files."""
     stats = stats if stats is not None else CorpusStats()
     for path in files:
         stats.files += 1
         bad_json, bad_bytes = stats.bad_jsonl_lines, stats.lines_with_bad_bytes
-        reader = _jsonl_documents if corpus_kind(path) == ".jsonl" else _txt_documents
-        for doc in reader(path, stats):
+        documents = (_jsonl_documents(path, stats, text_field) if corpus_kind(path) == ".jsonl"
+                     else _txt_documents(path, stats))
+        for doc in documents:
             stats.documents += 1
             stats.sentences += len(doc)
             stats.words += sum(len(s.split()) for s in doc)
             stats.characters += sum(len(s) for s in doc)
             yield doc
         if warn and stats.bad_jsonl_lines > bad_json:
-            log.warning("%s: skipped %d lines that are not JSON objects with a string `text` field", path,
-                        stats.bad_jsonl_lines - bad_json)
+            log.warning("%s: skipped %d lines that are not JSON objects with a string `%s` field", path,
+                        stats.bad_jsonl_lines - bad_json, text_field)
         if warn and stats.lines_with_bad_bytes > bad_bytes:
             log.warning("%s: %d lines had bytes that are not UTF-8 (replaced by U+FFFD)", path,
                         stats.lines_with_bad_bytes - bad_bytes)

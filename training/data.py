@@ -55,6 +55,7 @@ class DataConfig:
     max_predictions_per_seq: int = 20
     whole_word_masking: bool = False
     heldout_fraction: float = 0.01
+    text_field: str = "text"              # of a .jsonl document
     cache_dir: str = ".cache/bertserve"
     balance_nsp: bool = True              # drop surplus pairs so that exactly half are IsNext
 
@@ -74,6 +75,8 @@ class DataConfig:
             raise ValueError(f"--max-predictions must be at least 1, got {self.max_predictions_per_seq}")
         if not 0.0 <= self.heldout_fraction <= 0.5:
             raise ValueError(f"--heldout-fraction {self.heldout_fraction} must lie in [0, 0.5]")
+        if self.text_field != "text" and not self.corpus:
+            raise ValueError(f"--text-field {self.text_field} names a field of your .jsonl corpus; pass --corpus too")
         if self.vocab_file is not None and self.tokenizer_dir is not None:
             raise ValueError("vocab_file and tokenizer_dir both name a vocabulary; pass one")
         if self.vocab_file is None and self.tokenizer_dir is None and self.vocab_size < 105:
@@ -246,14 +249,14 @@ class PreparedData:
 
 # --- building the cache ---------------------------------------------------------------------------
 
-def split_documents(n_documents: int, heldout_fraction: float,
-                    skipped_lines: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def split_documents(n_documents: int, heldout_fraction: float, skipped_lines: int = 0,
+                    text_field: str = "text") -> tuple[np.ndarray, np.ndarray]:
     """(train ids, held-out ids): held-out documents spread evenly over the corpus, at least two
     (NSP draws B from another document) unless the fraction is 0. `skipped_lines`: .jsonl lines that gave
     no document, which a refusal names (they may be the documents the corpus lacks)."""
     k = 0 if heldout_fraction == 0 else max(2, round(n_documents * heldout_fraction))
-    skipped = (f" ({skipped_lines} .jsonl line(s) skipped: not JSON objects with a string `text` field)"
-               if skipped_lines else "")
+    skipped = (f" ({skipped_lines} .jsonl line(s) skipped: not JSON objects with a string `{text_field}` field; "
+               f"--text-field names another)" if skipped_lines else "")
     if n_documents < 2:
         raise CorpusError(f"the corpus has {n_documents} document(s){skipped}; NSP needs at least two: separate "
                           f"documents with a blank line (.txt) or write one JSON line per document (.jsonl)")
@@ -296,7 +299,8 @@ def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
         vocab = "file:" + hashlib.sha256(vocab_path.read_bytes()).hexdigest()
     else:
         vocab = f"train:{cfg.vocab_size}:{_MIN_FREQUENCY}"
-    return hashlib.sha256(repr((_FORMAT, corpus_id, vocab, cfg.lowercase)).encode()).hexdigest()[:16]
+    field = () if cfg.text_field == "text" else (cfg.text_field,)  # the caches made before it was named stay valid
+    return hashlib.sha256(repr((_FORMAT, corpus_id, vocab, cfg.lowercase, *field)).encode()).hexdigest()[:16]
 
 
 class _Progress:
@@ -357,21 +361,21 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, progress: _P
         if tokenizer is None:
             counted = CorpusStats()
             # the shards' pass below reads the same files again: it warns of their bad lines, once
-            documents = progress.reading(read_documents(files, counted, warn=False), counted, total,
-                                         "tokenizer training")
+            documents = progress.reading(read_documents(files, counted, warn=False, text_field=cfg.text_field),
+                                         counted, total, "tokenizer training")
             tokenizer = train_wordpiece((s for doc in documents for s in doc), cfg.vocab_size, cfg.lowercase,
                                         _MIN_FREQUENCY)
             # fail before tokenising a bad corpus
-            split_documents(counted.documents, cfg.heldout_fraction, counted.bad_jsonl_lines)
+            split_documents(counted.documents, cfg.heldout_fraction, counted.bad_jsonl_lines, cfg.text_field)
         save_tokenizer(tokenizer, tmp / "tokenizer")
         timings["tokenizer_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
         stats = CorpusStats()
-        meta = write_shards(progress.reading(read_documents(files, stats), stats, total, "tokenising"), tokenizer,
-                            tmp / "shards")
+        documents = read_documents(files, stats, text_field=cfg.text_field)
+        meta = write_shards(progress.reading(documents, stats, total, "tokenising"), tokenizer, tmp / "shards")
         timings["tokenize_s"] = time.perf_counter() - started
-        split_documents(meta["documents"], cfg.heldout_fraction, stats.bad_jsonl_lines)
+        split_documents(meta["documents"], cfg.heldout_fraction, stats.bad_jsonl_lines, cfg.text_field)
 
         summary = {**asdict(stats), "documents": meta["documents"], "sentences": meta["sentences"],
                    "tokens": meta["tokens"], "vocab_size": meta["vocab_size"],

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", nargs="+", required=True, metavar="PATH",
                    help=".txt (one sentence per line, blank line between documents) or .jsonl files, either also "
                         ".gz, folders or globs; all of it is the evaluation set")
+    p.add_argument("--text-field", default=DataConfig.text_field, metavar="NAME",
+                   help="the field of each .jsonl line that holds its document's text")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help=f"tokens per sequence pair (default: the longest the model was trained at, at most "
                         f"{MAX_DEFAULT_SEQ_LEN})")
@@ -66,7 +68,8 @@ def require_heads(loaded: LoadedModel, folder: Path) -> None:
 
 def evaluate_folder(model_dir: Path | str, corpus: list[str], *, max_seq_len: int | None = None,
                     batch_size: int = 32, max_sequences: int | None = None, device: str = "cpu",
-                    cache_dir: str = DataConfig.cache_dir, show_progress: bool = False) -> dict[str, Any]:
+                    cache_dir: str = DataConfig.cache_dir, text_field: str = DataConfig.text_field,
+                    show_progress: bool = False) -> dict[str, Any]:
     """The figures `python -m training.evaluate` prints, as a dict (see pretraining_metrics)."""
     if batch_size < 1 or (max_sequences is not None and max_sequences < 1):
         raise ValueError("--batch-size and --max-sequences must be at least 1")
@@ -81,7 +84,7 @@ def evaluate_folder(model_dir: Path | str, corpus: list[str], *, max_seq_len: in
 
     cfg = DataConfig(corpus=tuple(corpus), tokenizer_dir=str(loaded.folder.resolve()), max_seq_len=max_seq_len,
                      max_predictions_per_seq=math.ceil(MASKED_LM_PROB * max_seq_len), heldout_fraction=0.0,
-                     cache_dir=cache_dir)
+                     text_field=text_field, cache_dir=cache_dir)
     data = prepare_data(cfg, show_progress=show_progress)
     if data.tokenizer.get_vocab_size() > loaded.config.vocab_size:
         raise ModelFolderError(f"{model_dir}: the tokenizer has {data.tokenizer.get_vocab_size()} tokens but the model "
@@ -116,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = evaluate_folder(args.model, args.corpus, max_seq_len=args.max_seq_len, batch_size=args.batch_size,
                                  max_sequences=args.max_sequences, device=args.device, cache_dir=args.cache_dir,
+                                 text_field=args.text_field,
                                  show_progress=not args.no_progress and sys.stderr.isatty())
     except (ModelFolderError, CorpusError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

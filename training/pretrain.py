@@ -108,7 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
                    help=".txt (one sentence/paragraph per line, blank line between documents) or .jsonl "
-                        "(`text` field) files, either also .gz, folders or globs; none: the embedded default corpus")
+                        "(--text-field) files, either also .gz, folders or globs; none: the embedded default corpus")
+    g.add_argument("--text-field", default=d.text_field, metavar="NAME",
+                   help="the field of each .jsonl line that holds its document's text")
     g.add_argument("--max-seq-len", type=int, default=None,
                    help="tokens per training sequence (default: 48 for the demonstration*, 128 otherwise)")
     g.add_argument("--max-predictions", type=int, default=None,
@@ -324,7 +326,8 @@ def data_configs(args: argparse.Namespace, tokenizer_dir: str | None = None) -> 
         tokenizer_dir=tokenizer_dir, lowercase=not args.no_lowercase, max_seq_len=args.max_seq_len,
         masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
         whole_word_masking=args.whole_word_masking,
-        heldout_fraction=args.heldout_fraction, cache_dir=args.cache_dir, balance_nsp=not args.no_nsp_balance,
+        heldout_fraction=args.heldout_fraction, text_field=args.text_field, cache_dir=args.cache_dir,
+        balance_nsp=not args.no_nsp_balance,
     )
     if args.phase2_steps <= 0:
         return [phase1]

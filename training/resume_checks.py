@@ -20,9 +20,9 @@ from training.writes import first_few
 # What --resume does with a flag given another value than the checkpoint's run had (--corpus: check_corpus).
 # Refused: the flags that the checkpoint's weights, optimiser state and data position were made under, which
 # another value would not continue exactly; phase 2's (and where it starts) once phase 2 has begun.
-RESUME_FIXED = ("--vocab-size", "--vocab-file", "--no-lowercase", "--max-seq-len", "--max-predictions",
-                "--masked-lm-prob", "--whole-word-masking", "--heldout-fraction", "--no-nsp-balance", "--preset",
-                "--init-from", "--dropout", "--batch-size", "--seed")
+RESUME_FIXED = ("--text-field", "--vocab-size", "--vocab-file", "--no-lowercase", "--max-seq-len",
+                "--max-predictions", "--masked-lm-prob", "--whole-word-masking", "--heldout-fraction",
+                "--no-nsp-balance", "--preset", "--init-from", "--dropout", "--batch-size", "--seed")
 RESUME_FIXED_IN_PHASE2 = ("--max-steps", "--phase2-seq-len", "--phase2-max-predictions", "--phase2-batch-size")
 # Taken, and said at the start: how long the run goes on and how a step updates the weights (the
 # learning-rate schedule is computed from these flags at every start). Every other flag says where files
@@ -179,5 +179,7 @@ def comparable(c: DataConfig) -> dict[str, Any]:
     """The data settings that decide what the model sees (the cache location does not)."""
     d = asdict(c)
     d.pop("cache_dir", None)
+    if d["text_field"] == "text":  # the default, as checkpoints from before the setting record it: not at all
+        del d["text_field"]
     d["corpus"] = [str(x) for x in d["corpus"]]
     return d
