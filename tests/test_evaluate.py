@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -109,3 +110,14 @@ def test_folder_without_heads_is_one_line(root, corpus, tokenizer_dir, capsys):
     assert code == 2 and not out
     assert err.strip() == (f"error: {folder} has no MLM head (cls.predictions.*) and no NSP head "
                            f"(cls.seq_relationship.*): evaluation needs a BertForPreTraining checkpoint")
+
+
+def test_json_on_stdout_is_the_figures_alone_while_preparation_shows_its_progress(root, corpus, our_folder, capsys,
+                                                                                   monkeypatch):
+    """`--json | jq` from a terminal: stderr a terminal, so preparation shows its progress, never on stdout."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code = main(["--model", str(our_folder), "--corpus", str(corpus), "--cache-dir", str(root / "cache-json"),
+                 "--json"])
+    captured = capsys.readouterr()
+    assert code == 0 and "preparing data in" in captured.err, captured.err
+    assert json.loads(captured.out)["documents"] == 40

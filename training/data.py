@@ -14,10 +14,12 @@ import logging
 import os
 import random
 import shutil
+import sys
 import time
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -306,15 +308,15 @@ def _cache_key(cfg: DataConfig, corpus_id: str) -> str:
 class _Progress:
     """How far a build has got: a bar per pass over the corpus on a terminal (`bars`); with `lines`, where
     no bar is drawn (a log file, or --no-progress), a line as each pass begins and ends and every
-    _PROGRESS_LINE_S in between, for the minutes or hours a large corpus takes. Lines go to stdout with the
-    training's, bars to stderr."""
+    _PROGRESS_LINE_S in between, for the minutes or hours a large corpus takes. Lines go to `stream` (stdout
+    with the training's; stderr where stdout is an answer, as evaluate's --json), bars to stderr."""
 
-    def __init__(self, bars: bool, lines: bool):
-        self.bars, self.lines = bars, lines
+    def __init__(self, bars: bool, lines: bool, stream: TextIO | None = None):
+        self.bars, self.lines, self.stream = bars, lines, stream
 
     def say(self, text: str) -> None:
         if self.bars or self.lines:
-            print(text, flush=True)
+            print(text, file=self.stream or sys.stdout, flush=True)
 
     def reading(self, documents: Iterable[Document], stats: CorpusStats, total: int, what: str) -> Iterator[Document]:
         """`documents`, followed through the `total` bytes of the corpus that `stats` counts as read."""
@@ -434,10 +436,12 @@ def named_tokenizer(cfg: DataConfig) -> Tokenizer | None:
 
 
 def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_progress: bool = True,
-                 progress_lines: bool = False, trained: Tokenizer | None = None) -> PreparedData:
+                 progress_lines: bool = False, progress_stream: TextIO | None = None,
+                 trained: Tokenizer | None = None) -> PreparedData:
     """Builds (or loads from cache) the tokenizer and the token shards. Only rank 0 builds; other ranks
     wait for the cache's DONE marker, so it is safe to call on every rank. A build shows bars on a terminal
-    (`show_progress`) and otherwise, with `progress_lines`, lines (_Progress). `trained`, a tokenizer trained
+    (`show_progress`) and otherwise, with `progress_lines`, lines (_Progress, to `progress_stream`: stdout when
+    None). `trained`, a tokenizer trained
     earlier on these settings (a resumed run's), is built with instead of training one: training again can
     give other ids (README)."""
     corpus_id, files = _corpus_fingerprint(cfg)
@@ -447,7 +451,7 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
         if rank == 0:
             check_writable(Path(cfg.cache_dir), "--cache-dir")  # before the minutes a build takes
             try:
-                _build(cfg, files, folder, _Progress(show_progress, progress_lines), trained)
+                _build(cfg, files, folder, _Progress(show_progress, progress_lines, progress_stream), trained)
             except OSError as e:
                 if _is_write_error(e, Path(cfg.cache_dir)):  # a full disk, or the folder made read-only since
                     raise write_failed(folder, e) from e

@@ -85,7 +85,7 @@ def evaluate_folder(model_dir: Path | str, corpus: list[str], *, max_seq_len: in
     cfg = DataConfig(corpus=tuple(corpus), tokenizer_dir=str(loaded.folder.resolve()), max_seq_len=max_seq_len,
                      max_predictions_per_seq=math.ceil(MASKED_LM_PROB * max_seq_len), heldout_fraction=0.0,
                      text_field=text_field, cache_dir=cache_dir)
-    data = prepare_data(cfg, show_progress=show_progress)
+    data = prepare_data(cfg, show_progress=show_progress, progress_stream=sys.stderr)  # stdout: the figures alone
     if data.tokenizer.get_vocab_size() > loaded.config.vocab_size:
         raise ModelFolderError(f"{model_dir}: the tokenizer has {data.tokenizer.get_vocab_size()} tokens but the model "
                                f"only {loaded.config.vocab_size} embeddings; they do not belong together")
