@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.data_corpora import write_txt_corpus
 from training import docstring_corpus as dc
 from training.corpus import (MAX_DOCUMENT_SENTENCES, MAX_SENTENCE_CHARS, CorpusError, CorpusStats, read_documents,
                              resolve_corpus_files, split_sentences)
@@ -138,6 +139,27 @@ def test_gzip_compressed_files_read_as_their_plain_text(tmp_path):
     for name, reason in (("cut.txt.gz", "Compressed file ended before"), ("plain.txt.gz", "Not a gzipped file")):
         with pytest.raises(CorpusError, match=f"cannot read corpus file .*{name}: {reason}"):
             list(read_documents([tmp_path / name]))
+
+
+def test_a_corpus_file_gone_while_data_is_prepared_is_one_line(tmp_path, monkeypatch):
+    """Removed (or made unreadable) between the tokenizer's pass and the shards': a FileNotFoundError
+    traceback, exit 1, before; now the refusal names the file."""
+    import training.data as data_module
+    gone = tmp_path / "b.txt"
+    gone.write_text("One more. Document here.\n")
+    corpus = write_txt_corpus(tmp_path / "a.txt", n_docs=30, sentences=(2, 4), words=(3, 8))
+    train = data_module.train_wordpiece
+
+    def train_then_remove(*args):
+        tokenizer = train(*args)
+        gone.unlink()
+        return tokenizer
+
+    monkeypatch.setattr(data_module, "train_wordpiece", train_then_remove)
+    with pytest.raises(CorpusError, match=f"^cannot read corpus file {gone}: No such file or directory$"):
+        prepare_data(DataConfig(corpus=(str(corpus), str(gone)), vocab_size=200, cache_dir=str(tmp_path / "cache")),
+                     show_progress=False)
+    assert not list((tmp_path / "cache").iterdir())
 
 
 def test_resolve_files_folders_and_globs(tmp_path):
