@@ -95,7 +95,9 @@ def draw_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int, 
                 out.extend((a_start_tok + fa, a_end_tok - ba, b_start_tok + fb, b_end_tok - bb, label, target))
                 chunk_first, current_length = i + 1, 0
             i += 1
-    return np.frombuffer(out, dtype=np.int64).reshape(-1, PAIR_COLUMNS).copy()
+    # a view of `out`'s memory (writable, and kept alive by it), not a copy: the pairs of a large corpus are
+    # hundreds of MB, and a copy held twice that at the end of every draw (each data worker draws its own)
+    return np.frombuffer(out, dtype=np.int64).reshape(-1, PAIR_COLUMNS)
 
 
 def _random_b(shards: TokenShards, first_sentence: list[int], end_sentence: list[int], k: int, n_docs: int,
