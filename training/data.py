@@ -344,8 +344,7 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, progress: _P
     folder.parent.mkdir(parents=True, exist_ok=True)
     # What killed builds left, of any settings (the corpus is often edited after a stop, which changes the
     # key); a live one's build is left alone.
-    for name in {p.name.split(".")[1] for p in folder.parent.glob(".data-*.tmp")}:
-        remove_stale_siblings(folder.parent / name)
+    remove_stale_siblings(folder, names=r"data-[0-9a-f]+")
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     timings: dict[str, float] = {}

@@ -261,9 +261,10 @@ def remove_unfinished(dest: Path, tmp: Path | None, suffix: str = "") -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_stale_siblings(dest: Path) -> list[Path]:
-    """Delete the temporary siblings of `dest` (.NAME.PID.*) that killed processes left, not a live one's."""
-    pattern = re.compile(rf"^\.{re.escape(dest.name)}\.(\d+)\.")
+def remove_stale_siblings(dest: Path, names: str | None = None) -> list[Path]:
+    """Delete the temporary siblings of `dest` (.NAME.PID.*) that killed processes left, not a live one's;
+    `names`, a regular expression: those of every NAME it matches, not `dest`'s alone."""
+    pattern = re.compile(rf"^\.{names or re.escape(dest.name)}\.(\d+)\.")
     parent = dest.parent
     stale = [p for p in (parent.iterdir() if parent.is_dir() else [])
              if (m := pattern.match(p.name)) and p.is_dir() and not process_alive(int(m.group(1)))]
