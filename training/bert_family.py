@@ -14,8 +14,11 @@ SEQUENCE_CLASSIFIERS = ("BertForSequenceClassification", *(r.SEQUENCE_CLASSIFIER
 
 
 def bert_config(raw_config: dict) -> dict:
-    """config.json's contents as BERT's (a BERT config as it is)."""
-    reader = _READERS.get(raw_config.get("model_type"))
+    """config.json's contents as BERT's (a BERT config as it is); ValueError for a type outside the family."""
+    kind = raw_config.get("model_type", "bert")
+    if kind not in MODEL_TYPES:
+        raise ValueError(f"not a BERT config: model_type is {kind!r}; read are {', '.join(MODEL_TYPES)}")
+    reader = _READERS.get(kind)
     return reader.bert_config(raw_config) if reader else raw_config
 
 

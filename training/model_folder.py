@@ -210,10 +210,6 @@ def _shape_mismatch(model: BertForPreTraining, state: dict[str, torch.Tensor]) -
 
 
 def _bert_config(folder: Path, raw: dict) -> BertConfig:
-    kind = raw.get("model_type", "bert")
-    if kind not in bert_family.MODEL_TYPES:  # before the shape defaults, which would blame config.json's values
-        raise ModelFolderError(f"{Path(folder) / CONFIG_FILE}: not a BERT config: model_type is {kind!r}; "
-                               f"read are {', '.join(bert_family.MODEL_TYPES)}")
     try:
         return BertConfig.from_hf_dict(bert_family.bert_config(raw))
     except (TypeError, ValueError) as e:
