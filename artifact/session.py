@@ -25,14 +25,19 @@ class SessionError(RuntimeError):
 def require_cuda() -> None:
     """Raise SessionError unless this onnxruntime offers the CUDA provider (after preloading the CUDA and
     cuDNN libraries that pip packages ship)."""
-    _preload_cuda_libraries()
+    _set_up_cuda()
     if CUDA not in ort.get_available_providers():
         raise SessionError(f"device cuda needs onnxruntime-gpu with a CUDA device; this onnxruntime "
                            f"{ort.__version__} offers {', '.join(ort.get_available_providers())}")
 
 
 @functools.cache
-def _preload_cuda_libraries() -> None:
+def _set_up_cuda() -> None:
+    """Once a process: the CUDA libraries preloaded, and ONNX Runtime's default logger at errors only, as
+    the sessions are. onnxruntime >= 1.30 warns there "No registered plugin EP device found for
+    'CUDAExecutionProvider'" at every CUDA session (its lookup of plugin providers; the built-in one still
+    runs, which open_session checks), a line in its own format in the server's log."""
+    ort.set_default_logger_severity(3)
     if hasattr(ort, "preload_dlls"):  # onnxruntime >= 1.21
         try:
             ort.preload_dlls()

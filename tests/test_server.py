@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ")  # the server's one log format
 
 
 def free_port() -> int:
@@ -30,9 +31,9 @@ def free_port() -> int:
 
 
 def start_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT,
-                 new_session: bool = False, **settings) -> tuple[subprocess.Popen, str]:
-    """`python -m app` with BERTSERVE_* settings; returns the process and its base URL once /ready answers 200.
-    new_session: in a process group of its own, as a terminal's Ctrl-C reaches it."""
+                 new_session: bool = False, ready_s: float = 60, **settings) -> tuple[subprocess.Popen, str]:
+    """`python -m app` with BERTSERVE_* settings; returns the process and its base URL once /ready answers 200
+    (within ready_s). new_session: in a process group of its own, as a terminal's Ctrl-C reaches it."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("BERTSERVE_")}
     env.update({f"BERTSERVE_{k.upper()}": str(v) for k, v in settings.items()}, PYTHONUNBUFFERED="1")
@@ -40,7 +41,7 @@ def start_server(artifact: Path, python: Path | str = sys.executable, cwd: Path 
                             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=new_session)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + ready_s
     while True:
         if proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
@@ -49,14 +50,15 @@ def start_server(artifact: Path, python: Path | str = sys.executable, cwd: Path 
                 return proc, base
         if time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError("server not ready after 60 s")
+            raise AssertionError(f"server not ready after {ready_s:g} s")
         time.sleep(0.1)
 
 
 @contextlib.contextmanager
-def running_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT, **settings):
+def running_server(artifact: Path, python: Path | str = sys.executable, cwd: Path | str = ROOT,
+                   ready_s: float = 60, **settings):
     """start_server(); yields its base URL; stops it with SIGTERM and checks that it shut down gracefully."""
-    proc, base = start_server(artifact, python, cwd, **settings)
+    proc, base = start_server(artifact, python, cwd, ready_s=ready_s, **settings)
     try:
         yield base
     finally:
@@ -809,7 +811,7 @@ def test_every_log_line_has_one_format_with_its_time(tiny_artifact_dir, workers)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=20)
     lines = [line for line in proc.stdout.read().splitlines() if line.strip()]
-    odd = [line for line in lines if not re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ", line)]
+    odd = [line for line in lines if not LOG_LINE.match(line)]
     assert not odd and proc.returncode == 0, "\n".join(lines)
     assert any("INFO uvicorn: Application startup complete" in line for line in lines), "\n".join(lines)
     assert any('INFO uvicorn.access: 127.0.0.1:' in line and '"GET /health HTTP/1.1" 200' in line for line in lines)
