@@ -471,11 +471,14 @@ class DynamicBatcher:
             rows, tokens = sum(e.count for e in entries), sum(e.tokens for e in entries)
             longest = max(int(e.lengths.max()) for e in entries)
             executor = self._replay_thread(rows, longest, tokens, outputs, self._running_batches == 0) or executor
+        # its work came to an idle engine, not queued behind a batch (as _arrived_idle)
+        after_idle = self._running_batches == 0 and min(e.enqueued for e in entries) > self._last_finish
         self._running_batches += 1
-        executor.submit(self._work, entries, outputs, time.perf_counter(), done, executor is not self._executor)
+        executor.submit(self._work, entries, outputs, time.perf_counter(), after_idle, done,
+                        executor is not self._executor)
 
-    def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, done: asyncio.Future,
-              replayed: bool) -> None:
+    def _work(self, entries: list[Entry], outputs: frozenset[str], started: float, after_idle: bool,
+              done: asyncio.Future, replayed: bool) -> None:
         """Worker thread: collate, run, and post the outcome to the loop in one thread-safe call. On a
         replaying session's thread, then the queued work that replays there, in the same slot, until none is
         left: the session would otherwise wait for the loop's next turn between its batches."""
@@ -491,12 +494,19 @@ class DynamicBatcher:
             if self._replay_next is not None and not isinstance(outcome, Exception):
                 following = self._replay_next(self._take_replayable)
             busy = time.perf_counter() - begun
-            self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, done,
+            self._loop_ref.call_soon_threadsafe(self._finish, entries, outcome, tokens, started, after_idle, done,
                                                 following is not None, (busy, replayed))
             if following is None:
                 return
-            entries, started = following, time.perf_counter()
+            entries, started, after_idle = following, time.perf_counter(), False
             outputs = _outputs_of(entries)
+
+    def _times_speed(self, tokens: int, after_idle: bool) -> bool:
+        """Whether a finished batch tells the engine's speed, which admission by time extrapolates to queued
+        work. A small batch that ran on an idle engine took mostly the engine's fixed cost a batch (a lone
+        query: a millisecond for ten tokens on a GPU that runs a million a second); queued work runs in
+        full batches, back to back."""
+        return not after_idle or tokens >= self.max_batch_tokens // 2
 
     def _take_replayable(self, rows: int, tokens: int, outputs: frozenset[str]) -> list[Entry] | None:
         """A replaying session's thread: the whole queue when it is the batch the loop would take and replay
@@ -514,12 +524,15 @@ class DynamicBatcher:
         return self._live(chosen) or None
 
     def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
-                started: float, done: asyncio.Future, goes_on: bool, busy: tuple[float, bool]) -> None:
-        """A batch's outcome, on the loop. `goes_on`: its thread went on to another batch in the same slot;
-        `busy`: its time on that thread, and whether it replayed a CUDA graph there."""
+                started: float, after_idle: bool, done: asyncio.Future, goes_on: bool,
+                busy: tuple[float, bool]) -> None:
+        """A batch's outcome, on the loop. `after_idle`: its work came to an idle engine; `goes_on`:
+        its thread went on to another batch in the same slot; `busy`: its time on that thread, and whether it
+        replayed a CUDA graph there."""
         now = time.perf_counter()
-        if not isinstance(outcome, Exception):
-            self.speed.batch_finished(sum(e.tokens for e in entries), now - max(started, self._last_finish))
+        real_tokens = sum(e.tokens for e in entries)
+        if not isinstance(outcome, Exception) and self._times_speed(real_tokens, after_idle):
+            self.speed.batch_finished(real_tokens, now - max(started, self._last_finish))
         self._last_finish = now
         self._wakeup.set()  # what is left queued may now start (another slot, the packed graph)
         if not goes_on:

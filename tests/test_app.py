@@ -943,6 +943,24 @@ def test_a_burst_right_after_start_is_admitted_on_the_speed_measured_at_start(ar
     assert at_start < 0.09 <= after, (at_start, after)
 
 
+def test_lone_small_batches_do_not_teach_admission_a_speed_that_refuses_a_burst(artifact):
+    """A small batch run on an idle engine times the engine's fixed cost, not its speed: one text of 3
+    tokens in 0.05 s said 60 tokens a second, and a burst queued behind it was refused as seconds of work
+    (on a GPU, a lone query's millisecond said the same of an engine that runs a million tokens a second).
+    Such batches leave the speed as it was; the burst's own back-to-back batches then teach it."""
+    async def go():
+        async with serving(artifact, max_queue_ms=1000, inference_workers=1) as (c, app):
+            _slow_engine(app, 0.05)  # a fixed cost a batch, whatever its size
+            for i in range(10):  # one at a time: each runs alone on an idle engine
+                assert (await c.post("/embed", json={"inputs": f"query {i}"})).status_code == 200
+            burst = await asyncio.gather(*(c.post("/embed", json={"inputs": ["a b"] * 16}) for _ in range(8)))
+            return [r.status_code for r in burst], app.state.service.batcher.speed.seconds_for(512)
+    statuses, after = run(go())
+    # 8 x 64 tokens: a batch running and the rest queued behind it, one or two batches of 0.05 s
+    assert statuses == [200] * 8, statuses
+    assert after >= 0.02, after  # the burst's batches were timed: the slowed engine's speed now
+
+
 def test_the_speed_assumed_at_start_is_replaced_by_the_first_batch():
     """EngineSpeed.assume: a speed to go by until a batch finishes; that batch then replaces it (a large
     start-up batch would otherwise weigh on the running averages for many batches), later ones blend in."""
