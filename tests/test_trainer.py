@@ -173,6 +173,22 @@ def test_resume_continues_exactly(cache_dir, tmp_path, capsys):
     assert "resuming from" in capsys.readouterr().out
 
 
+def test_tokens_seen_survives_a_resume_from_a_checkpoint_between_log_lines(cache_dir, tmp_path):
+    """A checkpoint at step 5 with a log line every 10 steps (SIGTERM checkpoints at any step): the
+    resumed run counts the tokens of steps 1-5, as the straight run does."""
+    corpus = write_corpus(tmp_path / "short.txt", n_docs=100, seed=2)
+    flags = ["--max-steps", "12", "--checkpoint-every", "5", "--keep-checkpoints", "5", "--log-every", "10",
+             "--eval-every", "0", "--heldout-fraction", "0.2"]
+    assert main(small_args(corpus, cache_dir, tmp_path / "a", tmp_path / "run_a", *flags)) == 0
+    run_b = tmp_path / "run_b"
+    run_b.mkdir()
+    shutil.copy2(tmp_path / "run_a" / "ckpt-00000005.pt", run_b)
+    assert main(small_args(corpus, cache_dir, tmp_path / "b", run_b, *flags, "--resume")) == 0
+    straight, resumed = (json.loads((tmp_path / d / "training_summary.json").read_text())["tokens_seen"]
+                         for d in ("a", "b"))
+    assert resumed == straight > 0
+
+
 def test_loss_really_drops(cache_dir, tmp_path):
     """100 steps on six documents repeated ten times: the loss falls far and held-out MLM accuracy
     beats always predicting the most frequent token."""

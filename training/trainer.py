@@ -493,17 +493,21 @@ def train(
                     # the position after the batches taken
                     state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
                     log.progress.update(1)
-                    if state.step % cfg.log_every == 0 or state.step == phase_end:
+                    stopping = stop_requested()  # read once: a signal later in this step is taken at the next
+                    checkpoint_due = bool((cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0)
+                                          or state.step == phase_end or stopping)
+                    # a checkpoint closes the window too: a resume starts a new one, and the tokens of the
+                    # steps since the last log line would otherwise never reach tokens_seen
+                    if state.step % cfg.log_every == 0 or checkpoint_due:
                         totals = window.close(dist)
                         state.tokens_seen += totals.tokens
                         log.train(state, phase, totals, lr, grad_norm)
                     if cfg.eval_every and state.step % cfg.eval_every == 0 and state.step != total_steps:
                         evals.append(log.eval(state.step, phase, evaluate(model, phase.heldout, phase, cfg, dist,
                                                                           most_frequent)))
-                    if ((cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0) or state.step == phase_end
-                            or stop_requested()):
+                    if checkpoint_due:
                         _checkpoint(learner, state, run_dir, dist, checkpoint_meta, cfg.keep_checkpoints)
-                    if stop_requested():  # SIGTERM (or a lost Ctrl-C): ends as Ctrl-C does, with this step's checkpoint
+                    if stopping:  # SIGTERM (or a lost Ctrl-C): ends as Ctrl-C does, with this step's checkpoint
                         raise KeyboardInterrupt
                     if state.step % GC_EVERY_STEPS == 0:
                         gc.collect(1)
