@@ -101,3 +101,15 @@ def test_minilm_int8_meets_the_gate(tmp_path):
     # export.optimize.KEEP_FP32: layer 2's attention and three FFN MatMuls of layers 0-2 stay fp32
     assert int8.fused_operators["QAttention"] == 5 and int8.fused_operators["Attention"] == 1
     assert int8.fused_operators["MatMulInteger"] == 16  # the encoder's 18 dense MatMuls less 3, and the pooler
+
+
+def test_the_printed_parity_shows_how_far_a_cosine_is_from_one(tiny_artifact_dir, capsys):
+    """export's last lines once printed cosines at three significant digits: an int8 graph's 0.99993 read
+    `1`, exact parity. Each printed cosine is now the manifest's to six decimals."""
+    from export.__main__ import _summary
+    manifest = read_manifest(tiny_artifact_dir)
+    _summary(str(tiny_artifact_dir), manifest)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("int8:"))
+    printed = dict(item.rsplit(" ", 1) for item in line.split("batches: ", 1)[1].split(", "))
+    cosines = {k: v for k, v in manifest.graph("int8").parity.items() if k.endswith("_min_cosine")}
+    assert cosines and all(float(printed[k]) == round(v, 6) for k, v in cosines.items()), (printed, cosines)
