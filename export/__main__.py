@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _parity_figure(name: str, value: float) -> str:
-    """A cosine to six decimals: at three significant digits an int8 graph's 0.9996 read as 1, exact parity."""
-    return f"{value:.6f}" if name.endswith("_min_cosine") else f"{value:.3g}"
+def _parity_figures(parity: dict[str, float]) -> str:
+    """A graph's parity figures, cosines to six decimals: at three significant digits an int8 graph's 0.9996
+    read as 1, exact parity."""
+    return ", ".join(f"{k} {v:.6f}" if k.endswith("_min_cosine") else f"{k} {v:.3g}"
+                     for k, v in parity.items() if k != "batches")
 
 
 def _summary(out: str, manifest) -> None:
@@ -90,17 +92,16 @@ def _summary(out: str, manifest) -> None:
           + _head(manifest.classifier_labels))
     for precision, info in manifest.graphs.items():
         fused = ", ".join(f"{k} {v}" for k, v in info.fused_operators.items() if v)
-        worst = ", ".join(f"{k} {_parity_figure(k, v)}" for k, v in info.parity.items() if k != "batches")
         print(f"{precision}: {out}/{info.file} on {info.device}; fused: {fused}; parity over "
-              f"{int(info.parity['batches'])} batches: {worst}")
+              f"{int(info.parity['batches'])} batches: {_parity_figures(info.parity)}")
         if kernels := info.custom_kernels:
             ops = ", ".join(f"{k} {v}" for k, v in kernels.operators.items())
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in kernels.parity.items() if k != "batches")
-            print(f"{precision} with custom kernels: {out}/{kernels.file}; {ops}; parity: {worst}")
+            print(f"{precision} with custom kernels: {out}/{kernels.file}; {ops}; parity: "
+                  f"{_parity_figures(kernels.parity)}")
         if replayed := info.host_packed:
-            worst = ", ".join(f"{k} {v:.3g}" for k, v in replayed.parity.items() if k != "batches")
             print(f"{precision} host-packed (CUDA graphs): {out}/{replayed.file}"
-                  + (f" and {replayed.custom_kernels.file}" if replayed.custom_kernels else "") + f"; parity: {worst}")
+                  + (f" and {replayed.custom_kernels.file}" if replayed.custom_kernels else "")
+                  + f"; parity: {_parity_figures(replayed.parity)}")
         elif info.padded:
             print(f"{precision}: CUDA graphs replay {out}/{info.padded.file} itself")
 
