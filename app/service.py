@@ -19,7 +19,7 @@ from app.pooling import l2_normalize, pool
 from app.sentence_dense import SentenceDense
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
-from artifact.manifest import TOKEN_EMBEDDINGS, Manifest
+from artifact.manifest import Manifest
 
 # A request still waiting after this long starts watching for its client going away. Watching costs a
 # task per request (a large share of a one-text /embed's event-loop time), and many answers come sooner;
@@ -171,14 +171,17 @@ class InferenceService:
         return tokenized, seconds
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool, outputs: frozenset[str],
-                    field: str, offsets: bool = False, direction: str = "right", prompt: str = "") -> Inference:
+                    field: str, offsets: bool = False, direction: str = "right", prompt: str = "",
+                    answers_token_vectors: bool = False) -> Inference:
         """offsets: whether the answer describes tokens (describe_tokens reads their offsets); direction:
-        which end truncation cuts; prompt: put before each text (prompt_for)."""
+        which end truncation cuts; prompt: put before each text (prompt_for); answers_token_vectors: whether
+        the answer carries the token vectors (max_token_vectors bounds those, not the ones a mean or max
+        pooling reads)."""
         with self.admitted():
             self.batcher.check_admission()  # before the tokenising it would waste
             tokenized, tokenize_s = await self.tokenize(items, truncate, field, offsets, direction, prompt)
             limit = self.settings.max_token_vectors
-            if TOKEN_EMBEDDINGS in outputs and tokenized.tokens > limit:
+            if answers_token_vectors and tokenized.tokens > limit:
                 raise TooManyInputs(f"{field} asks for the vectors of {tokenized.tokens} tokens; the server returns "
                                     f"at most {limit} token vectors a request (max_token_vectors): send fewer texts a "
                                     f"request")

@@ -510,6 +510,28 @@ def test_openai_client(server):
         client.embeddings.create(model="tiny", input=[[101, 2023, 102]])  # ids from another tokenizer
 
 
+def test_sentence_vectors_pooled_from_token_vectors_are_served_past_max_token_vectors(tiny_artifact_dir):
+    """max_token_vectors bounds the token vectors an answer carries. A mean- or max-pooled vector is computed
+    from token vectors the answer does not carry: LangChain's 1,000 texts a request to a mean-pooling model
+    (every sentence-transformers model's default) are served, as are the same texts' max-pooled vectors on
+    /embed; asking for their token vectors is still refused."""
+    import openai
+    texts = [f"sentence number {i} of a document split into chunks for search" for i in range(1000)]
+    with running_server(tiny_artifact_dir, openai_pooling="mean") as base:
+        tokens = httpx.post(f"{base}/tokenize", json={"inputs": texts}, timeout=30).json()["usage"]["tokens"]
+        assert tokens > 16_384  # the default max_token_vectors
+        chunk = openai.OpenAI(base_url=f"{base}/v1", api_key="unused").embeddings.create(model="tiny", input=texts)
+        assert [d.index for d in chunk.data] == list(range(1000)) and chunk.usage.prompt_tokens == tokens
+        alone = httpx.post(f"{base}/embed", json={"inputs": texts[-1], "pooling": "mean", "normalize": False},
+                           timeout=30).json()["data"][0]["embedding"]
+        np.testing.assert_allclose(chunk.data[-1].embedding, alone, atol=1e-5)  # the tiny model's: not normalised
+        pooled = httpx.post(f"{base}/embed", json={"inputs": texts, "pooling": "max"}, timeout=60)
+        assert pooled.status_code == 200 and len(pooled.json()["data"]) == 1000
+        with_tokens = httpx.post(f"{base}/embed", json={"inputs": texts, "pooling": "max", "return_tokens": True},
+                                 timeout=30)
+        assert with_tokens.status_code == 413 and "max_token_vectors" in with_tokens.json()["error"]["message"]
+
+
 def test_openai_client_retrieves_a_model_named_as_on_the_hub(tiny_artifact_dir):
     """A Hub-style name (ORG/NAME, as a Hugging Face cache snapshot or --model-name gives) has a slash:
     models.retrieve asks for /v1/models/ORG/NAME, which the route must take whole."""

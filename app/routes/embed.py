@@ -29,7 +29,8 @@ async def embed(body: EmbedRequest, request: Request, service: InferenceService 
     items = as_items(body.inputs)
     result = await service.infer(request, items, body.truncate, frozenset(outputs), "inputs",
                                  offsets=body.return_tokens, direction=body.truncation_direction,
-                                 prompt=service.prompt_for(items, body.prompt_name))
+                                 prompt=service.prompt_for(items, body.prompt_name),
+                                 answers_token_vectors=body.return_tokens)
     fmt = body.encoding_format
     embeddings: list = [None] * len(result.tokenized)
     if pooling != "none":  # the whole request's vectors at once

@@ -63,7 +63,8 @@ async def tei_embed_all(body: TeiEmbedAllRequest, request: Request,
     included, [[[float, ...], ...], ...]."""
     inputs = as_items(body.inputs)
     result = await service.infer(request, inputs, body.truncates, frozenset({TOKEN_EMBEDDINGS}), "inputs",
-                                 direction=body.direction, prompt=service.prompt_for(inputs, body.prompt_name))
+                                 direction=body.direction, prompt=service.prompt_for(inputs, body.prompt_name),
+                                 answers_token_vectors=True)
     tokens = [np.ascontiguousarray(t, dtype=np.float32) for t in result.outputs[TOKEN_EMBEDDINGS]]
     return await json_response_off_loop(tokens, headers=result.timings.headers())
 
