@@ -256,6 +256,23 @@ def test_several_workers_share_one_engine_process_and_sum_their_metrics(server, 
         np.testing.assert_allclose(r.json()["data"][0]["embedding"], one["embedding"], atol=1e-5)
 
 
+def test_requests_a_worker_gathers_are_never_refused_as_one_request_too_large(tiny_artifact_dir):
+    """An HTTP worker sends the requests of one event-loop turn to the engine as one group. Each of these fits
+    max_queued_sequences; gathered, they must not be refused as one request past it (413 "send fewer per
+    request", which clients do not retry): each is served, or refused 429 while the queue is full."""
+    async def bursts(base):
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=16)) as c:
+            rs = []
+            for _ in range(5):
+                rs += await asyncio.gather(*(c.post("/embed", json={"inputs": [f"text {i} {j}" for j in range(30)]})
+                                             for i in range(8)))
+            return rs
+    with running_server(tiny_artifact_dir, workers=2, max_queued_sequences=50) as base:
+        rs = asyncio.run(bursts(base))
+    assert {r.status_code for r in rs} <= {200, 429}, {r.text for r in rs if r.status_code not in (200, 429)}
+    assert any(r.status_code == 200 for r in rs)
+
+
 def test_one_process_given_a_metrics_folder_counts_its_own_run_only(tiny_artifact_dir, tmp_path, monkeypatch):
     """PROMETHEUS_MULTIPROC_DIR set for the server, as with workers: the folder is made when missing, and
     what an earlier run left there is not summed into a restarted server's metrics."""

@@ -312,8 +312,12 @@ class EngineClient:
     process and returns a future of the group's GroupResult; cancelling it drops the work there too.
     `metrics`: where each answered group's hops are recorded (Metrics.observe_link)."""
 
-    def __init__(self, socket_path: str, on_lost: Callable[[], None] | None = None, metrics: Metrics | None = None):
+    def __init__(self, socket_path: str, on_lost: Callable[[], None] | None = None, metrics: Metrics | None = None,
+                 max_queued: int | None = None):
         self.socket_path, self.on_lost, self.metrics = socket_path, on_lost, metrics
+        # The engine's queue limit (max_queued_sequences): the engine refuses a group past it whole, as one request
+        # too large (413), so requests are gathered only while their group stays within it.
+        self.max_queued = max_queued
         self.info: EngineInfo | None = None
         self._link: _Framed | None = None
         self._hello: asyncio.Future | None = None
@@ -362,6 +366,9 @@ class EngineClient:
             self._send(mask, alone)
             return future
         submission = self._gathering.get(mask)
+        if submission is not None and not self._fits(submission, len(sequences)):
+            self._send(mask, self._gathering.pop(mask))  # this request starts the next group
+            submission = None
         if submission is None:
             if not self._gathering:
                 loop.call_soon(self._send_gathered)
@@ -370,6 +377,10 @@ class EngineClient:
         if submission.rows >= _GATHER_ROWS:
             self._send(mask, self._gathering.pop(mask))
         return future
+
+    def _fits(self, submission: _Submission, rows: int) -> bool:
+        """Whether `rows` more sequences keep the gathered group within the engine's queue limit."""
+        return self.max_queued is None or submission.rows + rows <= self.max_queued
 
     def _send_gathered(self) -> None:
         gathered, self._gathering = self._gathering, {}
@@ -458,7 +469,7 @@ def connect_to_engine(socket_path: str):
     process's, reached over `socket_path`."""
 
     async def start(settings, manifest, tokenizer, metrics, on_lost) -> Backend:
-        client = EngineClient(socket_path, on_lost, metrics)
+        client = EngineClient(socket_path, on_lost, metrics, settings.max_queued_sequences)
         info = await client.connect()
         return Backend(client, info, WORKER_INLINE_TOKENIZING)
 
