@@ -37,6 +37,8 @@ from app.engine import Batch
 from app.backlog import EngineSpeed, retry_after_s
 from app.errors import EngineLost, InternalError, NotReady, Overloaded, ServiceError, TooManyInputs
 from app.metrics import Metrics
+from app.pooling import TOKEN_POOLED, graph_outputs, pool_batch
+from artifact.manifest import TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.batcher")
 _LOOKAHEAD = 2  # candidates considered per batch: this many times max_batch_size (sorting costs per candidate)
@@ -84,8 +86,11 @@ class GroupResult:
 
 @dataclass(eq=False, slots=True)
 class Group:
-    """The sequences of one request, waiting for their rows; `future` gets a GroupResult."""
+    """The sequences of one request, waiting for their rows; `future` gets a GroupResult of its `answers`
+    (graph outputs, and vectors pooled from the token vectors: app.pooling.TOKEN_POOLED); `outputs` are the
+    graph outputs that give them."""
     outputs: frozenset[str]
+    answers: frozenset[str]
     future: asyncio.Future
     size: int
     enqueued: float
@@ -100,7 +105,7 @@ class Group:
         """Copy this group's rows of one finished batch (its entries, each at its first batch row);
         resolve the future once all rows are in."""
         rows = sum(e.count for _, e in spans)
-        for name in self.outputs:
+        for name in self.answers:
             value = outcome[name]
             if value.ndim == 3:  # token vectors: cut each row's padding off
                 dest = self.rows.get(name)
@@ -257,8 +262,9 @@ class DynamicBatcher:
                              f"later", retry_after_s(wait))
 
     def submit_group(self, sequences: Sequences, outputs: frozenset[str]) -> asyncio.Future:
-        """Queue the sequences of one request, all or none; the future gets one GroupResult. Raises
-        Overloaded past the queue limits (sequences, and time)."""
+        """Queue the sequences of one request, all or none; the future gets one GroupResult of `outputs`
+        (graph outputs, or TOKEN_POOLED vectors). Raises Overloaded past the queue limits (sequences, and
+        time)."""
         if self._closed:
             raise NotReady("the server is shutting down")
         n = len(sequences)
@@ -269,7 +275,8 @@ class DynamicBatcher:
             raise Overloaded(f"the queue is full ({self._queued_rows} sequences waiting, limit {self.max_queued}); "
                              f"retry later", retry_after_s(self.expected_wait_s()))
         self.check_admission()
-        group = Group(outputs, asyncio.get_running_loop().create_future(), n, time.perf_counter(), pending=n)
+        group = Group(graph_outputs(outputs), outputs, asyncio.get_running_loop().create_future(), n,
+                      time.perf_counter(), pending=n)
         group.future.add_done_callback(self._note_cancel)
         ids, type_ids, lengths = sequences.ids, sequences.type_ids, sequences.lengths
         if self.packed:
@@ -485,8 +492,11 @@ class DynamicBatcher:
         while True:
             begun = time.perf_counter()
             try:
-                batch = collate(Sequences.joined(entries), self.pad_id, outputs)
+                sequences = Sequences.joined(entries)
+                batch = collate(sequences, self.pad_id, outputs)
                 outcome: dict[str, np.ndarray] | Exception = self._run(batch)
+                if pooled := _pooled_answers(entries):  # here, off the loop, as part of the batch's work
+                    outcome = {**outcome, **pool_batch(outcome[TOKEN_EMBEDDINGS], sequences.lengths.tolist(), pooled)}
                 tokens = batch.padded_tokens
             except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
                 outcome, tokens = e, 0
@@ -573,6 +583,11 @@ class DynamicBatcher:
 def _outputs_of(entries: list[Entry]) -> frozenset[str]:
     """The outputs a batch of these entries must answer: every one any of their requests wants."""
     return frozenset().union(*{e.group.outputs for e in entries})
+
+
+def _pooled_answers(entries: list[Entry]) -> frozenset[str]:
+    """The pooled vectors (TOKEN_POOLED) any of these entries' requests answers."""
+    return frozenset().union(*{e.group.answers for e in entries}).intersection(TOKEN_POOLED)
 
 
 def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch:

@@ -1,4 +1,6 @@
-"""Pooling, normalisation, softmax and vector encodings, in numpy, outside the engine."""
+"""Pooling, normalisation, softmax and vector encodings, in numpy, outside the ONNX graph. The token
+poolings run where the batch ran (pool_batch, in the batcher's thread): a request answers its pooled
+vectors, not every token's, and with several HTTP workers only those cross the engine link."""
 from __future__ import annotations
 
 import base64
@@ -34,17 +36,24 @@ def _lasttoken(t: np.ndarray) -> np.ndarray:
 
 _TOKEN_POOLINGS = {"mean": _mean, "mean_sqrt_len": _mean_sqrt_len, "max": _max, "weightedmean": _weightedmean,
                    "lasttoken": _lasttoken}
-# The graph output each pooling reads ("cls" is the first token, which the graph also gives on its own).
-POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, **dict.fromkeys(_TOKEN_POOLINGS, TOKEN_EMBEDDINGS)}
+# The batcher's outputs that are pooled from the graph's token vectors, [n, H] each (not graph outputs).
+TOKEN_POOLED = {f"{pooling}_embedding": reduce for pooling, reduce in _TOKEN_POOLINGS.items()}
+# The output each pooling answers: a graph output ("cls" is the first token, which the graph gives on its
+# own), or one pooled from the token vectors.
+POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, **{p: f"{p}_embedding" for p in _TOKEN_POOLINGS}}
 assert set(POOLING_OUTPUT) == set(POOLINGS), "every pooling of the artifact contract is computed here"
 
 
-def pool(outputs: dict, pooling: str) -> np.ndarray:
-    """[n, H] float32, row i for input i."""
-    reduce = _TOKEN_POOLINGS.get(pooling)
-    if reduce is None:
-        return outputs[POOLING_OUTPUT[pooling]]
-    return np.stack([reduce(t) for t in outputs[TOKEN_EMBEDDINGS]])
+def graph_outputs(outputs: frozenset[str]) -> frozenset[str]:
+    """The graph outputs that give `outputs`: the token vectors for a pooled one."""
+    return frozenset(TOKEN_EMBEDDINGS if name in TOKEN_POOLED else name for name in outputs)
+
+
+def pool_batch(token_vectors: np.ndarray, lengths: list[int], outputs) -> dict[str, np.ndarray]:
+    """The TOKEN_POOLED members of `outputs` for a batch: [B, H] each, row b from its first
+    lengths[b] token vectors ([B, L, H], padded)."""
+    return {name: np.stack([TOKEN_POOLED[name](token_vectors[b, :n]) for b, n in enumerate(lengths)])
+            for name in outputs if name in TOKEN_POOLED}
 
 
 def available_poolings(has_pooler: bool) -> list[str]:

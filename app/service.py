@@ -15,7 +15,7 @@ from app.backend import Backend
 from app.batcher import GroupResult
 from app.errors import ClientClosed, InvalidInput, Overloaded, ShuttingDown, TooManyInputs, Unsupported
 from app.metrics import Metrics
-from app.pooling import l2_normalize, pool
+from app.pooling import POOLING_OUTPUT, l2_normalize
 from app.sentence_dense import SentenceDense
 from app.settings import Settings
 from app.tokenization import Item, TextTokenizer, Tokenized
@@ -86,7 +86,7 @@ class InferenceService:
         sentence-transformers runs the checkpoint (another pooling gives the encoder's vectors as they are).
         `dimensions` (checked by check_dimensions) keeps the first that many, before normalising, as OpenAI
         shortens its embeddings."""
-        vectors = pool(outputs, pooling)
+        vectors = outputs[POOLING_OUTPUT[pooling]]  # [n, H]: pooled where the batch ran
         if self.sentence_dense is not None and pooling == self.manifest.default_pooling:
             vectors = self.sentence_dense(vectors)
         if dimensions is not None:

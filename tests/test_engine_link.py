@@ -16,8 +16,9 @@ from app.backend import EngineInfo
 from app.multiprocess import engine_link
 from app.multiprocess.engine_link import EngineClient, serve_workers
 from app.metrics import Metrics
+from app.pooling import POOLING_OUTPUT, TOKEN_POOLED
 from app.settings import Settings
-from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, POOLINGS, TOKEN_EMBEDDINGS
 
 ALL = frozenset({TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS})
 
@@ -179,6 +180,30 @@ def test_an_answer_over_the_frame_limit_is_a_413_and_the_link_stays_up(tiny_arti
                 await client.submit_group(_sequences(tokenizer, texts), ALL)
             return await client.submit_group(_sequences(tokenizer, texts), frozenset({CLS_EMBEDDING}))
     assert asyncio.run(go()).outputs[CLS_EMBEDDING].shape == (60, 128)
+
+
+def test_token_poolings_cross_the_link_as_one_vector_a_text(tiny_artifact_dir, tmp_path, monkeypatch):
+    """A mean-pooled request (every sentence-transformers model's default) sent every token vector over the
+    link for the worker to pool: 2,048 texts of 512 tokens were refused 413 past the 2 GiB frame, and each
+    worker held the vectors. Now the engine process pools where the batch ran and sends [n, H]: here the
+    same texts whose token vectors pass the (lowered) frame limit, with each pooling as pooled from them."""
+    monkeypatch.setattr(engine_link, "_FRAME_LIMIT", 1 << 18)  # 256 KiB stands in for 2 GiB
+    texts = [f"text number {i} " + "with many more words " * 8 for i in range(60)]
+    token_poolings = [p for p in POOLINGS if POOLING_OUTPUT[p] in TOKEN_POOLED]
+
+    async def go():
+        async with linked(tiny_artifact_dir, tmp_path) as (tokenizer, batcher, client):
+            sequences = _sequences(tokenizer, texts)
+            with pytest.raises(errors.TooManyInputs, match="send fewer inputs"):
+                await client.submit_group(sequences, frozenset({TOKEN_EMBEDDINGS}))
+            pooled = await client.submit_group(sequences, frozenset(POOLING_OUTPUT[p] for p in token_poolings))
+            tokens = await batcher.submit_group(sequences, frozenset({TOKEN_EMBEDDINGS}))
+            return pooled.outputs, tokens.outputs[TOKEN_EMBEDDINGS]
+    pooled, tokens = asyncio.run(go())
+    assert len(token_poolings) == 5 and pooled.keys() == {POOLING_OUTPUT[p] for p in token_poolings}
+    for name, value in pooled.items():
+        assert value.shape == (60, 128)
+        np.testing.assert_array_equal(value, np.stack([TOKEN_POOLED[name](t) for t in tokens]), err_msg=name)
 
 
 def test_a_worker_that_stops_reading_stops_getting_work_done(tiny_artifact_dir, tmp_path, monkeypatch):

@@ -35,6 +35,7 @@ from app import errors
 from app.backend import Backend, EngineInfo, InlineTokenizing
 from app.batcher import DynamicBatcher, GroupResult, Sequences
 from app.metrics import Metrics
+from app.pooling import TOKEN_POOLED
 from artifact.manifest import CLASSIFIER_LOGITS, CLS_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.engine_link")
@@ -42,11 +43,12 @@ _LENGTH = struct.Struct("<I")
 _FRAME_LIMIT = 1 << 31  # 512 inputs x 512 token vectors of width 1024 in float32 is 1 GiB
 HELLO, SUBMIT, CANCEL, RESULT, ERROR = range(5)
 _HELLO = struct.Struct("<B7x")
-_SUBMIT = struct.Struct("<BBxxIQ")
+_SUBMIT = struct.Struct("<BxHIQ")  # the outputs bit mask is 16 bits: one per name of _OUTPUTS
 _REQUEST = struct.Struct("<B7xQ")  # CANCEL and ERROR
 _RESULT = struct.Struct("<BBxxIQdddd")
 _ARRAY = struct.Struct("<BBxxII")
-_OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, CLASSIFIER_LOGITS)
+# a request's outputs as bits of the SUBMIT frame's mask: the graph's, then those pooled in the engine process
+_OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, CLASSIFIER_LOGITS, *TOKEN_POOLED)
 _OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1)
                 for mask in range(1 << len(_OUTPUTS))]
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
