@@ -11,7 +11,7 @@ class EngineSpeed:
     """Real (unpadded) tokens per second of the whole engine, as batches finish. Each finished batch
     stands for the wall time since the previous one finished, or since it started when the engine was idle
     before it: with batches running side by side this is throughput, not one batch's speed. (The batcher
-    leaves out small batches that ran on an idle engine: their time is mostly the engine's fixed cost.)"""
+    leaves out small batches whose work came to an idle slot: their time is mostly the engine's fixed cost.)"""
 
     def __init__(self):
         self._tokens = 0.0  # running averages of a batch's tokens and of the time it stands for

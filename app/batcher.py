@@ -478,8 +478,9 @@ class DynamicBatcher:
             rows, tokens = sum(e.count for e in entries), sum(e.tokens for e in entries)
             longest = max(int(e.lengths.max()) for e in entries)
             executor = self._replay_thread(rows, longest, tokens, outputs, self._running_batches == 0) or executor
-        # its work came to an idle engine, not queued behind a batch (as _arrived_idle)
-        after_idle = self._running_batches == 0 and min(e.enqueued for e in entries) > self._last_finish
+        # its work came to an idle slot, not queued behind a batch: no batch finished since it came. With
+        # several inference workers a lone query that starts beside a running batch is just as alone.
+        after_idle = min(e.enqueued for e in entries) > self._last_finish
         self._running_batches += 1
         executor.submit(self._work, entries, outputs, time.perf_counter(), after_idle, done,
                         executor is not self._executor)
@@ -513,8 +514,8 @@ class DynamicBatcher:
 
     def _times_speed(self, tokens: int, after_idle: bool) -> bool:
         """Whether a finished batch tells the engine's speed, which admission by time extrapolates to queued
-        work. A small batch that ran on an idle engine took mostly the engine's fixed cost a batch (a lone
-        query: a millisecond for ten tokens on a GPU that runs a million a second); queued work runs in
+        work. A small batch whose work came to an idle slot took mostly the engine's fixed cost a batch (a
+        lone query: a millisecond for ten tokens on a GPU that runs a million a second); queued work runs in
         full batches, back to back."""
         return not after_idle or tokens >= self.max_batch_tokens // 2
 
@@ -536,7 +537,7 @@ class DynamicBatcher:
     def _finish(self, entries: list[Entry], outcome: dict[str, np.ndarray] | Exception, tokens: int,
                 started: float, after_idle: bool, done: asyncio.Future, goes_on: bool,
                 busy: tuple[float, bool]) -> None:
-        """A batch's outcome, on the loop. `after_idle`: its work came to an idle engine; `goes_on`:
+        """A batch's outcome, on the loop. `after_idle`: its work came to an idle slot; `goes_on`:
         its thread went on to another batch in the same slot; `busy`: its time on that thread, and whether it
         replayed a CUDA graph there."""
         now = time.perf_counter()

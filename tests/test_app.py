@@ -961,6 +961,56 @@ def test_lone_small_batches_do_not_teach_admission_a_speed_that_refuses_a_burst(
     assert after >= 0.02, after  # the burst's batches were timed: the slowed engine's speed now
 
 
+def test_a_lone_query_beside_a_running_batch_does_not_teach_admission_a_speed():
+    """With several inference workers (the CPU default: one a core; two on a GPU) a lone query that comes
+    while another batch runs starts at once in a free slot: as alone as on an idle engine, its time is the
+    engine's fixed cost. Two clients' staggered one-text queries taught 3 tokens in 0.05 s, and a burst after
+    them was refused 429 as seconds of work. Such batches leave the speed as it was; work that waited for a
+    slot (a batch finished since it came) times it."""
+    gates, entered = [], threading.Semaphore(0)
+
+    def engine(batch):  # each batch runs until the test opens its gate
+        gate = threading.Event()
+        gates.append(gate)
+        entered.release()
+        gate.wait(30)
+        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
+
+    async def one_more_running():
+        assert await asyncio.to_thread(entered.acquire, timeout=30)
+
+    async def go():
+        cls = frozenset({"cls_embedding"})
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                           max_queued=100, inference_workers=2, max_queue_ms=1000)
+        b.speed.assume(1000, 1e-6)  # stands for the start-up batch's speed
+        b.start()
+        try:
+            first = b.submit_group(_zeros([4]), cls)
+            await one_more_running()  # alone on the idle engine
+            beside = b.submit_group(_zeros([4]), cls)
+            await one_more_running()  # at once, in the second slot
+            gates[1].set()
+            await beside
+            after_beside = b.speed.seconds_for(1000)
+            again = b.submit_group(_zeros([4]), cls)
+            await one_more_running()  # the second slot again: both are busy now
+            waits = b.submit_group(_zeros([4]), cls)
+            gates[0].set()  # the first batch finishes: the waiting work takes its slot
+            await one_more_running()
+            gates[2].set()
+            gates[3].set()
+            await asyncio.gather(first, again, waits)
+            return after_beside, b.speed.seconds_for(1000)
+        finally:
+            for gate in gates:
+                gate.set()
+            await b.stop()
+    after_beside, after_waiting = run(go())
+    assert after_beside == pytest.approx(1e-6)  # the assumed speed still
+    assert after_waiting > 1e-5  # replaced by the waiting batch's: 4 tokens in far more than 4 ns
+
+
 def test_the_speed_assumed_at_start_is_replaced_by_the_first_batch():
     """EngineSpeed.assume: a speed to go by until a batch finishes; that batch then replaces it (a large
     start-up batch would otherwise weigh on the running averages for many batches), later ones blend in."""
