@@ -208,6 +208,7 @@ class DynamicBatcher:
         self._running: set[asyncio.Future] = set()  # one per batch in a worker thread
         self._running_batches = 0
         self._last_finish = 0.0  # perf_counter() when the last batch finished
+        self._last_timed_finish = 0.0  # and the last one that timed the speed (_times_speed)
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = True
         self._cancelled = False  # some queued group was cancelled since the queue was last swept
@@ -543,7 +544,10 @@ class DynamicBatcher:
         now = time.perf_counter()
         real_tokens = sum(e.tokens for e in entries)
         if not isinstance(outcome, Exception) and self._times_speed(real_tokens, after_idle):
-            self.speed.batch_finished(real_tokens, now - max(started, self._last_finish))
+            # since the last timed batch, not the last batch: a batch left out that ended while this one ran
+            # would credit this one's tokens to only the end of its run
+            self.speed.batch_finished(real_tokens, now - max(started, self._last_timed_finish))
+            self._last_timed_finish = now
         self._last_finish = now
         self._wakeup.set()  # what is left queued may now start (another slot, the packed graph)
         if not goes_on:

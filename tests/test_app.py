@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import typing
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -1009,6 +1010,50 @@ def test_a_lone_query_beside_a_running_batch_does_not_teach_admission_a_speed():
     after_beside, after_waiting = run(go())
     assert after_beside == pytest.approx(1e-6)  # the assumed speed still
     assert after_waiting > 1e-5  # replaced by the waiting batch's: 4 tokens in far more than 4 ns
+
+
+def test_a_batch_left_out_of_the_speed_does_not_shorten_the_time_of_one_beside_it(monkeypatch):
+    """A timed batch stands for the time since the previous batch finished. A lone query left out of the speed
+    that finished while a large batch ran beside it cut that batch's time to the moments after it: 600 tokens
+    run in 11 s read as run in 1 s, and admission took in far more work than max_queue_ms. The time now runs
+    from the last timed batch (a clock of the test's own, so no real time is measured)."""
+    clock = [1.0]
+    monkeypatch.setattr("app.batcher.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    gates, entered = [], threading.Semaphore(0)
+
+    def engine(batch):  # each batch runs until the test opens its gate
+        gate = threading.Event()
+        gates.append(gate)
+        entered.release()
+        gate.wait(30)
+        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
+
+    async def one_more_running():
+        assert await asyncio.to_thread(entered.acquire, timeout=30)
+
+    async def go():
+        cls = frozenset({"cls_embedding"})
+        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                           max_queued=100, inference_workers=2, max_queue_ms=1000)
+        b.start()
+        try:
+            lone = b.submit_group(_zeros([4]), cls)  # at 1 s, alone on the idle engine: left out
+            await one_more_running()
+            clock[0] = 2.0
+            large = b.submit_group(_zeros([100] * 6), cls)  # at 2 s, beside it; 600 tokens: timed
+            await one_more_running()
+            clock[0] = 12.0
+            gates[0].set()
+            await lone
+            clock[0] = 13.0
+            gates[1].set()
+            await large
+            return b.speed.seconds_for(600)
+        finally:
+            for gate in gates:
+                gate.set()
+            await b.stop()
+    assert run(go()) == pytest.approx(11.0)  # from 2 s to 13 s
 
 
 def test_the_speed_assumed_at_start_is_replaced_by_the_first_batch():
