@@ -311,3 +311,37 @@ def test_torchrun_restarts_a_failed_run_from_its_last_checkpoint(tmp_path):
     assert f"resuming from {tmp_path / 'run-restarted' / 'ckpt-00000002.pt'}" in done["restarted"].stdout
     weights = [(tmp_path / name / "model.safetensors").read_bytes() for name in done]
     assert weights[0] == weights[1]
+
+
+TERMINATED_ONE_RANK = """
+import os, signal, sys
+import training.trainer
+from training.pretrain import main
+
+step, calls = training.trainer.optimizer_step, []
+def step_then_sigterm(*args, **kwargs):
+    calls.append(1)
+    out = step(*args, **kwargs)
+    if os.environ["RANK"] == "1" and len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)  # one rank alone, as a signal that lands between two ranks' checks
+    return out
+training.trainer.optimizer_step = step_then_sigterm
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_sigterm_that_reaches_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Under torchrun SIGTERM used to end each process where it was, losing the work since the last periodic
+    checkpoint: a stop flag each rank read alone would decide different collective calls (the checkpoint's)
+    when the signal reached the ranks at different steps. The ranks now agree on it every step, so a SIGTERM
+    that reaches one rank alone stops both at the same step's end, with a checkpoint there."""
+    script = tmp_path / "terminated.py"
+    script.write_text(TERMINATED_ONE_RANK)
+    corpus, run_dir = write_corpus(tmp_path / "corpus.txt"), tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+           *small_args(corpus, tmp_path / "cache", tmp_path / "model", run_dir, "--max-steps", "50",
+                       "--checkpoint-every", "100", "--log-every", "100", "--heldout-fraction", "0.2")]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0, done.stdout[-2000:]  # stopped short, not finished
+    assert [p.name for p in run_dir.glob("ckpt-*.pt")] == ["ckpt-00000003.pt"], done.stderr[-3000:]
+    assert done.stderr.count("interrupted; continue with --resume") == 1, done.stderr[-3000:]

@@ -36,7 +36,7 @@ from training.resume_checks import (RESUME_FIXED, RESUME_FIXED_IN_PHASE2, RESUME
                                     check_tokenizer, comparable, corpus_contents, corpus_files,
                                     paths_as_recorded_now)
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
-                                   sigterm_as_interrupt, sigterm_stops_between_steps)
+                                   sigterm_as_interrupt, sigterm_ends_the_process, sigterm_stops_between_steps)
 from training.writes import (WriteError, check_model_out, check_out_free, check_run_dir_free, check_writable, out_held,
                              run_dir_held, settled_path)
 
@@ -533,7 +533,8 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
     started = time.perf_counter()
     # No step to finish yet: SIGTERM stops the preparation at once, as Ctrl-C does. Sent to the whole group,
     # it also ends the preparation's own worker processes, whose work a pool would otherwise wait for forever.
-    with sigterm_as_interrupt() if not dist.distributed else contextlib.nullcontext():
+    # Under DDP the other ranks wait for rank 0 inside a collective call, where no handler runs: the default.
+    with sigterm_as_interrupt() if not dist.distributed else sigterm_ends_the_process():
         prepared = [_rank0_first(dist, lambda c=c: prepare_data(c, rank=dist.rank, world_size=dist.world_size,
                                                                 show_progress=dist.is_main and not args.no_progress,
                                                                 progress_lines=dist.is_main, trained=trained_with))
@@ -682,8 +683,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.threads:
             torch.set_num_threads(args.threads)
         dist = setup_distributed(args.device)
-        # one process: stop at a step's end; several (DDP) must agree on the step, so SIGTERM keeps its default
-        with sigterm_stops_between_steps() if not dist.distributed else contextlib.nullcontext():
+        # stop at a step's end, with a checkpoint there; under DDP the ranks agree on the step (the trainer)
+        with sigterm_stops_between_steps():
             summary = run(args, dist)
     except _RankZeroFailed:
         return 2  # rank 0 printed it

@@ -41,6 +41,12 @@ def sigterm_as_interrupt():
     return _on_sigterm(_interrupt)
 
 
+def sigterm_ends_the_process():
+    """Within the block, SIGTERM's default: the process ends at once (where a handler could not run: a wait
+    inside a collective call)."""
+    return _on_sigterm(signal.SIG_DFL)
+
+
 _stop = threading.Event()
 
 

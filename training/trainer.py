@@ -146,6 +146,19 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world_size, local_rank, dev, waits)
 
 
+def _stop_agreed(dist: DistInfo) -> bool:
+    """Whether any rank was asked to stop (SIGTERM), the same answer on every rank: whether a rank stops
+    decides which collective calls it makes next (the checkpoint's), and a signal reaches the ranks at
+    different moments, or one alone. A one-integer all-reduce over the gloo group of waits, on the CPU: no
+    wait for the GPU."""
+    stop = stop_requested()
+    if not dist.distributed:
+        return stop
+    flag = torch.tensor([int(stop)], dtype=torch.int32)
+    torch_dist.all_reduce(flag, op=torch_dist.ReduceOp.MAX, group=dist.waits)
+    return bool(flag.item())
+
+
 def _store_of_this_attempt() -> dict[str, Any]:
     """Under torchrun, the process group's rendezvous in the agent's store under keys of this attempt's own.
     torch 2.13 found there the keys a failed attempt had left (the addresses of its processes, gone), so a
@@ -493,7 +506,7 @@ def train(
                     # the position after the batches taken
                     state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
                     log.progress.update(1)
-                    stopping = stop_requested()  # read once: a signal later in this step is taken at the next
+                    stopping = _stop_agreed(dist)  # read once: a signal later in this step is taken at the next
                     checkpoint_due = bool((cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0)
                                           or state.step == phase_end or stopping)
                     # a checkpoint closes the window too: a resume starts a new one, and the tokens of the
