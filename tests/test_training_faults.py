@@ -171,6 +171,42 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_file(
     assert not (tmp_path / "model").exists()
 
 
+def test_ctrl_c_while_a_checkpoint_is_written_is_an_interrupt_not_a_failed_write(corpus, cache_dir, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """Ctrl-C that lands inside torch.save makes its writer fail ("[enforce fail at inline_container.cc]
+    unexpected pos"), which was told as a checkpoint that could not be written (exit 2). It is the interrupt
+    it is: the one line of an interrupted run, exit 130, and no partial file."""
+    import builtins
+
+    import training.checkpoint
+
+    class Interrupted:  # the checkpoint's file, a real one, where a SIGINT arrives during the third write
+        def __init__(self, *args):
+            self.file, self.writes = builtins.open(*args), 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                os.kill(os.getpid(), signal.SIGINT)  # the run's own handler raises KeyboardInterrupt here
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    monkeypatch.setattr(training.checkpoint, "open", Interrupted, raising=False)
+    run_dir = tmp_path / "run"
+    code = main(small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "4", "--checkpoint-every", "2"))
+    err = capsys.readouterr().err
+    assert code == 130 and "interrupted before the first checkpoint" in err and "writing" not in err, err
+    assert not list(run_dir.glob("*ckpt-*")), list(run_dir.iterdir())
+
+
 def test_a_full_disk_while_writing_the_model_is_one_line_and_leaves_no_partial_folder(corpus, cache_dir, tmp_path,
                                                                                       capsys, mounts):
     disk = tmp_path / "small_disk"

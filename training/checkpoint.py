@@ -51,10 +51,11 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        failure = write_failed(path, e) if isinstance(e, (OSError, RuntimeError)) else None
         tmp.unlink(missing_ok=True)
-        if failure is not None:
-            raise failure from e
+        if isinstance(e.__context__, KeyboardInterrupt):  # Ctrl-C within torch.save, whose writer then fails
+            raise KeyboardInterrupt from None  # an interrupted run, not a write that failed
+        if isinstance(e, (OSError, RuntimeError)):
+            raise write_failed(path, e) from e
         raise
     _fsync_dir(run_dir)
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
