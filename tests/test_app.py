@@ -962,28 +962,46 @@ def test_lone_small_batches_do_not_teach_admission_a_speed_that_refuses_a_burst(
     assert after >= 0.02, after  # the burst's batches were timed: the slowed engine's speed now
 
 
+class _GatedEngine:
+    """An engine whose every batch runs until the test opens its gate (`gates[i]`, the i-th batch's)."""
+
+    def __init__(self):
+        self.gates: list[threading.Event] = []
+        self._entered = threading.Semaphore(0)
+
+    def __call__(self, batch):
+        gate = threading.Event()
+        self.gates.append(gate)
+        self._entered.release()
+        gate.wait(30)
+        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
+
+    async def one_more_running(self) -> None:
+        assert await asyncio.to_thread(self._entered.acquire, timeout=30)
+
+    def open_all(self) -> None:
+        for gate in self.gates:
+            gate.set()
+
+
+def _two_slot_batcher(engine) -> DynamicBatcher:
+    """Two batches at once, admission by time at 1 s."""
+    return DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
+                          max_queued=100, inference_workers=2, max_queue_ms=1000)
+
+
 def test_a_lone_query_beside_a_running_batch_does_not_teach_admission_a_speed():
     """With several inference workers (the CPU default: one a core; two on a GPU) a lone query that comes
     while another batch runs starts at once in a free slot: as alone as on an idle engine, its time is the
     engine's fixed cost. Two clients' staggered one-text queries taught 3 tokens in 0.05 s, and a burst after
     them was refused 429 as seconds of work. Such batches leave the speed as it was; work that waited for a
     slot (a batch finished since it came) times it."""
-    gates, entered = [], threading.Semaphore(0)
-
-    def engine(batch):  # each batch runs until the test opens its gate
-        gate = threading.Event()
-        gates.append(gate)
-        entered.release()
-        gate.wait(30)
-        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
-
-    async def one_more_running():
-        assert await asyncio.to_thread(entered.acquire, timeout=30)
+    engine = _GatedEngine()
+    gates, one_more_running = engine.gates, engine.one_more_running
 
     async def go():
         cls = frozenset({"cls_embedding"})
-        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
-                           max_queued=100, inference_workers=2, max_queue_ms=1000)
+        b = _two_slot_batcher(engine)
         b.speed.assume(1000, 1e-6)  # stands for the start-up batch's speed
         b.start()
         try:
@@ -1004,8 +1022,7 @@ def test_a_lone_query_beside_a_running_batch_does_not_teach_admission_a_speed():
             await asyncio.gather(first, again, waits)
             return after_beside, b.speed.seconds_for(1000)
         finally:
-            for gate in gates:
-                gate.set()
+            engine.open_all()
             await b.stop()
     after_beside, after_waiting = run(go())
     assert after_beside == pytest.approx(1e-6)  # the assumed speed still
@@ -1019,22 +1036,12 @@ def test_a_batch_left_out_of_the_speed_does_not_shorten_the_time_of_one_beside_i
     from the last timed batch (a clock of the test's own, so no real time is measured)."""
     clock = [1.0]
     monkeypatch.setattr("app.batcher.time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    gates, entered = [], threading.Semaphore(0)
-
-    def engine(batch):  # each batch runs until the test opens its gate
-        gate = threading.Event()
-        gates.append(gate)
-        entered.release()
-        gate.wait(30)
-        return {"cls_embedding": np.zeros((len(batch.input_ids), 4), np.float32)}
-
-    async def one_more_running():
-        assert await asyncio.to_thread(entered.acquire, timeout=30)
+    engine = _GatedEngine()
+    gates, one_more_running = engine.gates, engine.one_more_running
 
     async def go():
         cls = frozenset({"cls_embedding"})
-        b = DynamicBatcher(engine, pad_id=0, max_batch_tokens=1000, max_batch_size=64, max_wait_ms=0,
-                           max_queued=100, inference_workers=2, max_queue_ms=1000)
+        b = _two_slot_batcher(engine)
         b.start()
         try:
             lone = b.submit_group(_zeros([4]), cls)  # at 1 s, alone on the idle engine: left out
@@ -1050,8 +1057,7 @@ def test_a_batch_left_out_of_the_speed_does_not_shorten_the_time_of_one_beside_i
             await large
             return b.speed.seconds_for(600)
         finally:
-            for gate in gates:
-                gate.set()
+            engine.open_all()
             await b.stop()
     assert run(go()) == pytest.approx(11.0)  # from 2 s to 13 s
 
