@@ -4,6 +4,7 @@ vectors, not every token's, and with several HTTP workers only those cross the e
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -36,11 +37,12 @@ def _lasttoken(t: np.ndarray) -> np.ndarray:
 
 _TOKEN_POOLINGS = {"mean": _mean, "mean_sqrt_len": _mean_sqrt_len, "max": _max, "weightedmean": _weightedmean,
                    "lasttoken": _lasttoken}
+_POOLED_NAMES = {pooling: f"{pooling}_embedding" for pooling in _TOKEN_POOLINGS}
 # The batcher's outputs that are pooled from the graph's token vectors, [n, H] each (not graph outputs).
-TOKEN_POOLED = {f"{pooling}_embedding": reduce for pooling, reduce in _TOKEN_POOLINGS.items()}
+TOKEN_POOLED = {_POOLED_NAMES[pooling]: reduce for pooling, reduce in _TOKEN_POOLINGS.items()}
 # The output each pooling answers: a graph output ("cls" is the first token, which the graph gives on its
 # own), or one pooled from the token vectors.
-POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, **{p: f"{p}_embedding" for p in _TOKEN_POOLINGS}}
+POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, **_POOLED_NAMES}
 assert set(POOLING_OUTPUT) == set(POOLINGS), "every pooling of the artifact contract is computed here"
 
 
@@ -49,11 +51,11 @@ def graph_outputs(outputs: frozenset[str]) -> frozenset[str]:
     return frozenset(TOKEN_EMBEDDINGS if name in TOKEN_POOLED else name for name in outputs)
 
 
-def pool_batch(token_vectors: np.ndarray, lengths: list[int], outputs) -> dict[str, np.ndarray]:
-    """The TOKEN_POOLED members of `outputs` for a batch: [B, H] each, row b from its first
+def pool_batch(token_vectors: np.ndarray, lengths: list[int], names: Iterable[str]) -> dict[str, np.ndarray]:
+    """The pooled vectors `names` (TOKEN_POOLED's) of a batch: [B, H] each, row b from its first
     lengths[b] token vectors ([B, L, H], padded)."""
     return {name: np.stack([TOKEN_POOLED[name](token_vectors[b, :n]) for b, n in enumerate(lengths)])
-            for name in outputs if name in TOKEN_POOLED}
+            for name in names}
 
 
 def available_poolings(has_pooler: bool) -> list[str]:
