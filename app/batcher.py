@@ -37,7 +37,7 @@ from app.engine import Batch
 from app.backlog import EngineSpeed, retry_after_s
 from app.errors import EngineLost, InternalError, NotReady, Overloaded, ServiceError, TooManyInputs
 from app.metrics import Metrics
-from app.pooling import TOKEN_POOLED, graph_outputs, pool_batch
+from app.pooling import graph_outputs, pool_batch, pooled_here
 from artifact.manifest import TOKEN_EMBEDDINGS
 
 log = logging.getLogger("app.batcher")
@@ -173,8 +173,10 @@ class DynamicBatcher:
                  on_engine_lost: Callable[[], None] | None = None,
                  replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None,
                  replay_busy: Callable[[int, frozenset[str]], bool] | None = None,
-                 replay_next: Callable[[Callable[[int, int, frozenset[str]], list | None]], list | None] | None = None):
+                 replay_next: Callable[[Callable[[int, int, frozenset[str]], list | None]], list | None] | None = None,
+                 graph_offers: frozenset[str] = frozenset()):
         self._run = run
+        self._graph_offers = graph_offers  # the engine's graph outputs: a pooled vector among them is not pooled here
         # (rows, longest, tokens, outputs, alone) -> the thread a batch should run on instead of an inference
         # thread, or None (OrtEngine.replay_thread: a CUDA graph replays there, one hop fewer).
         self._replay_thread = replay_thread
@@ -276,8 +278,8 @@ class DynamicBatcher:
             raise Overloaded(f"the queue is full ({self._queued_rows} sequences waiting, limit {self.max_queued}); "
                              f"retry later", retry_after_s(self.expected_wait_s()))
         self.check_admission()
-        group = Group(graph_outputs(outputs), outputs, asyncio.get_running_loop().create_future(), n,
-                      time.perf_counter(), pending=n)
+        group = Group(graph_outputs(outputs, self._graph_offers), outputs, asyncio.get_running_loop().create_future(),
+                      n, time.perf_counter(), pending=n)
         group.future.add_done_callback(self._note_cancel)
         ids, type_ids, lengths = sequences.ids, sequences.type_ids, sequences.lengths
         if self.packed:
@@ -497,7 +499,7 @@ class DynamicBatcher:
                 sequences = Sequences.joined(entries)
                 batch = collate(sequences, self.pad_id, outputs)
                 outcome: dict[str, np.ndarray] | Exception = self._run(batch)
-                if pooled := _pooled_answers(entries):  # here, off the loop, as part of the batch's work
+                if pooled := pooled_here(_answers_of(entries), self._graph_offers):  # here, off the loop, as part of the batch's work
                     outcome = {**outcome, **pool_batch(outcome[TOKEN_EMBEDDINGS], sequences.lengths.tolist(), pooled)}
                 tokens = batch.padded_tokens
             except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
@@ -590,9 +592,9 @@ def _outputs_of(entries: list[Entry]) -> frozenset[str]:
     return frozenset().union(*{e.group.outputs for e in entries})
 
 
-def _pooled_answers(entries: list[Entry]) -> frozenset[str]:
-    """The pooled vectors (TOKEN_POOLED) any of these entries' requests answers."""
-    return frozenset().union(*{e.group.answers for e in entries}).intersection(TOKEN_POOLED)
+def _answers_of(entries: list[Entry]) -> frozenset[str]:
+    """Everything any of these entries' requests answers."""
+    return frozenset().union(*{e.group.answers for e in entries})
 
 
 def collate(sequences: Sequences, pad_id: int, outputs: frozenset[str]) -> Batch:

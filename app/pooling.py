@@ -1,6 +1,8 @@
 """Pooling, normalisation, softmax and vector encodings, in numpy, outside the ONNX graph. The token
 poolings run where the batch ran (pool_batch, in the batcher's thread): a request answers its pooled
-vectors, not every token's, and with several HTTP workers only those cross the engine link."""
+vectors, not every token's, and with several HTTP workers only those cross the engine link. A pooled
+vector that the graph itself answers (the mean, in artifacts exported since export.mean_output) is taken
+from the graph instead, and the token vectors then stay on the device."""
 from __future__ import annotations
 
 import base64
@@ -46,9 +48,14 @@ POOLING_OUTPUT = {"cls": CLS_EMBEDDING, "pooled": POOLED_EMBEDDING, **_POOLED_NA
 assert set(POOLING_OUTPUT) == set(POOLINGS), "every pooling of the artifact contract is computed here"
 
 
-def graph_outputs(outputs: frozenset[str]) -> frozenset[str]:
-    """The graph outputs that give `outputs`: the token vectors for a pooled one."""
-    return frozenset(TOKEN_EMBEDDINGS if name in TOKEN_POOLED else name for name in outputs)
+def graph_outputs(outputs: frozenset[str], offered: frozenset[str]) -> frozenset[str]:
+    """The graph outputs that give `outputs`: the token vectors for a pooled one the graph does not offer."""
+    return frozenset(TOKEN_EMBEDDINGS if name in TOKEN_POOLED and name not in offered else name for name in outputs)
+
+
+def pooled_here(answers: frozenset[str], offered: frozenset[str]) -> frozenset[str]:
+    """Of `answers`, the pooled vectors that pool_batch makes: those the graph does not offer."""
+    return answers.intersection(TOKEN_POOLED).difference(offered)
 
 
 def pool_batch(token_vectors: np.ndarray, lengths: list[int], names: Iterable[str]) -> dict[str, np.ndarray]:

@@ -25,6 +25,7 @@ INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids")
 # Graph outputs, all float32 (fp16 graphs keep float32 at their boundary).
 TOKEN_EMBEDDINGS = "token_embeddings"  # [batch, sequence, hidden]: last hidden state
 CLS_EMBEDDING = "cls_embedding"  # [batch, hidden]: raw [CLS] vector
+MEAN_EMBEDDING = "mean_embedding"  # [batch, hidden]: the mean of the real tokens' vectors (export/mean_output.py)
 POOLED_EMBEDDING = "pooled_embedding"  # [batch, hidden]: tanh(dense([CLS])), BERT's pooler
 NSP_LOGITS = "nsp_logits"  # [batch, 2]: index 0 = IsNext, index 1 = NotNext
 # [batch, labels]: a fine-tuned sequence classifier's head on the pooler (a cross-encoder has one label)

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-wait-ms", type=float, default=0.0)
     parser.add_argument("--inference-workers", type=int, default=0)
     parser.add_argument("--encoding-format", choices=["float", "base64"], default="float")
+    parser.add_argument("--pooling", default="cls", help="/embed's pooling in every request")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--allow-slow-protocols", action="store_true")
     parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/http_ab.json when OUT is set)")

@@ -343,7 +343,7 @@ def engine_reference(artifact: Path, texts: list[str], batch_sizes: list[int], d
 
 
 def _client_process(url: str, texts: list[str], per_request: int, connections: int, start_at: float,
-                    duration_s: float, seed: int, encoding_format: str = "float") -> dict:
+                    duration_s: float, seed: int, encoding_format: str = "float", pooling: str = "cls") -> dict:
     """One client process: `connections` closed-loop workers, one keep-alive connection each."""
     rng = random.Random(seed)
     _fast_loop()
@@ -359,7 +359,7 @@ def _client_process(url: str, texts: list[str], per_request: int, connections: i
                 nonlocal errors
                 while time.perf_counter() < deadline:
                     i = rng.randrange(len(texts) - per_request + 1)
-                    body = {"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls",
+                    body = {"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": pooling,
                             "encoding_format": encoding_format}
                     t0 = time.perf_counter()
                     status, _ = await c.post("/embed", body)
@@ -374,7 +374,7 @@ def _client_process(url: str, texts: list[str], per_request: int, connections: i
 
 def multiprocess_load(url: str, texts: list[str], per_request: int, processes: int, connections: int,
                       duration_s: float, encoding_format: str = "float",
-                      server: tuple[int, set[int]] | None = None) -> dict:
+                      server: tuple[int, set[int]] | None = None, pooling: str = "cls") -> dict:
     """processes x connections concurrent clients; also how busy the clients were (they must not be
     the bottleneck: client_cpu_share near 1.0 means add processes) and, given `server` (engine pid, all
     its pids), how busy its processes were over the same window."""
@@ -383,7 +383,7 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(processes) as pool:
         pending = pool.starmap_async(_client_process, [(url, texts, per_request, connections, start_at, duration_s,
-                                                        seed, encoding_format) for seed in range(processes)])
+                                                        seed, encoding_format, pooling) for seed in range(processes)])
         server_cpu = None
         if server is not None:
             time.sleep(max(0.0, start_at - time.time()))
@@ -404,7 +404,8 @@ def multiprocess_load(url: str, texts: list[str], per_request: int, processes: i
 
 
 def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connections: int, duration_s: float,
-             encoding_format: str = "float", server: tuple[int, set[int]] | None = None, seed: int = 0) -> dict:
+             encoding_format: str = "float", server: tuple[int, set[int]] | None = None, seed: int = 0,
+             pooling: str = "cls") -> dict:
     """The same closed loop as multiprocess_load (the same bodies, threads x connections clients) from
     wrk (bench/wrk_load.py), with the server's CPU sampled over the same window."""
     from bench.wrk_load import start_wrk, wrk_result
@@ -412,7 +413,7 @@ def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connect
     _loopback(url)
     rng = random.Random(seed)
     starts = [rng.randrange(len(texts) - per_request + 1) for _ in range(4096)]
-    bodies = [orjson.dumps({"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": "cls",
+    bodies = [orjson.dumps({"inputs": texts[i] if per_request == 1 else texts[i:i + per_request], "pooling": pooling,
                             "encoding_format": encoding_format}) for i in starts]
     wrk = start_wrk(url, bodies, threads, threads * connections, duration_s)
     server_cpu = None
@@ -428,12 +429,12 @@ def wrk_load(url: str, texts: list[str], per_request: int, threads: int, connect
             "client_cpu_share": round(client_cores / threads, 3), **({"server_cpu": server_cpu} if server_cpu else {})}
 
 
-def _sequential_latency(url: str, text: str, requests: int) -> dict:
+def _sequential_latency(url: str, text: str, requests: int, pooling: str = "cls") -> dict:
     """One request at a time over one keep-alive connection of the standard library's http.client, whose
     own cost per request is tens of µs (httpx's is about 2 ms of CPU here, which would be counted as
     server latency). Also the server's own split of each request from its timing headers."""
     host, port = url.removeprefix("http://").split(":")
-    body = json.dumps({"inputs": text}).encode()
+    body = json.dumps({"inputs": text, "pooling": pooling}).encode()
     headers = {"Content-Type": "application/json"}
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     times, inference, total = [], [], 0.0
@@ -456,12 +457,12 @@ def _sequential_latency(url: str, text: str, requests: int) -> dict:
             "mean_with_warm_up_ms": round(total / (50 + requests) * 1e3, 3)}
 
 
-def _wrk_sequential_latency(url: str, text: str, seconds: float) -> dict:
+def _wrk_sequential_latency(url: str, text: str, seconds: float, pooling: str = "cls") -> dict:
     """One request at a time over one connection of wrk (issue 15 measured its lone text so): the client's
     own time per request is a few µs where http.client's is tens."""
     from bench.wrk_load import start_wrk, wrk_result
 
-    run = wrk_result(start_wrk(url, [orjson.dumps({"inputs": text})], 1, 1, seconds), 1, 1)
+    run = wrk_result(start_wrk(url, [orjson.dumps({"inputs": text, "pooling": pooling})], 1, 1, seconds), 1, 1)
     if run["errors"]:
         raise RuntimeError(f"/embed failed {run['errors']} times under wrk at concurrency 1")
     return {"p50_ms": run["p50_ms"], "p99_ms": run["p99_ms"], "requests": run["wrk"]["requests"],
@@ -541,7 +542,7 @@ def serving(args) -> dict:
     print("raw engine ...", file=sys.stderr)
     engine = engine_reference(args.artifact, texts, batch_sizes, args.device, args.precision, args.engine_seconds)
     results = {"cpu_count": os.cpu_count(), "engine": engine, "http": {}, "server_settings": args.set,
-               "encoding_format": args.encoding_format}
+               "encoding_format": args.encoding_format, "pooling": args.pooling}
     for workers in [int(x) for x in args.workers.split(",")]:
         results["http"][f"workers{workers}"] = serve_and_load(args, server_settings(args, workers), texts, engine)
     return results
@@ -594,12 +595,13 @@ def serve_and_load(args, settings: dict, texts: list[str], engine: dict | None, 
                      + (f"-{runs_of[client]}" if runs_of[client] > 1 else "")] = run
         print("HTTP: one short text at concurrency 1 ...", file=sys.stderr)
         before = _server_totals(url)
-        one = _sequential_latency(url, SHORT_TEXT, args.latency_requests)
+        one = _sequential_latency(url, SHORT_TEXT, args.latency_requests, args.pooling)
         one["server"] = _server_means(before, _server_totals(url))  # its warm-up requests included
         print(f"  p50 {one['p50_ms']} ms; in the server: " + _stages_line(one["server"], workers), file=sys.stderr)
         runs["c1_short"] = one
         if "wrk" in args.clients.split(","):  # the same from wrk, whose own time per request is a few µs
-            one = runs["c1_short_wrk"] = _wrk_sequential_latency(url, SHORT_TEXT, max(2.0, args.duration / 2))
+            one = runs["c1_short_wrk"] = _wrk_sequential_latency(url, SHORT_TEXT, max(2.0, args.duration / 2),
+                                                                 args.pooling)
             print(f"  wrk, one connection: p50 {one['p50_ms']} ms, p99 {one['p99_ms']} ms", file=sys.stderr)
         for key in ("c1_short", "c1_short_wrk"):
             if engine is not None and key in runs:
@@ -611,9 +613,9 @@ def _one_load(args, client: str, url: str, texts: list[str], per_request: int, c
               server_pids: set[int]) -> dict:
     if client == "wrk":
         return wrk_load(url, texts, per_request, args.processes, connections, args.duration, args.encoding_format,
-                        (engine_pid, server_pids), args.seed)
+                        (engine_pid, server_pids), args.seed, args.pooling)
     return multiprocess_load(url, texts, per_request, args.processes, connections, args.duration,
-                             args.encoding_format, (engine_pid, server_pids))
+                             args.encoding_format, (engine_pid, server_pids), args.pooling)
 
 
 def _all_workers_up(url: str, workers: int, timeout_s: float = 120) -> tuple[int, set[int]]:
@@ -755,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--inference-workers", type=int, default=0, help="the server's setting (0: its default)")
     srv.add_argument("--encoding-format", choices=["float", "base64"], default="float",
                      help="how /embed answers the vectors (the openai client asks for base64)")
+    srv.add_argument("--pooling", default="cls", help="/embed's pooling in every request (mean: what most "
+                     "sentence-transformers models answer)")
     srv.add_argument("--texts-per-request", default="1,16,64", help="request sizes to load, in turn")
     srv.add_argument("--clients", default="python", help="load generators, in turn for every request size: "
                      "python (--processes client processes), wrk (--processes threads of one wrk; bench/wrk_load.py)")

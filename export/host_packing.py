@@ -17,9 +17,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from artifact.host_packing import (CLS_POSITIONS, CUMULATIVE_LENGTHS, HOST_PACKED_INPUTS, TOKEN_OFFSET, TOKENS,
                                    pack_on_host)
-from artifact.manifest import TOKEN_EMBEDDINGS
+from artifact.manifest import MEAN_EMBEDDING, TOKEN_EMBEDDINGS
 from custom_kernels import DOMAIN
 from export import ExportError
+from export.mean_output import add_host_packed_mean_output, is_mean_node
 
 _MS = "com.microsoft"
 
@@ -28,11 +29,12 @@ def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ORT's packed graph `model` (one EmbedLayerNormalization, RemovePadding and RestorePadding,
     the [CLS] vector taken as Gather(axis 1, index 0) of the restored output) with the host-packed inputs
     (artifact/host_packing.py) and without the token vectors. Raises ExportError when the graph is not of
-    that shape."""
+    that shape. A mean output (export.mean_output) is pooled from the packed tokens instead."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    nodes = list(graph.node)
+    pools_mean = any(o.name == MEAN_EMBEDDING for o in graph.output)
+    nodes = [n for n in graph.node if not is_mean_node(n)]  # pooled again below, from the packed tokens
     embed, remove, restore = (_only(nodes, op) for op in ("EmbedLayerNormalization", "RemovePadding", "RestorePadding"))
     uses = Counter(name for node in nodes for name in node.input)
     if uses[remove.output[3]]:
@@ -49,7 +51,7 @@ def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
     squeeze = helper.make_node("Squeeze", [embedded, axis0.name], [remove.output[0]], name="squeeze_tokens")
     renamed = {remove.output[1]: TOKEN_OFFSET, remove.output[2]: CUMULATIVE_LENGTHS}
     restored, hidden = restore.output[0], restore.input[0]
-    dropped_outputs = {o.name for o in graph.output if o.name == TOKEN_EMBEDDINGS}
+    dropped_outputs = {o.name for o in graph.output if o.name in (TOKEN_EMBEDDINGS, MEAN_EMBEDDING)}
 
     kept: list[onnx.NodeProto] = [split_node]
     for node in nodes:
@@ -94,6 +96,8 @@ def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
     initializers = [_copy(t) for t in graph.initializer if t.name in used]
     del graph.initializer[:]
     graph.initializer.extend(initializers)
+    if pools_mean:
+        add_host_packed_mean_output(out, hidden)
     return out
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from artifact.manifest import CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import (CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING,
+                               TOKEN_EMBEDDINGS)
 from training.model import BertForPreTraining
 
 OPSET = 17
@@ -28,6 +29,12 @@ def output_names(has_pooler: bool, has_nsp_head: bool, has_classifier: bool = Fa
         if has_classifier:
             names.append(CLASSIFIER_LOGITS)
     return names
+
+
+def served_outputs(graph: "EmbeddingGraph") -> list[str]:
+    """Every output of the exported graphs: the traced ones, then the mean of the real token vectors, which
+    export adds after ONNX Runtime's fusions (export.mean_output)."""
+    return [*graph.outputs, MEAN_EMBEDDING]
 
 
 class EmbeddingGraph(nn.Module):

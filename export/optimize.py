@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from export import ExportError
+from export.mean_output import add_mean_output
 from export.smoothing import smooth_activations
 from training.model import BertConfig
 
@@ -76,7 +77,8 @@ def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, f
     `remove_padding` (CUDA only: ORT has no CPU kernels for it) packs the real tokens of the batch
     before the first layer and restores the padded shape after the last, so the matmuls skip padding;
     the graph's inputs and outputs stay the same; `packed_attention` (one of PACKED_ATTENTION_OPS) is
-    the attention operator it then runs. Returns the fused-operator counts, with the packed attention /
+    the attention operator it then runs. The graph also answers the mean of the real token vectors
+    (export.mean_output). Returns the fused-operator counts, with the packed attention /
     RemovePadding counts when packed; raises FusionError when the encoder did not fully fuse (`head_gelus`:
     see expected_fusions)."""
     from onnxruntime.transformers import optimizer
@@ -106,6 +108,7 @@ def optimize_graph(raw: Path, dst: Path, config: BertConfig, *, use_gpu: bool, f
         opt.convert_float_to_float16(keep_io_types=True)
     if remove_padding:
         counts.update(_pack(opt, config.num_hidden_layers, packed_attention))
+    add_mean_output(opt.model)
     opt.save_model_to_file(str(dst))
     return counts
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from artifact.manifest import CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS
+from artifact.manifest import (CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING,
+                               TOKEN_EMBEDDINGS)
 from export import ExportError
-from export.onnx_graph import EmbeddingGraph
+from export.onnx_graph import EmbeddingGraph, served_outputs
 
 # (batch, sequence length) of the checked batches; lengths are capped at the model's max length.
 DEFAULT_SHAPES: tuple[tuple[int, int], ...] = ((1, 5), (2, 16), (5, 40), (8, 96), (4, 160))
@@ -59,6 +60,8 @@ LIMITS: dict[str, tuple[Limit, ...]] = {
         Limit(f"{MAX_POOLING}_min_cosine", ">=", INT8_MIN_COSINE, "a sentence vector made from token vectors"),
         Limit(f"{MEAN_POOLING}_min_cosine", ">=", INT8_MIN_COSINE,
               "the sentence vector most models serve by default: ranks like fp32's"),
+        Limit(f"{MEAN_EMBEDDING}_min_cosine", ">=", INT8_MIN_COSINE,
+              "the same vector as the graph pools it: ranks like fp32's"),
         Limit(f"{TOKEN_EMBEDDINGS}_min_cosine", ">=", INT8_TOKEN_MIN_COSINE,
               "one token's vector carries its own noise, which a sentence vector averages out"),
         Limit("nsp_prob_max_diff", "<=", INT8_MAX_SCORE_DIFF, "an NSP verdict must not move by more than 2 points"),
@@ -127,10 +130,14 @@ def text_batches(tokenizer, sentences: Sequence[str], max_length: int, pad_id: i
 
 
 def reference_outputs(graph: EmbeddingGraph, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """PyTorch fp32 on the CPU, SDPA attention (the training kernel, not the one that was traced)."""
+    """PyTorch fp32 on the CPU, SDPA attention (the training kernel, not the one that was traced); the mean
+    of the real token vectors (served_outputs) in float64 from them, as sentence-transformers pools."""
     with torch.no_grad():
         outs = graph(*(torch.from_numpy(feed[name]) for name in INPUT_NAMES))
-    return {name: out.float().numpy() for name, out in zip(graph.outputs, outs)}
+    found = {name: out.float().numpy() for name, out in zip(graph.outputs, outs)}
+    mask = feed["attention_mask"].astype(np.float64)[..., None]  # [B, S, 1]
+    found[MEAN_EMBEDDING] = ((found[TOKEN_EMBEDDINGS] * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)).astype(np.float32)
+    return {name: found[name] for name in served_outputs(graph)}
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -185,7 +192,7 @@ def compare(session, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]]
             outputs: list[str] | None = None) -> dict[str, float]:
     """Run `session` (an onnxruntime.InferenceSession, or anything with its `run`) on every batch; worst
     figures over all of them, for `outputs` (default: all of the graph's)."""
-    names = list(outputs or graph.outputs)
+    names = list(outputs or served_outputs(graph))
     worst: dict[str, float] = {}
     for i, feed in enumerate(batches):
         want = references[i] if references is not None else reference_outputs(graph, feed)

@@ -26,7 +26,7 @@ from artifact.session import SessionError, kernels_library, open_session, requir
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
-from export.onnx_graph import EmbeddingGraph, trace_to_onnx
+from export.onnx_graph import EmbeddingGraph, served_outputs, trace_to_onnx
 from export.optimize import PACKED_ATTENTION_OPS, optimize_graph, quantize_int8
 from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
                            text_batches)
@@ -239,7 +239,7 @@ def _build_graph(precision: str, traced: Path, tmp: Path, loaded: LoadedModel, g
     device = "cuda" if precision == "fp16" else "cpu"
     figures = compare(_session(path, device), graph, batches, references)
     check_parity(precision, figures)
-    return GraphInfo(file=path.name, device=device, outputs=list(graph.outputs), fused_operators=counts,
+    return GraphInfo(file=path.name, device=device, outputs=served_outputs(graph), fused_operators=counts,
                      parity=figures)
 
 
@@ -304,7 +304,7 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
         check_parity("fp16", figures)
         return figures
 
-    outputs = [name for name in graph.outputs if name != TOKEN_EMBEDDINGS]
+    outputs = [name for name in served_outputs(graph) if name != TOKEN_EMBEDDINGS]
     figures = build(packed.file, HOST_PACKED_GRAPH_FILE, None)
     kernels = None
     if packed.custom_kernels is not None:

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 from app.batcher import DynamicBatcher, Sequences
-from app.engine import EngineError, resolve_device_precision
+from app.engine import Batch, EngineError, resolve_device_precision
 from app.errors import InputTooLong
 from app.build import usable_cores
 from app.main import create_app
@@ -116,6 +116,47 @@ def test_embed_matches_onnx_session_for_every_pooling(artifact, reference):
         # mean over every real token, [CLS] and [SEP] included
         np.testing.assert_allclose(got["mean"][i], ref["token_embeddings"].mean(axis=0), atol=1e-5)
     assert usage == total
+
+
+@pytest.mark.parametrize("graph_pools", [True, False])
+def test_a_mean_is_taken_from_the_graph_that_offers_it_and_pooled_here_otherwise(artifact, graph_pools):
+    """An artifact's graphs answer the mean themselves (export.mean_output): a mean-pooled batch then asks the
+    graph for the mean only, and its token vectors never leave the session. Against an engine that does
+    not offer it (an artifact exported before), the batcher pools the token vectors it asks for instead.
+    Either way every row is its own real tokens' mean, in batches of mixed lengths and outputs."""
+    from app.engine import OrtEngine
+    from app.pooling import POOLING_OUTPUT
+
+    manifest = read_manifest(artifact)
+    engine = OrtEngine(artifact, manifest, "cpu", "fp32", 1)
+    assert "mean_embedding" in engine.outputs
+    asked = []
+
+    def run_engine(batch):
+        asked.append(set(batch.outputs))
+        return engine.run(batch)
+
+    rng = np.random.default_rng(3)
+    requests = [[rng.integers(5, manifest.vocab_size, int(n)).astype(np.int64) for n in rng.integers(3, 60, int(k))]
+                for k in rng.integers(1, 6, 12)]
+    mean, cls = frozenset({POOLING_OUTPUT["mean"]}), frozenset({"cls_embedding"})
+
+    async def go():
+        b = DynamicBatcher(run_engine, pad_id=0, max_batch_tokens=600, max_batch_size=16, max_wait_ms=2,
+                           max_queued=1000, packed=False, graph_offers=engine.outputs if graph_pools else frozenset())
+        b.start()
+        futures = [b.submit_group(Sequences.concat(ids, [np.zeros(len(x), np.int64) for x in ids]),
+                                  mean if i % 3 else mean | cls) for i, ids in enumerate(requests)]
+        results = await asyncio.wait_for(asyncio.gather(*futures), 30)
+        await b.stop()
+        return results
+    results = run(go())
+    token_vectors = "token_embeddings"
+    assert all((token_vectors not in outputs) == graph_pools for outputs in asked), asked
+    for ids, result in zip(requests, results):
+        for row, x in zip(result.outputs["mean_embedding"], ids):
+            alone = engine.run(Batch.of_rows(x, np.zeros_like(x), np.array([len(x)]), 0, (token_vectors,)))
+            np.testing.assert_allclose(row, alone[token_vectors][0].mean(0), atol=1e-5)
 
 
 def test_batched_equals_alone_and_pairs_match_session(artifact, reference):

@@ -13,17 +13,17 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import (CLS_EMBEDDING, GRAPH_FILES, NSP_LOGITS, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
-                               read_manifest)
+from artifact.manifest import (CLS_EMBEDDING, GRAPH_FILES, MEAN_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING,
+                               TOKEN_EMBEDDINGS, read_manifest)
 from export import ExportError
 from export.__main__ import main
-from export.onnx_graph import EmbeddingGraph
+from export.onnx_graph import EmbeddingGraph, served_outputs
 from export.optimize import FusionError, check_fusions
 from export.parity import FP32_MAX_ABS, ParityError, check_parity, reference_outputs
 from export.pipeline import export_artifact, sha256_file
 from training.model_folder import ModelFolderError, load_model_folder
 
-ALL_OUTPUTS = [TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS]
+ALL_OUTPUTS = [TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, MEAN_EMBEDDING]
 TEXTS = [("The quick brown fox jumps over the lazy dog.", None),
          ("Embedding servers turn text into vectors.", "ONNX Runtime fuses attention."),
          ("naïve café", None)]
@@ -88,9 +88,11 @@ def test_ort_matches_pytorch_on_padded_real_text(tiny_artifact_dir, tiny_model_d
     got = run_graph(tiny_artifact_dir, "fp32", feed)
     real = feed["attention_mask"].astype(bool)
     assert np.abs(got[TOKEN_EMBEDDINGS][real] - want[TOKEN_EMBEDDINGS][real]).max() <= 1e-4
-    for name in (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS):
+    for name in (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, MEAN_EMBEDDING):
         assert np.abs(got[name] - want[name]).max() <= 1e-4, name
     assert np.allclose(got[CLS_EMBEDDING], got[TOKEN_EMBEDDINGS][:, 0])
+    for row, n in enumerate(real.sum(1)):  # each row's mean over its own real tokens, padding left out
+        np.testing.assert_allclose(got[MEAN_EMBEDDING][row], got[TOKEN_EMBEDDINGS][row, :n].mean(0), atol=1e-6)
     int8 = run_graph(tiny_artifact_dir, "int8", feed)
     assert cosine(int8[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.99
 
@@ -185,7 +187,7 @@ def test_bare_hf_bert_model_has_no_nsp_output(hf, tmp_path, tiny_tokenizer_dir):
     shutil.copy(tiny_tokenizer_dir / "vocab.txt", src / "vocab.txt")
     m = export_artifact(src, tmp_path / "art", parity_shapes=((2, 16), (3, 40)))
     assert m.has_pooler and not m.has_nsp_head
-    assert m.graph("fp32").outputs == [TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING]
+    assert m.graph("fp32").outputs == [TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, MEAN_EMBEDDING]
     session = ort.InferenceSession(str(tmp_path / "art" / "model.onnx"))
     assert [o.name for o in session.get_outputs()] == m.graph("fp32").outputs
     assert "nsp_prob_max_diff" not in m.graph("fp32").parity
@@ -201,7 +203,7 @@ def test_pytorch_bin_checkpoint_without_pooler_int8(hf, tmp_path, tiny_tokenizer
     assert main(["--model", str(src), "--out", str(tmp_path / "art"), "--int8"]) == 0
     m = read_manifest(tmp_path / "art")
     assert not m.has_pooler and not m.has_nsp_head
-    assert m.graph("fp32").outputs == [TOKEN_EMBEDDINGS, CLS_EMBEDDING]
+    assert m.graph("fp32").outputs == [TOKEN_EMBEDDINGS, CLS_EMBEDDING, MEAN_EMBEDDING]
     assert m.graph("int8").parity["cls_embedding_min_cosine"] >= 0.99  # gated on [CLS] with no pooler
     assert m.weights_sha256 == sha256_file(src / "pytorch_model.bin")
 
@@ -380,13 +382,13 @@ def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
     assert (counts["PackedAttention"], counts["RemovePadding"], counts["RestorePadding"]) == (2, 1, 1)
     import onnx
     packed = onnx.load(str(tmp_path / "packed.onnx"))
-    assert [o.name for o in packed.graph.output] == graph.outputs
+    assert [o.name for o in packed.graph.output] == served_outputs(graph)
     counts = optimize_graph(tmp_path / "traced.onnx", tmp_path / "packed_mha.onnx", loaded.config, use_gpu=False,
                             float16=True, remove_padding=True, packed_attention="PackedMultiHeadAttention")
     assert (counts["PackedMultiHeadAttention"], counts["RemovePadding"], counts["RestorePadding"]) == (2, 1, 1)
     packed_mha = onnx.load(str(tmp_path / "packed_mha.onnx"))
     ops = [node.op_type for node in packed_mha.graph.node]
-    assert "PackedAttention" not in ops and [o.name for o in packed_mha.graph.output] == graph.outputs
+    assert "PackedAttention" not in ops and [o.name for o in packed_mha.graph.output] == served_outputs(graph)
     for node in packed_mha.graph.node:  # Q, K, V from three products of the layer's input, no packed QKV
         if node.op_type == "PackedMultiHeadAttention":
             assert all(node.input[:3]) and len({n for n in node.input[:3]}) == 3
@@ -399,7 +401,7 @@ def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
     rewritten = host_packed(packed_mha)
     assert [i.name for i in rewritten.graph.input] == ["tokens", "token_offset", "cumulative_sequence_length",
                                                        "cls_positions"]
-    assert [o.name for o in rewritten.graph.output] == [n for n in graph.outputs if n != "token_embeddings"]
+    assert [o.name for o in rewritten.graph.output] == [n for n in served_outputs(graph) if n != "token_embeddings"]
     ops = Counter(node.op_type for node in rewritten.graph.node)
     assert ops["PackedMultiHeadAttention"] == 2 and not ops["RemovePadding"] and not ops["RestorePadding"]
     made = {i.name for i in rewritten.graph.input} | {t.name for t in rewritten.graph.initializer}
@@ -408,6 +410,41 @@ def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
         made.update(node.output)
     with pytest.raises(ExportError, match="one RemovePadding node"):
         host_packed(onnx.load(str(tmp_path / "fp16.onnx")))  # padded: nothing to pack
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_host_packed_mean_pools_each_rows_own_tokens_and_zeros_an_empty_row(seed):
+    """export.mean_output's host-packed form on ONNX Runtime's CPU kernels: rows of random lengths packed one
+    after another, a bucket's empty rows and [PAD] filler tokens after them, fp16 token vectors."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from artifact.host_packing import CLS_POSITIONS, CUMULATIVE_LENGTHS
+    from export.mean_output import add_host_packed_mean_output
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 40, size=int(rng.integers(1, 9)))
+    rows, filler, width = len(lengths) + int(rng.integers(0, 4)), int(rng.integers(0, 30)), 16
+    hidden = (rng.standard_normal((int(lengths.sum()) + filler, width)) * 3).astype(np.float16)
+    cumulative = np.concatenate([[0], np.cumsum(lengths), np.full(rows - len(lengths), lengths.sum())]).astype(np.int32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["hidden", CLS_POSITIONS], [CLS_EMBEDDING], axis=0)], "packed",
+        [helper.make_tensor_value_info("hidden", TensorProto.FLOAT16, ["tokens", width]),
+         helper.make_tensor_value_info(CUMULATIVE_LENGTHS, TensorProto.INT32, ["rows_plus_1"]),
+         helper.make_tensor_value_info(CLS_POSITIONS, TensorProto.INT32, ["rows"])],
+        [helper.make_tensor_value_info(CLS_EMBEDDING, TensorProto.FLOAT16, ["rows", width])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    add_host_packed_mean_output(model, "hidden")
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.get_outputs()[1].shape == ["rows", width]
+    got = session.run([MEAN_EMBEDDING], {"hidden": hidden, CUMULATIVE_LENGTHS: cumulative,
+                                         CLS_POSITIONS: cumulative[:rows]})[0]
+    assert got.dtype == np.float32 and got.shape == (rows, width)
+    for row in range(rows):
+        start, end = cumulative[row], cumulative[row + 1]
+        want = hidden[start:end].astype(np.float64).mean(0) if end > start else np.zeros(width)
+        np.testing.assert_allclose(got[row], want, atol=1e-5)
 
 
 @pytest.mark.slow

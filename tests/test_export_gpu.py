@@ -267,7 +267,7 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
     each replay on its own new inputs, and answers what the packed graph answers. A padded graph is
     replayed as it is, for small batches. The rest runs on the session's graph."""
     from app.engine import Batch, OrtEngine
-    from artifact.manifest import HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE, NSP_LOGITS
+    from artifact.manifest import HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE, MEAN_EMBEDDING, NSP_LOGITS
 
     out = tmp_path / "art"  # written by default on CUDA
     assert main(["--model", str(tiny_model_dir), "--out", str(out), "--device", "cuda", "--custom-kernels", kernels]
@@ -281,6 +281,7 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
         assert fp16.padded is None and host_packed.file == HOST_PACKED_GRAPH_FILE
         assert host_packed.outputs == [name for name in fp16.outputs if name != TOKEN_EMBEDDINGS]
         assert host_packed.parity["cls_embedding_min_cosine"] >= 0.999 and host_packed.parity["nsp_prob_max_diff"] <= 0.01
+        assert MEAN_EMBEDDING in host_packed.outputs and host_packed.parity["mean_embedding_min_cosine"] >= 0.999
         assert (host_packed.custom_kernels.file if kernels == "on" else None) == (
             HOST_PACKED_KERNELS_GRAPH_FILE if kernels == "on" else host_packed.custom_kernels)
     replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on", max_batch_size=24,
@@ -302,7 +303,7 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
     for text in texts:
         text.truncate(m.max_length)
     assert len(texts[0]) == m.max_length
-    per_row = (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
+    per_row = (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, MEAN_EMBEDDING)
     cases = [(rows, first, per_row) for rows, first in [(1, 1), (1, 0), (3, 5), (4, 2), (5, 9), (16, 20), (17, 30),
                                                          (24, 3), (25, 0)]]
     cases += [(3, 5, per_row + (TOKEN_EMBEDDINGS,)), (2, 7, (CLS_EMBEDDING,))]
@@ -314,6 +315,11 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
         if TOKEN_EMBEDDINGS in outputs:
             real = feed["attention_mask"].astype(bool)
             assert cosine(got[TOKEN_EMBEDDINGS][real], want[TOKEN_EMBEDDINGS][real]).min() >= 0.9999, (rows, first)
+            # each row's mean is over its own real tokens
+            mean = (want[TOKEN_EMBEDDINGS] * real[..., None]).sum(1) / real.sum(1, keepdims=True)
+            assert cosine(got[MEAN_EMBEDDING], mean).min() >= 0.9999, (rows, first)
+        if MEAN_EMBEDDING in outputs:
+            assert cosine(got[MEAN_EMBEDDING], want[MEAN_EMBEDDING]).min() >= 0.9999, (rows, first)
         assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, (rows, first)
         if POOLED_EMBEDDING in outputs:
             assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)

@@ -1,0 +1,90 @@
+"""The mean of each text's real token vectors as a graph output (MEAN_EMBEDDING), in fp32.
+
+Most sentence-transformers models pool so. Pooled in the graph, a batch hands back one vector a text
+instead of every token's: on a GPU the token vectors' copy to the host and the pooling after it took
+5x the batch's own time (all-MiniLM-L6-v2, BENCHMARKS.md), and a host-packed graph, which has no token
+vectors, can then answer mean-pooled requests from a CUDA graph. The arithmetic is sentence-transformers'
+Pooling: the real tokens' sum over their count ([CLS] and [SEP] included), in fp32 whatever the graph's
+precision, so a long text's sum cannot overflow fp16.
+"""
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from artifact.host_packing import CUMULATIVE_LENGTHS
+from artifact.manifest import CLS_EMBEDDING, MEAN_EMBEDDING, TOKEN_EMBEDDINGS
+from export import ExportError
+
+_ATTENTION_MASK = "attention_mask"
+
+
+def add_mean_output(model: onnx.ModelProto) -> None:
+    """Add MEAN_EMBEDDING [batch, hidden] to a padded or packed graph, from its token vectors (fp32, as the
+    graph answers them) over the real tokens of its attention mask."""
+    graph = model.graph
+    if TOKEN_EMBEDDINGS not in {o.name for o in graph.output} or _ATTENTION_MASK not in {i.name for i in graph.input}:
+        raise ExportError(f"the graph has no {TOKEN_EMBEDDINGS} output or no {_ATTENTION_MASK} input to pool")
+    p = f"{MEAN_EMBEDDING}/"
+    graph.initializer.extend([helper.make_tensor(p + "axis1", TensorProto.INT64, [1], [1]),
+                              helper.make_tensor(p + "axis2", TensorProto.INT64, [1], [2]),
+                              helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1e-9])])
+    graph.node.extend([
+        helper.make_node("Cast", [_ATTENTION_MASK], [p + "mask"], to=TensorProto.FLOAT),  # [B, L]
+        helper.make_node("Unsqueeze", [p + "mask", p + "axis2"], [p + "mask3"]),  # [B, L, 1]
+        helper.make_node("Mul", [TOKEN_EMBEDDINGS, p + "mask3"], [p + "masked"]),
+        helper.make_node("ReduceSum", [p + "masked", p + "axis1"], [p + "sum"], keepdims=0),  # [B, H]
+        helper.make_node("ReduceSum", [p + "mask", p + "axis1"], [p + "count"], keepdims=1),  # [B, 1]
+        helper.make_node("Max", [p + "count", p + "min_count"], [p + "divisor"]),  # as sentence-transformers
+        helper.make_node("Div", [p + "sum", p + "divisor"], [MEAN_EMBEDDING]),
+    ])
+    graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["batch", _hidden(model)]))
+
+
+def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
+    """Add MEAN_EMBEDDING [rows, hidden] to a host-packed graph, from `hidden` ([tokens, hidden], every row's
+    tokens one after another) and the rows' cumulative lengths: a [rows, tokens] matrix of 1 / length on
+    each row's tokens times the token vectors. A bucket's empty rows get zeros, its filler tokens weigh
+    nothing."""
+    graph = model.graph
+    p = f"{MEAN_EMBEDDING}/"
+    graph.initializer.extend([helper.make_tensor(p + n, TensorProto.INT64, [1], [v])
+                              for n, v in (("zero", 0), ("one", 1), ("minus_one", -1), ("last", 2 ** 62))])
+    graph.initializer.extend([helper.make_tensor(p + "zero_scalar", TensorProto.INT64, [], [0]),
+                              helper.make_tensor(p + "one_scalar", TensorProto.INT64, [], [1]),
+                              helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1.0])])
+    graph.node.extend([
+        helper.make_node("Cast", [hidden], [p + "tokens"], to=TensorProto.FLOAT),  # [T, H]
+        helper.make_node("Shape", [hidden], [p + "count_1d"], start=0, end=1),
+        helper.make_node("Squeeze", [p + "count_1d", p + "zero"], [p + "count"]),
+        helper.make_node("Range", [p + "zero_scalar", p + "count", p + "one_scalar"], [p + "places"]),  # [T]
+        helper.make_node("Unsqueeze", [p + "places", p + "zero"], [p + "places_row"]),  # [1, T]
+        helper.make_node("Cast", [CUMULATIVE_LENGTHS], [p + "cumulative"], to=TensorProto.INT64),  # [R + 1]
+        helper.make_node("Slice", [p + "cumulative", p + "zero", p + "minus_one"], [p + "starts_1d"]),
+        helper.make_node("Slice", [p + "cumulative", p + "one", p + "last"], [p + "ends_1d"]),
+        helper.make_node("Unsqueeze", [p + "starts_1d", p + "one"], [p + "starts"]),  # [R, 1]
+        helper.make_node("Unsqueeze", [p + "ends_1d", p + "one"], [p + "ends"]),
+        helper.make_node("GreaterOrEqual", [p + "places_row", p + "starts"], [p + "after_start"]),  # [R, T]
+        helper.make_node("Less", [p + "places_row", p + "ends"], [p + "before_end"]),
+        helper.make_node("And", [p + "after_start", p + "before_end"], [p + "in_row"]),
+        helper.make_node("Cast", [p + "in_row"], [p + "in_row_f"], to=TensorProto.FLOAT),
+        helper.make_node("Sub", [p + "ends", p + "starts"], [p + "lengths"]),
+        helper.make_node("Cast", [p + "lengths"], [p + "lengths_f"], to=TensorProto.FLOAT),
+        helper.make_node("Max", [p + "lengths_f", p + "min_count"], [p + "divisor"]),
+        helper.make_node("Div", [p + "in_row_f", p + "divisor"], [p + "weights"]),  # [R, T]
+        helper.make_node("MatMul", [p + "weights", p + "tokens"], [MEAN_EMBEDDING]),  # [R, H]
+    ])
+    graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["rows", _hidden(model)]))
+
+
+def is_mean_node(node: onnx.NodeProto) -> bool:
+    """Whether `node` is one of the nodes these functions add."""
+    return any(name == MEAN_EMBEDDING or name.startswith(f"{MEAN_EMBEDDING}/") for name in node.output)
+
+
+def _hidden(model: onnx.ModelProto) -> int:
+    """The hidden size, from the [batch, hidden] [CLS] output (the server sizes its buffers from it)."""
+    dims = next((o.type.tensor_type.shape.dim for o in model.graph.output if o.name == CLS_EMBEDDING), ())
+    if len(dims) != 2 or not dims[1].dim_value:
+        raise ExportError(f"the graph's {CLS_EMBEDDING} output has no fixed width to size {MEAN_EMBEDDING} by")
+    return dims[1].dim_value
