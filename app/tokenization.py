@@ -21,9 +21,10 @@ from app.tokenizer_shortcuts import AsciiWords, Item, ascii_path, equivalent_par
 _PREFIX_CHARS_PER_TOKEN = 16
 _CUT_CHARS = (" ", "\n", "\t", "\r")
 # CJK ideographs, as BERT's normalizer finds them (handle_chinese_chars puts spaces around each): a cut
-# before one is as safe as one at whitespace, and Chinese or Japanese text has little whitespace to cut at
+# before one is as safe as one at whitespace, and Chinese or Japanese text has little whitespace to cut at.
+# The tokenizers library's ranges, not the original BERT's: it leaves U+2B820-U+2B91F inside their words.
 _CJK = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002b73f\U0002b740-\U0002b81f"
-        "\U0002b820-\U0002ceaf\U0002f800-\U0002fa1f")
+        "\U0002b920-\U0002ceaf\U0002f800-\U0002fa1f")
 _FIRST_CJK = re.compile(f"[{_CJK}]")
 _LAST_CJK = re.compile(f".*([{_CJK}])", re.DOTALL)
 # Which end of an over-long input truncation cuts: "right" keeps its start (the default), "left" its end.

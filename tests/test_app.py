@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import string
 import subprocess
@@ -783,6 +784,30 @@ def test_huge_text_is_truncated_without_tokenising_all_of_it(artifact, reference
     assert [t["id"] for t in item["tokens"]] == enc.ids and len(enc.ids) == 128
     np.testing.assert_allclose(item["embedding"], ref["cls_embedding"], atol=1e-5)
     assert_error(too_long, 413, "input_too_long", "inputs[0]")
+
+
+def test_a_huge_text_is_cut_only_before_characters_the_normalizer_splits_off(artifact):
+    """The prefix shortcut cuts before a CJK ideograph where there is no whitespace, and only before those
+    BertNormalizer puts spaces around: the tokenizers library leaves U+2B820-U+2B91F inside their word, so
+    a cut there split a word that is one [UNK] in the whole text into many pieces the model then saw."""
+    from tokenizers import normalizers
+
+    from app.tokenization import _CJK, TextTokenizer
+
+    manifest = read_manifest(artifact)
+    ours = TextTokenizer(artifact / "tokenizer.json", manifest.max_length, 10**7, manifest.special_tokens)
+    theirs = Tokenizer.from_file(str(artifact / "tokenizer.json"))
+    theirs.enable_truncation(manifest.max_length)
+    word = "unaffablequixoticzephyr"  # many pieces, but with what follows one word past 100 characters: [UNK]
+    text = "y" * 900 + "東" * (manifest.max_length - 8) + word + "\U0002b820" + "z" * 3000
+    assert len(text) > manifest.max_length * 16  # long enough for the prefix shortcut
+    for offsets in (True, False):
+        assert ours.encode([text], True, offsets=offsets)[0].ids.tolist() == theirs.encode(text).ids
+    # the shortcut's ideographs are exactly the normalizer's, in the planes that have any
+    chars = [chr(c) for c in range(0x30000) if not 0xd800 <= c < 0xe000]
+    split = normalizers.BertNormalizer(clean_text=False, lowercase=False, strip_accents=False).normalize_str(
+        "a".join(chars))
+    assert set(re.findall(r"a (.) (?=a)", split)) == {c for c in chars if re.match(f"[{_CJK}]", c)}
 
 
 def test_token_vectors_past_max_token_vectors_are_refused_before_the_model_runs(artifact):
