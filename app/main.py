@@ -85,6 +85,7 @@ def create_app(settings: Settings, start_backend: StartBackend = start_in_proces
             metrics.process_exited()
 
     api = FastAPI(title="bertserve", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  servers=page.SERVERS,
                   description="BERT embeddings, sentence-pair NSP scores and tokens over ONNX Runtime. "
                               "Errors are always {\"error\": {\"type\", \"message\"}}.")
     api.state.settings = settings

@@ -424,6 +424,66 @@ def test_the_page_and_the_docs_behind_a_path_prefix(tiny_artifact_dir):
         assert not [u for u in urls if urlsplit(u).scheme not in ("data", "blob") and not u.startswith(url + "/")]
 
 
+def _try_out(browser, method: str, path: str, body: dict | None = None) -> tuple[str, str, str]:
+    """Swagger UI's own way through an operation: unfold it, "Try it out", type the body, "Execute"; returns
+    the request URL it shows, the status it shows and the text of the answer it shows."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    _wait(browser, lambda: _js(browser, "return document.querySelectorAll('.opblock').length"), "Swagger UI drawn")
+    block = _js(browser, """return [...document.querySelectorAll('.opblock')].find(b =>
+        b.querySelector('.opblock-summary-method').textContent === arguments[0]
+        && b.querySelector('.opblock-summary-path').dataset.path === arguments[1])""", method, path)
+    block.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
+    _wait(browser, lambda: block.find_elements(By.CSS_SELECTOR, ".try-out__btn"), f"{method} {path} unfolded")
+    block.find_element(By.CSS_SELECTOR, ".try-out__btn").click()
+    if body is not None:
+        editor = block.find_element(By.CSS_SELECTOR, "textarea.body-param__text")
+        editor.send_keys(Keys.CONTROL, "a")
+        editor.send_keys(Keys.DELETE, json.dumps(body))
+    block.find_element(By.CSS_SELECTOR, "button.execute").click()
+    answered = ".live-responses-table tr.response"
+    _wait(browser, lambda: block.find_elements(By.CSS_SELECTOR, answered), f"{method} {path} answered")
+    url = block.find_element(By.CSS_SELECTOR, ".request-url pre").text
+    status = block.find_element(By.CSS_SELECTOR, f"{answered} .response-col_status").text.split()[0]
+    answer = block.find_element(By.CSS_SELECTOR, f"{answered} .highlight-code pre").get_attribute("textContent")
+    return url, status, answer
+
+
+def _authorize(browser, key: str) -> None:
+    """Swagger UI's "Authorize": the key typed into its dialog, sent as `Authorization: Bearer` from then on."""
+    from selenium.webdriver.common.by import By
+
+    _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "button.authorize"), "Swagger UI drawn")
+    browser.find_element(By.CSS_SELECTOR, "button.authorize").click()
+    _wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, ".auth-container input"), "the key asked for")
+    browser.find_element(By.CSS_SELECTOR, ".auth-container input").send_keys(key)
+    browser.find_element(By.CSS_SELECTOR, ".auth-container button.authorize").click()
+    browser.find_element(By.CSS_SELECTOR, ".auth-container button.btn-done").click()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_swagger_ui_tries_the_api_out_behind_a_path_prefix_and_directly(tiny_artifact_dir):
+    """The proxy cuts /bert off and says nothing else (no X-Forwarded-Prefix), as nginx's plain `location`
+    does, and the server is told nothing of it: "Execute" in /bert/docs reaches the server through the proxy,
+    and in /docs straight."""
+    with running_server(tiny_artifact_dir, api_key=KEY) as base, _behind_prefix(base, "/bert") as url, \
+            chrome() as browser, httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}) as api:
+        dimensions = api.get("/info").json()["dimensions"]
+        for where in (url, base):
+            browser.get(where + "/docs")
+            _authorize(browser, KEY)
+            sent, status, answer = _try_out(browser, "POST", "/v1/embeddings", {"input": A})
+            assert (sent, status) == (where + "/v1/embeddings", "200"), (sent, status, answer)
+            assert len(json.loads(answer)["data"][0]["embedding"]) == dimensions
+            sent, status, answer = _try_out(browser, "GET", "/info")
+            assert (sent, status, json.loads(answer)["dimensions"]) == (where + "/info", "200", dimensions), answer
+            requested = _requested_urls(browser)
+            assert {where + "/openapi.json", where + "/v1/embeddings", where + "/info"} <= set(requested), requested
+            assert not _errors(browser)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_browser_asks_for_the_page_again_each_time(tiny_artifact_dir):

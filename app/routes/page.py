@@ -48,6 +48,11 @@ async def page() -> FileResponse:
 # Relative URLs, as the page's own: behind a proxy that serves the API under a path prefix (/bert/docs to
 # /docs), the browser asks for /bert/static/... and /bert/openapi.json, which the proxy passes on.
 _OPENAPI = "openapi.json"
+# The API schema's one server, relative too: OpenAPI resolves a relative server URL against the document's
+# own, so Swagger UI's "Try it out" (and ReDoc's endpoint URLs) put /bert in front of /v1/embeddings where the
+# document came from /bert/openapi.json, and nothing where it came from /openapi.json. The proxy need not
+# say its prefix (X-Forwarded-Prefix) nor the server be told it (uvicorn's root_path).
+SERVERS = [{"url": ".", "description": "this server, at the path this document was read from"}]
 
 
 def _static(name: str) -> str:
