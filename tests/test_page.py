@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 from export.pipeline import export_artifact
 from tests.headless_chromium import chrome
 from tests.test_app import run, serving
+from tests.test_cross_encoders import SHAPES, classifier_folder
 from tests.test_server import running_server, start_server
 from training.model import BertForPreTraining, preset_config
 from training.model_folder import save_model_folder
@@ -32,6 +33,9 @@ KEY = "page-key"
 A = "The quick brown fox jumps over the lazy dog."
 B = "The lazy dog sleeps while the fox runs away."
 TEXTS = ["The quick brown fox.", "A lazy dog sleeps.", "Dynamic batching packs requests.", "Servers embed text."]
+QUERY = "how do cats sleep"
+CANDIDATES = ["Cats sleep for most of the day, curled up somewhere warm.", "The stock market fell on Monday.",
+              "a cat", "Dynamic batching packs requests.", "https://example.com/" + "a" * 200]
 # viridis' ends, where page.js draws the smallest and the largest value of a heatmap
 LOWEST, HIGHEST = (68, 1, 84), (253, 231, 37)
 
@@ -206,6 +210,11 @@ def test_the_page_draws_what_the_api_computes(tiny_artifact_dir):
         _check_token_heatmap(browser, api)
         _check_pooling_matrices(browser, api, info["poolings"])
         _check_nsp(browser, api)
+        # a pre-trained encoder, no cross-encoder: the ranking section says so instead of a form that would fail
+        assert info["classifier_labels"] == []
+        assert "no cross-encoder head" in browser.find_element("id", "rerank-missing").text
+        assert not browser.find_element("id", "rerank-form").is_displayed()
+        assert not browser.find_elements("css selector", "#model a")
         assert not _errors(browser)
         _screenshot(browser, "page.png")
 
@@ -236,6 +245,75 @@ def test_the_page_says_when_the_model_has_no_nsp_head(tiny_artifact_dir, tmp_pat
         assert not browser.find_element("id", "nsp-form").is_displayed()
         _wait(browser, lambda: _js(browser, "return document.getElementById('tokens-output').dataset.inputs"),
               "the rest of the page works")
+
+
+def _classifier_artifact(root: Path, tokenizer_dir: Path, num_labels: int) -> Path:
+    """A tiny random transformers BertForSequenceClassification exported as the server loads it: one label
+    is a cross-encoder."""
+    folder, _ = classifier_folder(root / "hf", tokenizer_dir, num_labels, seed=3)
+    export_artifact(folder, root / "art", parity_shapes=SHAPES)
+    return root / "art"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_ranks_texts_as_the_cross_encoder_scores_them(tmp_path, tiny_tokenizer_dir):
+    artifact = _classifier_artifact(tmp_path, tiny_tokenizer_dir, 1)
+    with running_server(artifact) as base, chrome() as browser, httpx.Client(base_url=base, timeout=30) as api:
+        browser.get(base + "/")
+        _wait(browser, lambda: _js(browser, "return document.getElementById('rerank-output').dataset.inputs"),
+              "the page's own texts ranked")
+        assert not browser.find_element("id", "rerank-missing").is_displayed()
+        assert browser.find_element("id", "nsp-missing").is_displayed()  # a cross-encoder has no NSP head
+        # the header points to the section, last on a page that is mostly about embeddings
+        assert urlsplit(browser.find_element("css selector", "#model a").get_attribute("href")).fragment == "rerank"
+        _fill(browser, "rerank-query", QUERY)
+        _fill(browser, "rerank-texts", "\n".join(CANDIDATES))
+        _submit(browser, "rerank-form")
+        _drawn(browser, "rerank-output", [QUERY, *CANDIDATES])
+        ranks = api.post("/rerank", json={"query": QUERY, "texts": CANDIDATES}).json()
+        shown = _js(browser, """return [...document.querySelectorAll('#rerank-output li')].map(li => ({
+            index: +li.dataset.index, score: +li.dataset.score, shown: li.querySelector('.score').textContent,
+            text: li.querySelector('.text').textContent,
+            bar: li.querySelector('.bar span').offsetWidth / li.querySelector('.bar').clientWidth}))""")
+        # most relevant first, as /rerank orders them, each text under its own score
+        assert [r["index"] for r in shown] == [r["index"] for r in ranks]
+        assert [r["text"] for r in shown] == [CANDIDATES[r["index"]] for r in ranks]
+        expected = [r["score"] for r in ranks]
+        np.testing.assert_allclose([r["score"] for r in shown], expected, atol=1e-6)
+        np.testing.assert_allclose([float(r["shown"]) for r in shown], expected, atol=5e-4)
+        np.testing.assert_allclose([r["bar"] for r in shown], expected, atol=0.01)  # a bar's length is its score
+        assert not _errors(browser)
+        _screenshot(browser, "page-cross-encoder.png")
+
+        # a phone: each text under its bar, the long URL wrapped, nothing past the screen's right edge
+        browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                {"width": 360, "height": 740, "deviceScaleFactor": 1, "mobile": True})
+        page = _js(browser, "return [document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert page == [360, 360], page
+        edges = _js(browser, "return [...document.querySelectorAll('#rerank-output .rank > span')]"
+                             ".map(s => s.getBoundingClientRect().right)")
+        assert len(edges) == 3 * len(CANDIDATES) and max(edges) <= 360, edges
+
+        _fill(browser, "rerank-query", " ")
+        _submit(browser, "rerank-form")
+        _wait(browser, lambda: browser.find_element("css selector", "#rerank .error").is_displayed(), "an error")
+        assert browser.find_element("css selector", "#rerank .error").text == "Type a query."
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_page_says_a_classifier_of_several_labels_cannot_rank(tmp_path, tiny_tokenizer_dir):
+    artifact = _classifier_artifact(tmp_path, tiny_tokenizer_dir, 3)
+    with running_server(artifact) as base, chrome() as browser:
+        browser.get(base + "/")
+        _wait(browser, lambda: browser.find_element("id", "rerank-missing").is_displayed(), "the note")
+        note = browser.find_element("id", "rerank-missing").text
+        assert "3 labels (negative, neutral, positive)" in note and "/predict" in note, note
+        assert not browser.find_element("id", "rerank-form").is_displayed()
+        _wait(browser, lambda: _js(browser, "return document.getElementById('texts-output').dataset.inputs"),
+              "the rest of the page works")
+        assert not _errors(browser)
 
 
 @pytest.fixture(scope="module")

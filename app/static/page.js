@@ -1,6 +1,7 @@
 "use strict";
-// The page at /: reads GET /info, then each section posts its form to the API (POST /embed, POST /nsp) and
-// draws the answer on a canvas, with the numbers in a table under it. No library: all of it ships in the package.
+// The page at /: reads GET /info, then each section posts its form to the API (POST /embed, POST /nsp,
+// POST /rerank) and draws the answer: on a canvas with the numbers in a table under it, or as bars with their
+// numbers. No library: all of it ships in the package.
 
 const POOLING_NOTES = {
   cls: "the [CLS] token's vector",
@@ -199,7 +200,7 @@ function heatmap(matrix, rowLabels, colLabels, scale, {caption = null, marked = 
 
 const widthOf = (node) => Math.max(240, node.clientWidth);
 
-// ---- the three sections
+// ---- the sections
 
 async function compareTokens() {
   const a = field("sentence-a"), b = field("sentence-b");
@@ -272,6 +273,39 @@ async function scorePair() {
   };
 }
 
+const MOST_TO_RANK = 32;  // more would not fit the section
+
+async function rankTexts() {
+  const query = field("rerank-query");
+  const texts = field("rerank-texts").split("\n").map((t) => t.trim()).filter(Boolean);
+  const most = Math.min(info.limits.max_inputs_per_request, MOST_TO_RANK);
+  if (!query) throw new Error("Type a query.");
+  if (texts.length < 1 || texts.length > most) throw new Error(`Type from 1 to ${most} texts, one per line.`);
+  const ranks = await api("rerank", {query, texts});  // [{index, score}], most relevant first
+  return (out) => {
+    out.replaceChildren(...ranks.map(({index, score}) => {
+      const item = element("li", {}, element("div", {className: "rank"},
+        element("span", {className: "bar"}, element("span", {style: `width: ${(100 * score).toFixed(1)}%`})),
+        element("span", {className: "score"}, score.toFixed(3)),
+        element("span", {className: "text"}, texts[index])));
+      Object.assign(item.dataset, {index, score});
+      return item;
+    }));
+    out.dataset.inputs = JSON.stringify([query, ...texts]);
+  };
+}
+
+/** Why the model cannot rank, or null when it can (a cross-encoder: a classifier head with one label). */
+function cannotRank(labels) {
+  if (labels.length === 1) return null;
+  if (labels.length === 0) {
+    return "This model has no cross-encoder head: ranking needs a model fine-tuned to score (query, text) " +
+      "pairs, such as a sentence-transformers CrossEncoder, exported as it is. The sections above do not need it.";
+  }
+  return `This model classifies into ${labels.length} labels (${labels.join(", ")}), it is not a ` +
+    "cross-encoder with one score: POST /predict gives each label's score.";
+}
+
 // ---- wiring
 
 const field = (id) => document.getElementById(id).value.trim();
@@ -317,7 +351,7 @@ function section(id, compute) {
 }
 
 const runs = {tokens: section("tokens", compareTokens), texts: section("texts", compareTexts),
-  nsp: section("nsp", scorePair)};
+  nsp: section("nsp", scorePair), rerank: section("rerank", rankTexts)};
 
 async function start() {
   status("Asking the server which model it serves…");
@@ -335,15 +369,22 @@ async function start() {
     return;
   }
   status("");
-  document.getElementById("model").textContent = `${info.model}: ${info.num_layers} layers, ${info.num_heads} heads, ` +
+  const model = document.getElementById("model");
+  model.textContent = `${info.model}: ${info.num_layers} layers, ${info.num_heads} heads, ` +
     `${info.dimensions} dimensions, up to ${info.max_length} tokens a text; ${info.precision} on ${info.device}.`;
   document.getElementById("nsp-missing").hidden = info.has_nsp_head;
   document.getElementById("nsp-form").hidden = !info.has_nsp_head;
+  const noRanking = cannotRank(info.classifier_labels);
+  document.getElementById("rerank-missing").textContent = noRanking || "";
+  document.getElementById("rerank-missing").hidden = !noRanking;
+  document.getElementById("rerank-form").hidden = Boolean(noRanking);
+  if (!noRanking) model.append(" A cross-encoder: ", element("a", {href: "#rerank"}, "it ranks texts against a query"), ".");
   for (const button of document.querySelectorAll("main button")) button.disabled = false;
   // one section after another, as compareTexts' requests go: the server may serve only one request at once
   await runs.tokens();
   await runs.texts();
   if (info.has_nsp_head) await runs.nsp();
+  if (!noRanking) await runs.rerank();
 }
 
 document.getElementById("key-form").addEventListener("submit", (event) => {
