@@ -25,15 +25,17 @@ from export.mean_output import add_host_packed_mean_output, is_mean_node
 _MS = "com.microsoft"
 
 
-def host_packed(model: onnx.ModelProto) -> onnx.ModelProto:
+def host_packed(model: onnx.ModelProto, mean: bool = False) -> onnx.ModelProto:
     """A copy of ORT's packed graph `model` (one EmbedLayerNormalization, RemovePadding and RestorePadding,
     the [CLS] vector taken as Gather(axis 1, index 0) of the restored output) with the host-packed inputs
     (artifact/host_packing.py) and without the token vectors. Raises ExportError when the graph is not of
-    that shape. A mean output (export.mean_output) is pooled from the packed tokens instead."""
+    that shape. With `mean`, its mean output (export.mean_output) is pooled from the packed tokens; without,
+    it is left out: a replay runs every node whatever it is asked for, and the pooling's dozen small kernels
+    are worth their time only where the mean is what most requests ask for."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     graph = out.graph
-    pools_mean = any(o.name == MEAN_EMBEDDING for o in graph.output)
+    pools_mean = mean and any(o.name == MEAN_EMBEDDING for o in graph.output)
     nodes = [n for n in graph.node if not is_mean_node(n)]  # pooled again below, from the packed tokens
     embed, remove, restore = (_only(nodes, op) for op in ("EmbedLayerNormalization", "RemovePadding", "RestorePadding"))
     uses = Counter(name for node in nodes for name in node.input)

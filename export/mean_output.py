@@ -1,11 +1,11 @@
-"""The mean of each text's real token vectors as a graph output (MEAN_EMBEDDING), in fp32.
+"""The mean of each text's real token vectors as a graph output (MEAN_EMBEDDING).
 
 Most sentence-transformers models pool so. Pooled in the graph, a batch hands back one vector a text
-instead of every token's: on a GPU the token vectors' copy to the host and the pooling after it took
-5x the batch's own time (all-MiniLM-L6-v2, BENCHMARKS.md), and a host-packed graph, which has no token
-vectors, can then answer mean-pooled requests from a CUDA graph. The arithmetic is sentence-transformers'
-Pooling: the real tokens' sum over their count ([CLS] and [SEP] included), in fp32 whatever the graph's
-precision, so a long text's sum cannot overflow fp16.
+instead of every token's: on a GPU the token vectors' copy to the host and the pooling after it cost
+mean-pooled requests 2.6x (one text) to 5.8x (64 texts) their throughput (all-MiniLM-L6-v2,
+BENCHMARKS.md), and a host-packed graph, which has no token vectors, can then answer them from a CUDA
+graph. Each real token ([CLS] and [SEP] included, as in sentence-transformers' Pooling) weighs 1 / the
+text's count, so no sum can outgrow the vectors themselves (fp16 stays in range).
 """
 from __future__ import annotations
 
@@ -21,22 +21,22 @@ _ATTENTION_MASK = "attention_mask"
 
 def add_mean_output(model: onnx.ModelProto) -> None:
     """Add MEAN_EMBEDDING [batch, hidden] to a padded or packed graph, from its token vectors (fp32, as the
-    graph answers them) over the real tokens of its attention mask."""
+    graph answers them) over the real tokens of its attention mask: one batched product of each row's
+    weights and its token vectors, which reads them once."""
     graph = model.graph
     if TOKEN_EMBEDDINGS not in {o.name for o in graph.output} or _ATTENTION_MASK not in {i.name for i in graph.input}:
         raise ExportError(f"the graph has no {TOKEN_EMBEDDINGS} output or no {_ATTENTION_MASK} input to pool")
     p = f"{MEAN_EMBEDDING}/"
     graph.initializer.extend([helper.make_tensor(p + "axis1", TensorProto.INT64, [1], [1]),
-                              helper.make_tensor(p + "axis2", TensorProto.INT64, [1], [2]),
                               helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1e-9])])
     graph.node.extend([
         helper.make_node("Cast", [_ATTENTION_MASK], [p + "mask"], to=TensorProto.FLOAT),  # [B, L]
-        helper.make_node("Unsqueeze", [p + "mask", p + "axis2"], [p + "mask3"]),  # [B, L, 1]
-        helper.make_node("Mul", [TOKEN_EMBEDDINGS, p + "mask3"], [p + "masked"]),
-        helper.make_node("ReduceSum", [p + "masked", p + "axis1"], [p + "sum"], keepdims=0),  # [B, H]
         helper.make_node("ReduceSum", [p + "mask", p + "axis1"], [p + "count"], keepdims=1),  # [B, 1]
         helper.make_node("Max", [p + "count", p + "min_count"], [p + "divisor"]),  # as sentence-transformers
-        helper.make_node("Div", [p + "sum", p + "divisor"], [MEAN_EMBEDDING]),
+        helper.make_node("Div", [p + "mask", p + "divisor"], [p + "weights"]),
+        helper.make_node("Unsqueeze", [p + "weights", p + "axis1"], [p + "weights3"]),  # [B, 1, L]
+        helper.make_node("MatMul", [p + "weights3", TOKEN_EMBEDDINGS], [p + "mean3"]),  # [B, 1, H]
+        helper.make_node("Squeeze", [p + "mean3", p + "axis1"], [MEAN_EMBEDDING]),
     ])
     graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["batch", _hidden(model)]))
 
@@ -44,8 +44,8 @@ def add_mean_output(model: onnx.ModelProto) -> None:
 def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
     """Add MEAN_EMBEDDING [rows, hidden] to a host-packed graph, from `hidden` ([tokens, hidden], every row's
     tokens one after another) and the rows' cumulative lengths: a [rows, tokens] matrix of 1 / length on
-    each row's tokens times the token vectors. A bucket's empty rows get zeros, its filler tokens weigh
-    nothing."""
+    each row's tokens times the token vectors, in their precision (a row's rounded 1 / length scales its
+    vector, never turns it), then fp32. A bucket's empty rows get zeros, its filler tokens weigh nothing."""
     graph = model.graph
     p = f"{MEAN_EMBEDDING}/"
     graph.initializer.extend([helper.make_tensor(p + n, TensorProto.INT64, [1], [v])
@@ -54,7 +54,6 @@ def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
                               helper.make_tensor(p + "one_scalar", TensorProto.INT64, [], [1]),
                               helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1.0])])
     graph.node.extend([
-        helper.make_node("Cast", [hidden], [p + "tokens"], to=TensorProto.FLOAT),  # [T, H]
         helper.make_node("Shape", [hidden], [p + "count_1d"], start=0, end=1),
         helper.make_node("Squeeze", [p + "count_1d", p + "zero"], [p + "count"]),
         helper.make_node("Range", [p + "zero_scalar", p + "count", p + "one_scalar"], [p + "places"]),  # [T]
@@ -72,7 +71,9 @@ def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
         helper.make_node("Cast", [p + "lengths"], [p + "lengths_f"], to=TensorProto.FLOAT),
         helper.make_node("Max", [p + "lengths_f", p + "min_count"], [p + "divisor"]),
         helper.make_node("Div", [p + "in_row_f", p + "divisor"], [p + "weights"]),  # [R, T]
-        helper.make_node("MatMul", [p + "weights", p + "tokens"], [MEAN_EMBEDDING]),  # [R, H]
+        helper.make_node("CastLike", [p + "weights", hidden], [p + "weights_like"]),
+        helper.make_node("MatMul", [p + "weights_like", hidden], [p + "mean"]),  # [R, H]
+        helper.make_node("Cast", [p + "mean"], [MEAN_EMBEDDING], to=TensorProto.FLOAT),
     ])
     graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["rows", _hidden(model)]))
 

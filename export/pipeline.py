@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer
 
 from artifact.manifest import (DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE,
-                               KERNELS_GRAPH_FILE, MANIFEST_FILE, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, TOKENIZER_FILE,
+                               KERNELS_GRAPH_FILE, MANIFEST_FILE, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, TOKENIZER_FILE,
                                CustomKernelsGraph, GraphInfo, HostPackedGraph, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
@@ -130,7 +130,8 @@ def export_artifact(
         if cuda_graphs:
             if remove_padding:
                 graphs["fp16"].host_packed = _build_host_packed(tmp, library, graph, batches, references,
-                                                                graphs["fp16"], specials[PAD])
+                                                                graphs["fp16"], specials[PAD],
+                                                                mean=layout.pooling == "mean")
             else:  # a padded graph is replayed as it is
                 fp16 = graphs["fp16"]
                 fp16.padded = PaddedGraph(fp16.file, fp16.fused_operators, fp16.parity, fp16.custom_kernels)
@@ -287,15 +288,17 @@ def _build_kernels_graph(tmp: Path, library: Path, graph: EmbeddingGraph, batche
 
 
 def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, batches: list[dict[str, np.ndarray]],
-                       references: list[dict[str, np.ndarray]], packed: GraphInfo, pad_id: int) -> HostPackedGraph:
+                       references: list[dict[str, np.ndarray]], packed: GraphInfo, pad_id: int,
+                       mean: bool) -> HostPackedGraph:
     """The packed fp16 graph `packed` and its kernels variant as host-packed graphs (export.host_packing),
-    each gated on parity like the graph it comes from, on the outputs it has."""
+    each gated on parity like the graph it comes from, on the outputs it has; with the mean (`mean`: the
+    model pools so by default) or without."""
     import onnx
 
     from export.host_packing import HostPackedRunner, host_packed
 
     def build(source: str, file: str, session_library: Path | None) -> dict[str, float]:
-        model = host_packed(onnx.load(str(tmp / source)))
+        model = host_packed(onnx.load(str(tmp / source)), mean)
         onnx.save(model, str(tmp / file))
         try:
             session = open_session(tmp / file, "cuda", library=session_library)
@@ -305,7 +308,7 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
         check_parity("fp16", figures)
         return figures
 
-    outputs = [name for name in served_outputs(graph) if name != TOKEN_EMBEDDINGS]
+    outputs = [name for name in served_outputs(graph) if name != TOKEN_EMBEDDINGS and (mean or name != MEAN_EMBEDDING)]
     figures = build(packed.file, HOST_PACKED_GRAPH_FILE, None)
     kernels = None
     if packed.custom_kernels is not None:

@@ -478,16 +478,18 @@ def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
     # the host-packed variant (CUDA graphs): the packing inputs instead of the padded ones, no padding
     # removed or restored inside, the per-sequence outputs only, every node's inputs made before it
     from export.host_packing import host_packed
-    rewritten = host_packed(packed_mha)
-    assert [i.name for i in rewritten.graph.input] == ["tokens", "token_offset", "cumulative_sequence_length",
-                                                       "cls_positions"]
-    assert [o.name for o in rewritten.graph.output] == [n for n in served_outputs(graph) if n != "token_embeddings"]
-    ops = Counter(node.op_type for node in rewritten.graph.node)
-    assert ops["PackedMultiHeadAttention"] == 2 and not ops["RemovePadding"] and not ops["RestorePadding"]
-    made = {i.name for i in rewritten.graph.input} | {t.name for t in rewritten.graph.initializer}
-    for node in rewritten.graph.node:
-        assert all(name in made for name in node.input if name), node.name
-        made.update(node.output)
+    for mean in (False, True):  # the mean pooled from the packed tokens, or left to the packed graph
+        rewritten = host_packed(packed_mha, mean)
+        assert [i.name for i in rewritten.graph.input] == ["tokens", "token_offset", "cumulative_sequence_length",
+                                                           "cls_positions"]
+        assert [o.name for o in rewritten.graph.output] == [n for n in served_outputs(graph) if n != TOKEN_EMBEDDINGS
+                                                            and (mean or n != MEAN_EMBEDDING)]
+        ops = Counter(node.op_type for node in rewritten.graph.node)
+        assert ops["PackedMultiHeadAttention"] == 2 and not ops["RemovePadding"] and not ops["RestorePadding"]
+        made = {i.name for i in rewritten.graph.input} | {t.name for t in rewritten.graph.initializer}
+        for node in rewritten.graph.node:
+            assert all(name in made for name in node.input if name), node.name
+            made.update(node.output)
     with pytest.raises(ExportError, match="one RemovePadding node"):
         host_packed(onnx.load(str(tmp_path / "fp16.onnx")))  # padded: nothing to pack
 

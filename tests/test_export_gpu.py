@@ -281,7 +281,7 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
         assert fp16.padded is None and host_packed.file == HOST_PACKED_GRAPH_FILE
         assert host_packed.outputs == [name for name in fp16.outputs if name != TOKEN_EMBEDDINGS]
         assert host_packed.parity["cls_embedding_min_cosine"] >= 0.999 and host_packed.parity["nsp_prob_max_diff"] <= 0.01
-        assert MEAN_EMBEDDING in host_packed.outputs and host_packed.parity["mean_embedding_min_cosine"] >= 0.999
+        assert MEAN_EMBEDDING not in host_packed.outputs  # this model pools by [CLS]: its replays leave the mean out
         assert (host_packed.custom_kernels.file if kernels == "on" else None) == (
             HOST_PACKED_KERNELS_GRAPH_FILE if kernels == "on" else host_packed.custom_kernels)
     replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on", max_batch_size=24,
@@ -303,10 +303,10 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
     for text in texts:
         text.truncate(m.max_length)
     assert len(texts[0]) == m.max_length
-    per_row = (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, MEAN_EMBEDDING)
+    per_row = (CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS)
     cases = [(rows, first, per_row) for rows, first in [(1, 1), (1, 0), (3, 5), (4, 2), (5, 9), (16, 20), (17, 30),
                                                          (24, 3), (25, 0)]]
-    cases += [(3, 5, per_row + (TOKEN_EMBEDDINGS,)), (2, 7, (CLS_EMBEDDING,))]
+    cases += [(3, 5, per_row + (TOKEN_EMBEDDINGS, MEAN_EMBEDDING)), (2, 7, (CLS_EMBEDDING,)), (4, 1, (MEAN_EMBEDDING,))]
     for rows, first, outputs in cases:
         feed = padded_feed([texts[(first + i) % len(texts)] for i in range(rows)])
         batch = Batch(feed["input_ids"], feed["attention_mask"], feed["token_type_ids"], outputs)
@@ -327,7 +327,7 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
     if not keep_padding:  # within 24 rows and 2000 tokens, without token vectors
         tokens = [sum(len(texts[(first + i) % len(texts)]) for i in range(rows)) for rows, first, _ in cases]
         assert replays == [rows for (rows, _, outputs), n in zip(cases, tokens)
-                           if rows <= 24 and n <= 2000 and TOKEN_EMBEDDINGS not in outputs]
+                           if rows <= 24 and n <= 2000 and not {TOKEN_EMBEDDINGS, MEAN_EMBEDDING} & set(outputs)]
         assert len(set(replays)) >= 5
 
 
@@ -420,6 +420,53 @@ def test_replays_from_any_thread_beside_running_batches_never_fail(tiny_model_di
             t.join(30)
     assert failures == []
     assert all(cosine(g, want).min() >= 0.9999 for g in got)
+
+
+def test_a_mean_pooling_models_mean_replays_from_its_packed_tokens(tiny_model_dir, tmp_path):
+    """A model that pools by mean (a sentence-transformers folder, as most are) gets the mean in its
+    host-packed graph too (export.mean_output), gated on parity: a mean-pooled batch within the buckets
+    replays, and each row is its own real tokens' mean, in buckets with empty rows and filler tokens."""
+    import json
+    import shutil
+
+    from app.engine import Batch, OrtEngine
+    from artifact.manifest import MEAN_EMBEDDING
+
+    model = tmp_path / "st"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (model / "1_Pooling").mkdir()
+    (model / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 128,
+                                                                 "pooling_mode_mean_tokens": True}))
+    out = tmp_path / "art"
+    assert main(["--model", str(model), "--out", str(out), "--device", "cuda"]) == 0
+    m = read_manifest(out)
+    host_packed = m.graph("fp16").host_packed
+    assert m.default_pooling == "mean" and MEAN_EMBEDDING in host_packed.outputs
+    assert host_packed.parity["mean_embedding_min_cosine"] >= 0.999
+    engine = OrtEngine(out, m, "cuda", "fp16", max_batch_size=24, cuda_graph_tokens=2000)
+    packed = OrtEngine(out, m, "cuda", "fp16", cuda_graphs="off")
+    lane = engine.packed_lanes[0]
+    replays = []
+    run = lane.run
+    lane.run = lambda lengths, *a: replays.append(len(lengths)) or run(lengths, *a)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    rng = np.random.default_rng(5)
+    words = "the a cat sat on mat of words longer sentence with more in it and pair".split()
+    sizes = [1, 2, 3, 5, 9, 17, 24]
+    for rows in sizes:
+        texts = [tok.encode(" ".join(rng.choice(words, int(n)))) for n in rng.integers(1, 60, rows)]
+        feed = padded_feed(texts)
+        batch = Batch(*(feed[k] for k in INPUT_NAMES), (MEAN_EMBEDDING, CLS_EMBEDDING))
+        got = engine.run(batch)
+        tokens = packed.run(Batch(*(feed[k] for k in INPUT_NAMES), (TOKEN_EMBEDDINGS,)))[TOKEN_EMBEDDINGS]
+        real = feed["attention_mask"].astype(bool)
+        mean = (tokens * real[..., None]).sum(1) / real.sum(1, keepdims=True)
+        assert got[MEAN_EMBEDDING].shape == (rows, 128)
+        assert cosine(got[MEAN_EMBEDDING], mean).min() >= 0.9999, rows
+    assert replays == sizes
 
 
 def test_short_texts_replay_graphs_as_wide_as_their_longest_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
