@@ -279,9 +279,9 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
     else:
         host_packed = fp16.host_packed
         assert fp16.padded is None and host_packed.file == HOST_PACKED_GRAPH_FILE
-        assert host_packed.outputs == [name for name in fp16.outputs if name != TOKEN_EMBEDDINGS]
+        # this model pools by [CLS]: its replays leave the mean out (the packed graph answers it)
+        assert host_packed.outputs == [name for name in fp16.outputs if name not in (TOKEN_EMBEDDINGS, MEAN_EMBEDDING)]
         assert host_packed.parity["cls_embedding_min_cosine"] >= 0.999 and host_packed.parity["nsp_prob_max_diff"] <= 0.01
-        assert MEAN_EMBEDDING not in host_packed.outputs  # this model pools by [CLS]: its replays leave the mean out
         assert (host_packed.custom_kernels.file if kernels == "on" else None) == (
             HOST_PACKED_KERNELS_GRAPH_FILE if kernels == "on" else host_packed.custom_kernels)
     replayed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="on", max_batch_size=24,
@@ -320,7 +320,8 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
             assert cosine(got[MEAN_EMBEDDING], mean).min() >= 0.9999, (rows, first)
         if MEAN_EMBEDDING in outputs:
             assert cosine(got[MEAN_EMBEDDING], want[MEAN_EMBEDDING]).min() >= 0.9999, (rows, first)
-        assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, (rows, first)
+        if CLS_EMBEDDING in outputs:
+            assert cosine(got[CLS_EMBEDDING], want[CLS_EMBEDDING]).min() >= 0.9999, (rows, first)
         if POOLED_EMBEDDING in outputs:
             assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)
             np.testing.assert_allclose(got[NSP_LOGITS], want[NSP_LOGITS], atol=2e-2)
