@@ -2,7 +2,7 @@
 
 Most sentence-transformers models pool so. Pooled in the graph, a batch hands back one vector a text
 instead of every token's: on a GPU the token vectors' copy to the host and the pooling after it cost
-mean-pooled requests 2.6x (one text) to 5.8x (64 texts) their throughput (all-MiniLM-L6-v2,
+mean-pooled requests 2.5x (one text) to 6x (64 texts) their throughput (all-MiniLM-L6-v2,
 BENCHMARKS.md), and a host-packed graph, which has no token vectors, can then answer them from a CUDA
 graph. Each real token ([CLS] and [SEP] included, as in sentence-transformers' Pooling) weighs 1 / the
 text's count, so no sum can outgrow the vectors themselves (fp16 stays in range).
@@ -30,13 +30,13 @@ def add_mean_output(model: onnx.ModelProto) -> None:
     graph.initializer.extend([helper.make_tensor(p + "axis1", TensorProto.INT64, [1], [1]),
                               helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1e-9])])
     graph.node.extend([
-        helper.make_node("Cast", [_ATTENTION_MASK], [p + "mask"], to=TensorProto.FLOAT),  # [B, L]
-        helper.make_node("ReduceSum", [p + "mask", p + "axis1"], [p + "count"], keepdims=1),  # [B, 1]
-        helper.make_node("Max", [p + "count", p + "min_count"], [p + "divisor"]),  # as sentence-transformers
-        helper.make_node("Div", [p + "mask", p + "divisor"], [p + "weights"]),
-        helper.make_node("Unsqueeze", [p + "weights", p + "axis1"], [p + "weights3"]),  # [B, 1, L]
-        helper.make_node("MatMul", [p + "weights3", TOKEN_EMBEDDINGS], [p + "mean3"]),  # [B, 1, H]
-        helper.make_node("Squeeze", [p + "mean3", p + "axis1"], [MEAN_EMBEDDING]),
+        _node("Cast", [_ATTENTION_MASK], [p + "mask"], to=TensorProto.FLOAT),  # [B, L]
+        _node("ReduceSum", [p + "mask", p + "axis1"], [p + "count"], keepdims=1),  # [B, 1]
+        _node("Max", [p + "count", p + "min_count"], [p + "divisor"]),  # as sentence-transformers
+        _node("Div", [p + "mask", p + "divisor"], [p + "weights"]),
+        _node("Unsqueeze", [p + "weights", p + "axis1"], [p + "weights3"]),  # [B, 1, L]
+        _node("MatMul", [p + "weights3", TOKEN_EMBEDDINGS], [p + "mean3"]),  # [B, 1, H]
+        _node("Squeeze", [p + "mean3", p + "axis1"], [MEAN_EMBEDDING]),
     ])
     graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["batch", _hidden(model)]))
 
@@ -54,28 +54,34 @@ def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
                               helper.make_tensor(p + "one_scalar", TensorProto.INT64, [], [1]),
                               helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1.0])])
     graph.node.extend([
-        helper.make_node("Shape", [hidden], [p + "count_1d"], start=0, end=1),
-        helper.make_node("Squeeze", [p + "count_1d", p + "zero"], [p + "count"]),
-        helper.make_node("Range", [p + "zero_scalar", p + "count", p + "one_scalar"], [p + "places"]),  # [T]
-        helper.make_node("Unsqueeze", [p + "places", p + "zero"], [p + "places_row"]),  # [1, T]
-        helper.make_node("Cast", [CUMULATIVE_LENGTHS], [p + "cumulative"], to=TensorProto.INT64),  # [R + 1]
-        helper.make_node("Slice", [p + "cumulative", p + "zero", p + "minus_one"], [p + "starts_1d"]),
-        helper.make_node("Slice", [p + "cumulative", p + "one", p + "last"], [p + "ends_1d"]),
-        helper.make_node("Unsqueeze", [p + "starts_1d", p + "one"], [p + "starts"]),  # [R, 1]
-        helper.make_node("Unsqueeze", [p + "ends_1d", p + "one"], [p + "ends"]),
-        helper.make_node("GreaterOrEqual", [p + "places_row", p + "starts"], [p + "after_start"]),  # [R, T]
-        helper.make_node("Less", [p + "places_row", p + "ends"], [p + "before_end"]),
-        helper.make_node("And", [p + "after_start", p + "before_end"], [p + "in_row"]),
-        helper.make_node("Cast", [p + "in_row"], [p + "in_row_f"], to=TensorProto.FLOAT),
-        helper.make_node("Sub", [p + "ends", p + "starts"], [p + "lengths"]),
-        helper.make_node("Cast", [p + "lengths"], [p + "lengths_f"], to=TensorProto.FLOAT),
-        helper.make_node("Max", [p + "lengths_f", p + "min_count"], [p + "divisor"]),
-        helper.make_node("Div", [p + "in_row_f", p + "divisor"], [p + "weights"]),  # [R, T]
-        helper.make_node("CastLike", [p + "weights", hidden], [p + "weights_like"]),
-        helper.make_node("MatMul", [p + "weights_like", hidden], [p + "mean"]),  # [R, H]
-        helper.make_node("Cast", [p + "mean"], [MEAN_EMBEDDING], to=TensorProto.FLOAT),
+        _node("Shape", [hidden], [p + "count_1d"], start=0, end=1),
+        _node("Squeeze", [p + "count_1d", p + "zero"], [p + "count"]),
+        _node("Range", [p + "zero_scalar", p + "count", p + "one_scalar"], [p + "places"]),  # [T]
+        _node("Unsqueeze", [p + "places", p + "zero"], [p + "places_row"]),  # [1, T]
+        _node("Cast", [CUMULATIVE_LENGTHS], [p + "cumulative"], to=TensorProto.INT64),  # [R + 1]
+        _node("Slice", [p + "cumulative", p + "zero", p + "minus_one"], [p + "starts_1d"]),
+        _node("Slice", [p + "cumulative", p + "one", p + "last"], [p + "ends_1d"]),
+        _node("Unsqueeze", [p + "starts_1d", p + "one"], [p + "starts"]),  # [R, 1]
+        _node("Unsqueeze", [p + "ends_1d", p + "one"], [p + "ends"]),
+        _node("GreaterOrEqual", [p + "places_row", p + "starts"], [p + "after_start"]),  # [R, T]
+        _node("Less", [p + "places_row", p + "ends"], [p + "before_end"]),
+        _node("And", [p + "after_start", p + "before_end"], [p + "in_row"]),
+        _node("Cast", [p + "in_row"], [p + "in_row_f"], to=TensorProto.FLOAT),
+        _node("Sub", [p + "ends", p + "starts"], [p + "lengths"]),
+        _node("Cast", [p + "lengths"], [p + "lengths_f"], to=TensorProto.FLOAT),
+        _node("Max", [p + "lengths_f", p + "min_count"], [p + "divisor"]),
+        _node("Div", [p + "in_row_f", p + "divisor"], [p + "weights"]),  # [R, T]
+        _node("CastLike", [p + "weights", hidden], [p + "weights_like"]),
+        _node("MatMul", [p + "weights_like", hidden], [p + "mean"]),  # [R, H]
+        _node("Cast", [p + "mean"], [MEAN_EMBEDDING], to=TensorProto.FLOAT),
     ])
     graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["rows", _hidden(model)]))
+
+
+def _node(op_type: str, inputs: list[str], outputs: list[str], **attributes) -> onnx.NodeProto:
+    """A node named after its output, so that a profile or a quantiser's exclusion list can name it."""
+    return helper.make_node(op_type, inputs, outputs, name=outputs[0] if "/" in outputs[0] else f"{outputs[0]}/out",
+                            **attributes)
 
 
 def is_mean_node(node: onnx.NodeProto) -> bool:
