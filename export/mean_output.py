@@ -45,14 +45,17 @@ def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
     """Add MEAN_EMBEDDING [rows, hidden] to a host-packed graph, from `hidden` ([tokens, hidden], every row's
     tokens one after another) and the rows' cumulative lengths: a [rows, tokens] matrix of 1 / length on
     each row's tokens times the token vectors, in their precision (a row's rounded 1 / length scales its
-    vector, never turns it), then fp32. A bucket's empty rows get zeros, its filler tokens weigh nothing."""
+    vector, never turns it), then fp32. A bucket's empty rows get zeros. Its filler tokens (after every row's)
+    are zeroed before the product: the packed attention writes nothing for them, so they hold whatever that
+    memory held, and a NaN or inf weighed 0 would still be NaN in every row."""
     graph = model.graph
     p = f"{MEAN_EMBEDDING}/"
     graph.initializer.extend([helper.make_tensor(p + n, TensorProto.INT64, [1], [v])
                               for n, v in (("zero", 0), ("one", 1), ("minus_one", -1), ("last", 2 ** 62))])
     graph.initializer.extend([helper.make_tensor(p + "zero_scalar", TensorProto.INT64, [], [0]),
                               helper.make_tensor(p + "one_scalar", TensorProto.INT64, [], [1]),
-                              helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1.0])])
+                              helper.make_tensor(p + "min_count", TensorProto.FLOAT, [], [1.0]),
+                              helper.make_tensor(p + "zero_float", TensorProto.FLOAT, [], [0.0])])
     graph.node.extend([
         _node("Shape", [hidden], [p + "count_1d"], start=0, end=1),
         _node("Squeeze", [p + "count_1d", p + "zero"], [p + "count"]),
@@ -71,8 +74,13 @@ def add_host_packed_mean_output(model: onnx.ModelProto, hidden: str) -> None:
         _node("Cast", [p + "lengths"], [p + "lengths_f"], to=TensorProto.FLOAT),
         _node("Max", [p + "lengths_f", p + "min_count"], [p + "divisor"]),
         _node("Div", [p + "in_row_f", p + "divisor"], [p + "weights"]),  # [R, T]
+        _node("Slice", [p + "cumulative", p + "minus_one", p + "last"], [p + "real_count"]),  # [1]
+        _node("Less", [p + "places", p + "real_count"], [p + "real_1d"]),  # [T]: not filler
+        _node("Unsqueeze", [p + "real_1d", p + "one"], [p + "real"]),  # [T, 1]
+        _node("CastLike", [p + "zero_float", hidden], [p + "zero_like"]),
+        _node("Where", [p + "real", hidden, p + "zero_like"], [p + "hidden_real"]),  # [T, H]
         _node("CastLike", [p + "weights", hidden], [p + "weights_like"]),
-        _node("MatMul", [p + "weights_like", hidden], [p + "mean"]),  # [R, H]
+        _node("MatMul", [p + "weights_like", p + "hidden_real"], [p + "mean"]),  # [R, H]
         _node("Cast", [p + "mean"], [MEAN_EMBEDDING], to=TensorProto.FLOAT),
     ])
     graph.output.append(helper.make_tensor_value_info(MEAN_EMBEDDING, TensorProto.FLOAT, ["rows", _hidden(model)]))

@@ -494,21 +494,15 @@ def test_fp16_conversion_and_packing_build_on_cpu(tiny_model_dir, tmp_path):
         host_packed(onnx.load(str(tmp_path / "fp16.onnx")))  # padded: nothing to pack
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_the_host_packed_mean_pools_each_rows_own_tokens_and_zeros_an_empty_row(seed):
-    """export.mean_output's host-packed form on ONNX Runtime's CPU kernels: rows of random lengths packed one
-    after another, a bucket's empty rows and [PAD] filler tokens after them, fp16 token vectors."""
+def _host_packed_mean(width: int):
+    """export.mean_output's host-packed form on ONNX Runtime's CPU kernels, behind a [CLS] Gather as in a
+    host-packed graph: (fp16 packed token vectors [tokens, width], cumulative lengths int32) -> the mean."""
     import onnx
     from onnx import TensorProto, helper
 
     from artifact.host_packing import CLS_POSITIONS, CUMULATIVE_LENGTHS
     from export.mean_output import add_host_packed_mean_output
 
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 40, size=int(rng.integers(1, 9)))
-    rows, filler, width = len(lengths) + int(rng.integers(0, 4)), int(rng.integers(0, 30)), 16
-    hidden = (rng.standard_normal((int(lengths.sum()) + filler, width)) * 3).astype(np.float16)
-    cumulative = np.concatenate([[0], np.cumsum(lengths), np.full(rows - len(lengths), lengths.sum())]).astype(np.int32)
     graph = helper.make_graph(
         [helper.make_node("Gather", ["hidden", CLS_POSITIONS], [CLS_EMBEDDING], axis=0)], "packed",
         [helper.make_tensor_value_info("hidden", TensorProto.FLOAT16, ["tokens", width]),
@@ -520,13 +514,55 @@ def test_the_host_packed_mean_pools_each_rows_own_tokens_and_zeros_an_empty_row(
     onnx.checker.check_model(model, full_check=True)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     assert session.get_outputs()[1].shape == ["rows", width]
-    got = session.run([MEAN_EMBEDDING], {"hidden": hidden, CUMULATIVE_LENGTHS: cumulative,
-                                         CLS_POSITIONS: cumulative[:rows]})[0]
+
+    def mean(hidden: np.ndarray, cumulative: np.ndarray) -> np.ndarray:
+        rows = len(cumulative) - 1
+        return session.run([MEAN_EMBEDDING], {"hidden": hidden, CUMULATIVE_LENGTHS: cumulative,
+                                              CLS_POSITIONS: cumulative[:rows]})[0]
+    return mean
+
+
+def _packed_rows(rng, filler: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of random lengths packed one after another, then a bucket's empty rows and `filler` tokens:
+    (fp16 token vectors, cumulative lengths)."""
+    lengths = rng.integers(1, 40, size=int(rng.integers(1, 9)))
+    rows = len(lengths) + int(rng.integers(0, 4))
+    hidden = (rng.standard_normal((int(lengths.sum()) + filler, width)) * 3).astype(np.float16)
+    cumulative = np.concatenate([[0], np.cumsum(lengths), np.full(rows - len(lengths), lengths.sum())]).astype(np.int32)
+    return hidden, cumulative
+
+
+def _assert_own_means(got: np.ndarray, hidden: np.ndarray, cumulative: np.ndarray) -> None:
+    """Each row of `got` is the mean of its own tokens of `hidden`; an empty row is zeros."""
+    rows, width = len(cumulative) - 1, hidden.shape[1]
     assert got.dtype == np.float32 and got.shape == (rows, width)
     for row in range(rows):
         start, end = cumulative[row], cumulative[row + 1]
         want = hidden[start:end].astype(np.float64).mean(0) if end > start else np.zeros(width)
         np.testing.assert_allclose(got[row], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_host_packed_mean_pools_each_rows_own_tokens_and_zeros_an_empty_row(seed):
+    """export.mean_output's host-packed form: rows of random lengths packed one after another, a bucket's
+    empty rows and [PAD] filler tokens after them, fp16 token vectors."""
+    rng = np.random.default_rng(seed)
+    hidden, cumulative = _packed_rows(rng, int(rng.integers(0, 30)), 16)
+    _assert_own_means(_host_packed_mean(16)(hidden, cumulative), hidden, cumulative)
+
+
+@pytest.mark.parametrize("held", [np.nan, np.inf, -np.inf])
+def test_the_host_packed_mean_never_reads_what_filler_tokens_hold(held):
+    """A bucket's filler tokens belong to no row, and the packed attention need not write them (custom_kernels'
+    kernel runs a grid over the rows' own tokens; ORT's PackedMultiHeadAttention promises nothing for them):
+    their vectors are whatever that memory held. A NaN or inf among them, weighed 0 in the mean's product,
+    made 0 x NaN = NaN in every row of the batch."""
+    mean = _host_packed_mean(16)
+    for seed in range(4):
+        hidden, cumulative = _packed_rows(np.random.default_rng(seed), 7, 16)
+        hidden[cumulative[-1]:] = held
+        hidden[cumulative[-1] + 3:, ::2] = 0  # some finite too
+        _assert_own_means(mean(hidden, cumulative), hidden[:cumulative[-1]], cumulative)
 
 
 @pytest.mark.slow
