@@ -41,6 +41,20 @@ def test_int8_gate_covers_served_sentence_vectors(tiny_artifact_dir):
     assert fp32[f"{MEAN_POOLING}_max_abs"] <= fp32["token_embeddings_max_abs"]  # gated at fp32's limit too
 
 
+def test_the_int8_graph_pools_the_mean_of_its_token_vectors_unquantised(tiny_artifact_dir):
+    """Dynamic quantisation takes MatMul nodes: the mean's product of the token vectors (export.mean_output)
+    is one, but quantising its input too would add error to the served mean. It stays a float MatMul that
+    reads the token vectors themselves."""
+    import onnx
+
+    from artifact.manifest import MEAN_EMBEDDING, TOKEN_EMBEDDINGS
+
+    graph = onnx.load(str(tiny_artifact_dir / "model_int8.onnx")).graph
+    pooling = [n for n in graph.node if any(o.startswith(f"{MEAN_EMBEDDING}/") for o in n.output)
+               and n.op_type in ("MatMul", "MatMulInteger", "DynamicQuantizeLinear")]
+    assert [(n.op_type, n.input[1]) for n in pooling] == [("MatMul", TOKEN_EMBEDDINGS)]
+
+
 def test_every_limit_says_why():
     assert all(limit.why for entries in LIMITS.values() for limit in entries)
 
