@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from artifact.manifest import CLS_EMBEDDING, POOLED_EMBEDDING, POOLINGS, TOKEN_EMBEDDINGS
+from artifact.manifest import CLS_EMBEDDING, MEAN_EMBEDDING, POOLED_EMBEDDING, POOLINGS, TOKEN_EMBEDDINGS
 
 
 # sentence-transformers' Pooling modes over one input's real tokens ([len, H], the batcher already cut the
@@ -40,7 +40,10 @@ def _lasttoken(t: np.ndarray) -> np.ndarray:
 _TOKEN_POOLINGS = {"mean": _mean, "mean_sqrt_len": _mean_sqrt_len, "max": _max, "weightedmean": _weightedmean,
                    "lasttoken": _lasttoken}
 _POOLED_NAMES = {pooling: f"{pooling}_embedding" for pooling in _TOKEN_POOLINGS}
-# The batcher's outputs that are pooled from the graph's token vectors, [n, H] each (not graph outputs).
+# The mean's name is the graph's own output's (export.mean_output): where the engine offers it, that answers.
+assert _POOLED_NAMES["mean"] == MEAN_EMBEDDING
+# The batcher's outputs that it pools from the graph's token vectors, [n, H] each, unless the graph offers
+# one itself (pooled_here).
 TOKEN_POOLED = {_POOLED_NAMES[pooling]: reduce for pooling, reduce in _TOKEN_POOLINGS.items()}
 # The output each pooling answers: a graph output ("cls" is the first token, which the graph gives on its
 # own), or one pooled from the token vectors.
