@@ -18,8 +18,8 @@ import onnxruntime as ort
 
 from app.cuda_graphs import MAX_ROWS, PACKED_MAX_TOKENS, PACKED_SHORT_WIDTHS, CudaGraphBuckets, PackedGraphBuckets
 from app.errors import EngineLost
-from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, POOLED_EMBEDDING, TOKEN_EMBEDDINGS, GraphInfo,
-                               HostPackedGraph, Manifest)
+from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
+                               GraphInfo, HostPackedGraph, Manifest)
 from artifact.session import CUDA, SessionError, kernels_library, open_graph
 
 log = logging.getLogger("app.engine")
@@ -328,5 +328,6 @@ class OrtEngine:
             if value.shape[0] != 2 or not np.isfinite(value).all():
                 raise EngineError(f"the warm-up forward pass gave a bad {name} (shape {value.shape}, "
                                   f"finite: {bool(np.isfinite(value).all())})")
-            if name in (CLS_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS) and value.shape[-1] != self.hidden_size:
+            if name in (CLS_EMBEDDING, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS) \
+                    and value.shape[-1] != self.hidden_size:
                 raise EngineError(f"{name} has width {value.shape[-1]}, the manifest says {self.hidden_size}")
