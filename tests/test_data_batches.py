@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import json
 import pickle
+import random
 import threading
 
 import numpy as np
 import pytest
 import torch
 
-from data_corpora import prepare, write_txt_corpus
+from data_corpora import prepare, sentence, write_txt_corpus
 from training.batch_stream import BatchStream
-from training.data import DataConfig, prepare_data, split_documents
+from training.data import DataConfig, prepare_data, split_documents, unseen_spans
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, PAD, SEP, SPECIAL_TOKENS, save_tokenizer
 
@@ -113,6 +114,49 @@ def test_heldout_documents_are_few_spread_and_disjoint(data):
     assert split_documents(1000, 0.02)[1].tolist() == [25, 75, 125, 175, 225, 275, 325, 375, 425, 475, 525,
                                                        575, 625, 675, 725, 775, 825, 875, 925, 975]
     assert len(split_documents(10, 0.0)[1]) == 0
+
+
+def test_heldout_pairs_hold_no_sentence_of_a_training_document(tmp_path, monkeypatch):
+    """Text on both sides of the split (documents copied whole, a boilerplate line in many) is left out of the
+    held-out evaluation, on the real preparation path: no held-out pair reads a sentence that a training
+    document holds, and the stats say how much was left out."""
+    rng = random.Random(5)
+    docs = [[sentence(rng, 4, 9) for _ in range(rng.randint(3, 7))] for _ in range(150)]
+    for i in range(0, 150, 3):
+        docs[i].insert(1, "Thanks for reading, and see the docs for more.")
+    for i in range(0, 150, 20):
+        docs[i + 5] = list(docs[i])  # held out: every tenth document from the 5th, 8 of the 15 copies
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join("\n".join(d) for d in docs) + "\n")
+    data = prepare(tmp_path, corpus, max_seq_len=MAX_SEQ_LEN, heldout_fraction=0.1)
+    shards = data.train.shards
+    starts, doc_starts = shards.sentence_starts, shards.document_starts
+
+    def text(s):
+        return tuple(shards.tokens(int(starts[s]), int(starts[s + 1])).tolist())
+
+    def sentences(d):
+        return range(int(doc_starts[d]), int(doc_starts[d + 1]))
+
+    trained = {text(s) for d in data.train.document_ids for s in sentences(d)}
+    seen = [[text(s) in trained for s in sentences(d)] for d in data.heldout.document_ids]
+    assert sum(all(d) for d in seen) == 8 and sum(any(d) and not all(d) for d in seen) == 3  # as built
+    for epoch in range(3):
+        for a0, a1, b0, b1 in data.heldout.pairs(epoch)[:, :4].tolist():
+            for t0, t1 in ((a0, a1), (b0, b1)):  # every sentence the range overlaps
+                for s in range(int(np.searchsorted(starts, t0, side="right")) - 1, int(np.searchsorted(starts, t1))):
+                    assert text(s) not in trained
+    assert data.heldout.num_examples(0) >= 8  # what is left of the 4 clean and 3 partial documents
+    s = data.stats
+    assert (s["heldout_documents"], s["heldout_sentences"]) == (15, sum(map(len, seen)))
+    assert s["heldout_sentences_in_training"] == sum(map(sum, seen)) and s["heldout_documents_in_training"] == 8
+    assert s["heldout"] == (f"held out 15 documents, {s['heldout_sentences']:,} sentences; left out of the held-out "
+                            f"evaluation as also in training documents: {s['heldout_sentences_in_training']:,} "
+                            f"sentences, 8 documents whole")
+    # compared a slice of the corpus at a time, the same runs
+    monkeypatch.setattr("training.data._SCAN_SENTENCES", 7)
+    again = unseen_spans(shards, data.heldout.document_ids).spans
+    assert all(np.array_equal(x, y) for x, y in zip(again, data.heldout.spans))
 
 
 def test_most_frequent_token_is_counted_over_the_datasets_own_documents(data):
@@ -278,11 +322,11 @@ def drawing_steps(monkeypatch):
     import training.data
     drawings, real = [], training.data.draw_pairs
 
-    def recording(shards, document_ids, *args):
+    def recording(shards, document_ids, *args, **kwargs):
         steps = []
         drawings.append(steps)
         per_step = args[-1] or len(document_ids)
-        drawing = real(shards, document_ids, *args)
+        drawing = real(shards, document_ids, *args, **kwargs)
         while True:
             try:
                 next(drawing)

@@ -62,6 +62,8 @@ def test_end_to_end_writes_a_loadable_folder_metrics_and_summary(finished_run, c
         assert key in summary["heldout"]
     assert summary["versions"]["torch"] == torch.__version__
     assert summary["data_stats"][0]["documents"] == 80
+    heldout = summary["data_stats"][0]["heldout"]  # what the held-out figures were scored on, said at the start
+    assert heldout.startswith("held out 8 documents, ") and heldout in out.splitlines()
     # The longest sequence trained at, where export and transformers' tokenizer look for it.
     assert summary["max_length"] == 32
     assert json.loads((folder / "tokenizer_config.json").read_text())["model_max_length"] == 32
@@ -319,6 +321,22 @@ def test_a_relative_vocab_file_resumes_from_another_working_folder(tmp_path, cap
     shutil.copy(vocab, tmp_path / "copy.txt")
     fails_in_one_line(capsys, [*args, "--vocab-file", "../copy.txt", "--resume"], "another configuration",
                       f"--vocab-file {vocab} (now {tmp_path / 'copy.txt'})")
+
+
+def test_a_checkpoint_from_before_the_heldout_split_left_out_training_text_is_refused(finished_run, tmp_path, capsys):
+    """Its held-out evaluations were scored partly on sentences that training documents hold: resumed, its
+    metrics would change text mid-run."""
+    root, corpus, cache, _ = finished_run
+    run_dir = tmp_path / "run"
+    args = small_args(corpus, cache, tmp_path / "model", run_dir, "--max-steps", "2", "--checkpoint-every", "2")
+    assert main(args) == 0
+    newest = list_checkpoints(run_dir)[-1]
+    state = torch.load(newest, weights_only=True)
+    torch.save({**state, "data_config": {k: v for k, v in state["data_config"].items() if k != "heldout_split"}},
+               newest)
+    fails_in_one_line(capsys, [*args, "--resume", "--max-steps", "4"], str(newest),
+                      "made before the held-out split left out the sentences that training documents also hold",
+                      "pass --fresh or another --run-dir")
 
 
 def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from data_corpora import write_txt_corpus
 from test_trainer import REPO, fails_in_one_line, read_metrics, small_args, write_corpus
 
 from training.checkpoint import list_checkpoints
@@ -71,7 +72,10 @@ def _running(pid: int) -> bool:
 def test_data_workers_end_with_a_killed_trainer(cache_dir, tmp_path):
     """Batches larger than a pipe's buffer (64 KiB): a worker that finds its trainer gone cannot exit while
     a batch it queued is stuck in the pipe (DataLoader's own check); the kernel must end it."""
-    corpus, run_dir = write_corpus(tmp_path / "corpus.txt", n_docs=400, seed=4), tmp_path / "run"
+    # sentences of random words: the topic corpus of 400 documents repeats most of its sentences, which the
+    # held-out split leaves out
+    corpus = write_txt_corpus(tmp_path / "corpus.txt", n_docs=400, sentences=(4, 8), words=(6, 12), seed=4)
+    run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "training.pretrain",
            *small_args(corpus, cache_dir, tmp_path / "model", run_dir, "--max-steps", "100000", "--log-every", "1",
                        "--eval-every", "0", "--checkpoint-every", "0", "--data-workers", "2",

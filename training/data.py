@@ -3,6 +3,7 @@ the tokenizer and the token shards, and hands out MLM + NSP batches that are a p
 (seed, epoch, batch index) — so every rank and every resumed run agrees on them.
 
 corpus files (or the docstring corpus) → WordPiece → shards (cached under a hash of what made them)
+→ held-out documents, less the sentences that training documents also hold (unseen_spans)
 → per epoch: sentence pairs (examples.py) → shuffled → per example: masking (masking.py) → padded batch
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from training.corpus import CorpusError, CorpusStats, Document, read_documents, resolve_corpus_files
 from training.docstring_corpus import docstring_corpus, docstring_corpus_path
-from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, balance_labels, draw_pairs, finish
+from training.examples import IS_NEXT, NSP_LABEL, PAIR_COLUMNS, Spans, balance_labels, draw_pairs, finish
 from training.masking import Masker
 from training.shards import TokenShards, write_shards
 from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder, save_tokenizer, \
@@ -37,7 +38,8 @@ from training.writes import check_writable, remove_stale_siblings, write_failed
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 2          # bump when the shard layout, the tokenisation or the tokenizer files saved change
+_FORMAT = 3          # bump when the shard layout, the tokenisation or the tokenizer files saved change
+_SCAN_SENTENCES = 1 << 22  # sentence digests compared with the held-out ones at a time (32 MiB)
 _MIN_FREQUENCY = 2   # of a WordPiece we train
 _DONE = "DONE"
 _WAIT_LOG_S = 60.0
@@ -114,13 +116,16 @@ class _PairsAhead:
 class PretrainingDataset:
     """The MLM + NSP examples of a set of documents. Pairs are drawn anew each epoch, masks anew for
     each example; nothing but the pairs of the current epoch and, once asked for, of the next (six
-    integers each) is held in memory."""
+    integers each) is held in memory. Pairs come from the documents whole or, given `spans`, from those
+    parts of them (the held-out split's: its sentences that no training document holds)."""
 
     def __init__(self, shards: TokenShards, document_ids: np.ndarray, tokenizer: Tokenizer, *,
                  max_seq_len: int, short_seq_prob: float, masker: Masker, balance_nsp: bool = True,
-                 pairing_seed: int = 0):
+                 pairing_seed: int = 0, spans: Spans | None = None):
         self.shards = shards
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
+        self.spans = spans
+        self._sources = len(self.document_ids) if spans is None else len(spans.first)  # what pairs are drawn from
         self.max_seq_len, self.short_seq_prob = max_seq_len, short_seq_prob
         self.masker = masker
         self.balance_nsp = balance_nsp
@@ -152,7 +157,7 @@ class PretrainingDataset:
         the next epoch's over the batches of the one it enters, so that no data worker stops for it at
         the boundary."""
         if (self._pairs is None or self._pairs[0] != epoch) and (self._ahead is None or self._ahead.epoch != epoch):
-            self._ahead = _PairsAhead(epoch, self._drawing(epoch, -(-self.num_documents // max(1, steps))))
+            self._ahead = _PairsAhead(epoch, self._drawing(epoch, -(-self._sources // max(1, steps))))
 
     def draw_ahead_step(self) -> None:
         if self._ahead is not None:
@@ -160,11 +165,11 @@ class PretrainingDataset:
 
     def _drawing(self, epoch: int, documents_per_step: int | None = None) -> Generator[None, None, np.ndarray]:
         """The same pairs for an epoch however they are drawn: their own seeded generator."""
-        if self.num_documents < 2:
+        if self._sources < 2:
             return np.zeros((0, PAIR_COLUMNS), dtype=np.int64)
         rng = random.Random(_seed("pairs", self.pairing_seed, epoch))
         pairs = yield from draw_pairs(self.shards, self.document_ids, self.max_seq_len, self.short_seq_prob, rng,
-                                      documents_per_step)
+                                      documents_per_step, spans=self.spans)
         self.pairs_drawn = len(pairs)
         return balance_labels(pairs, rng) if self.balance_nsp else pairs
 
@@ -268,6 +273,58 @@ def split_documents(n_documents: int, heldout_fraction: float, skipped_lines: in
     heldout = np.unique(((np.arange(k) + 0.5) * n_documents / max(k, 1)).astype(np.int64))
     train = np.setdiff1d(np.arange(n_documents, dtype=np.int64), heldout, assume_unique=True)
     return train, heldout
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """What the held-out evaluation reads of the held-out documents: `spans`, their runs of sentences that
+    no training document holds, and how much was left out for being in training."""
+
+    spans: Spans
+    documents: int
+    sentences: int
+    sentences_in_training: int
+    documents_in_training: int  # every sentence of it in training (a duplicated document)
+
+    def line(self) -> str:
+        return (f"held out {self.documents:,} documents, {self.sentences:,} sentences; left out of the held-out "
+                f"evaluation as also in training documents: {self.sentences_in_training:,} sentences, "
+                f"{self.documents_in_training:,} documents whole")
+
+
+def unseen_spans(shards: TokenShards, heldout_ids: np.ndarray) -> HeldOut:
+    """The held-out documents less every sentence that a document outside them also holds word for word (as
+    the tokenizer reads it: a docstring copied into another package, a boilerplate line, a page crawled
+    twice), as runs of consecutive sentences within a document: such a sentence would be scored on text the
+    model trained on. Memory holds the held-out sentences' digests; the rest are compared a slice at a time."""
+    heldout_ids = np.asarray(heldout_ids, dtype=np.int64)
+    starts = shards.document_starts
+    first, end = starts[heldout_ids], starts[heldout_ids + 1]
+    lengths = end - first  # every document of the shards has a sentence
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    sentences = np.repeat(first - offsets[:-1], lengths) + np.arange(offsets[-1])  # the held-out ones, ascending
+    digests = shards.sentence_digests
+    held = digests[sentences]
+    wanted = np.unique(held)
+    seen = np.zeros(len(wanted), dtype=bool)
+    for lo in range(0, shards.n_sentences if len(wanted) else 0, _SCAN_SENTENCES):
+        hi = min(lo + _SCAN_SENTENCES, shards.n_sentences)
+        outside = np.ones(hi - lo, dtype=bool)
+        outside[sentences[np.searchsorted(sentences, lo): np.searchsorted(sentences, hi)] - lo] = False
+        chunk = digests[lo:hi][outside]
+        at = np.minimum(np.searchsorted(wanted, chunk), len(wanted) - 1)
+        seen[at[wanted[at] == chunk]] = True
+    kept = ~seen[np.searchsorted(wanted, held)]
+    # a run starts at a kept sentence after a left-out one or a document's start, and ends likewise
+    doc_first, doc_last = np.zeros(len(kept), dtype=bool), np.zeros(len(kept), dtype=bool)
+    doc_first[offsets[:-1]], doc_last[offsets[1:] - 1] = True, True
+    run_first = kept & (doc_first | ~np.concatenate([[False], kept[:-1]]))
+    run_last = kept & (doc_last | ~np.concatenate([kept[1:], [False]]))
+    run_first_at = np.flatnonzero(run_first)
+    spans = Spans(sentences[run_first_at], sentences[run_last] + 1,
+                  heldout_ids[np.searchsorted(offsets, run_first_at, side="right") - 1])
+    kept_per_document = np.add.reduceat(kept.astype(np.int64), offsets[:-1]) if len(kept) else np.zeros(0, np.int64)
+    return HeldOut(spans, len(heldout_ids), len(kept), int((~kept).sum()), int((kept_per_document == 0).sum()))
 
 
 def _corpus_fingerprint(cfg: DataConfig) -> tuple[str, list[Path] | None]:
@@ -467,18 +524,22 @@ def prepare_data(cfg: DataConfig, *, rank: int = 0, world_size: int = 1, show_pr
                     "text (another language or script, or cased text with --no-lowercase?), and the model "
                     "learns nothing from those tokens", 100 * unknown_rate, UNK)
     train_ids, heldout_ids = split_documents(shards.n_documents, cfg.heldout_fraction)
+    unseen = unseen_spans(shards, heldout_ids)
     masker = Masker(tokenizer, cfg.masked_lm_prob, cfg.max_predictions_per_seq, cfg.whole_word_masking)
 
-    def dataset(ids: np.ndarray) -> PretrainingDataset:
+    def dataset(ids: np.ndarray, spans: Spans | None = None) -> PretrainingDataset:
         return PretrainingDataset(shards, ids, tokenizer, max_seq_len=cfg.max_seq_len,
-                                  short_seq_prob=cfg.short_seq_prob, masker=masker, balance_nsp=cfg.balance_nsp)
+                                  short_seq_prob=cfg.short_seq_prob, masker=masker, balance_nsp=cfg.balance_nsp,
+                                  spans=spans)
 
-    train, heldout = dataset(train_ids), dataset(heldout_ids)
+    train, heldout = dataset(train_ids), dataset(heldout_ids, unseen.spans)
     corpus = json.loads((folder / "corpus.json").read_text())
     # Lone-sentence chunks always get a random B (as in the original), so short documents tip NSP towards
     # NotNext unless balance_nsp: the run summary reports the real rate and its majority baseline.
     epoch0 = train.pairs(0)
     stats = {**corpus, "train_documents": len(train_ids), "heldout_documents": len(heldout_ids),
+             "heldout_sentences": unseen.sentences, "heldout_sentences_in_training": unseen.sentences_in_training,
+             "heldout_documents_in_training": unseen.documents_in_training, "heldout": unseen.line(),
              "train_examples_epoch0": len(epoch0),
              "is_next_rate": float(np.mean(epoch0[:, NSP_LABEL] == IS_NEXT)) if len(epoch0) else 0.0,
              "unknown_token_rate": round(unknown_rate, 4), "cache": str(folder), "built_now": built_now,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from array import array
 from collections.abc import Generator
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,15 @@ IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as in transformers' BertForPreTraining
 # Columns of the array `create_pairs` returns: A = tokens[a_start:a_end], B = tokens[b_start:b_end].
 A_START, A_END, B_START, B_END, NSP_LABEL, TARGET_LENGTH = range(6)
 PAIR_COLUMNS = 6
+
+
+class Spans(NamedTuple):
+    """Parts of documents to draw pairs from instead of whole documents: span i is sentences
+    [first[i], end[i]) of document document[i]; a document may have several (int64 arrays, one row a span)."""
+
+    first: np.ndarray
+    end: np.ndarray
+    document: np.ndarray
 
 
 def truncation(len_a: int, len_b: int, max_num_tokens: int, rng: random.Random) -> tuple[int, int, int, int]:
@@ -55,14 +65,20 @@ def finish(drawing: Generator[None, None, np.ndarray]) -> np.ndarray:
 
 
 def draw_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int, short_seq_prob: float,
-               rng: random.Random, documents_per_step: int | None = None) -> Generator[None, None, np.ndarray]:
+               rng: random.Random, documents_per_step: int | None = None, *,
+               spans: Spans | None = None) -> Generator[None, None, np.ndarray]:
     """create_pairs as steps of `documents_per_step` documents each (None: one step), returning its array:
-    a pass over a large corpus spread over many batches instead of run at once."""
+    a pass over a large corpus spread over many batches instead of run at once. With `spans`, pairs come
+    from those parts of documents (each read as a document), and a NotNext B never from A's own document."""
     max_num_tokens = max_seq_len - 3  # [CLS] A [SEP] B [SEP]
-    n_docs = len(document_ids)
-    doc_starts = np.asarray(shards.document_starts)
-    first_sentence = doc_starts[document_ids].tolist()
-    end_sentence = doc_starts[np.asarray(document_ids) + 1].tolist()
+    if spans is None:
+        doc_starts = np.asarray(shards.document_starts)
+        first_sentence = doc_starts[document_ids].tolist()
+        end_sentence = doc_starts[np.asarray(document_ids) + 1].tolist()
+        owner = None  # each its own document
+    else:
+        first_sentence, end_sentence, owner = spans.first.tolist(), spans.end.tolist(), spans.document.tolist()
+    n_docs = len(first_sentence)
     sentence_starts = shards.sentence_starts
     out = array("q")
     for k in range(n_docs):
@@ -85,7 +101,7 @@ def draw_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int, 
                 a_start_tok, a_end_tok = starts[chunk_first], starts[chunk_first + a_end]
                 if n_chunk == 1 or rng.random() < 0.5:
                     label = NOT_NEXT
-                    b_start_tok, b_end_tok = _random_b(shards, first_sentence, end_sentence, k, n_docs,
+                    b_start_tok, b_end_tok = _random_b(shards, first_sentence, end_sentence, owner, k, n_docs,
                                                        target - (a_end_tok - a_start_tok), rng)
                     i -= n_chunk - a_end  # the unused sentences start the next chunk
                 else:
@@ -100,12 +116,13 @@ def draw_pairs(shards: TokenShards, document_ids: np.ndarray, max_seq_len: int, 
     return np.frombuffer(out, dtype=np.int64).reshape(-1, PAIR_COLUMNS)
 
 
-def _random_b(shards: TokenShards, first_sentence: list[int], end_sentence: list[int], k: int, n_docs: int,
-              target_b_length: int, rng: random.Random) -> tuple[int, int]:
-    """Consecutive sentences of another document, from a random one on, until `target_b_length`."""
+def _random_b(shards: TokenShards, first_sentence: list[int], end_sentence: list[int], owner: list[int] | None,
+              k: int, n_docs: int, target_b_length: int, rng: random.Random) -> tuple[int, int]:
+    """Consecutive sentences of another document (`owner`: the document of each span; None, each its own),
+    from a random one on, until `target_b_length`."""
     for _ in range(10):
         other = rng.randint(0, n_docs - 1)
-        if other != k:
+        if (other != k) if owner is None else (owner[other] != owner[k]):
             break
     s0, s1 = first_sentence[other], end_sentence[other]
     first = rng.randint(s0, s1 - 1)

@@ -32,8 +32,8 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
 from training.resume_checks import (RESUME_FIXED, RESUME_FIXED_IN_PHASE2, RESUME_TAKEN, absolute_path,
-                                    check_corpus, check_corpus_contents, check_resume, check_same_out,
-                                    check_tokenizer, comparable, corpus_contents, corpus_files,
+                                    check_corpus, check_corpus_contents, check_heldout_split, check_resume,
+                                    check_same_out, check_tokenizer, comparable, corpus_contents, corpus_files,
                                     paths_as_recorded_now)
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
                                    sigterm_as_interrupt, sigterm_ends_the_process, sigterm_stops_between_steps)
@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-file", default=None, help="use this vocab.txt instead of training a tokenizer")
     g.add_argument("--no-lowercase", action="store_true", help="keep case (a cased model)")
     g.add_argument("--heldout-fraction", type=float, default=d.heldout_fraction,
-                   help="share of documents held out for evaluation")
+                   help="share of documents held out for evaluation; their sentences that training documents "
+                        "also hold are left out of it")
     g.add_argument("--cache-dir", default=d.cache_dir, help="where prepared data is cached")
     g.add_argument("--no-nsp-balance", action="store_true",
                    help="keep the original's NSP label rates (short documents give mostly NotNext) instead of "
@@ -509,6 +510,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         check_world_size(resume_from, resume_state, dist.world_size)  # before hours of data preparation
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         check_corpus_contents(resume_from, resume_state.get("corpus_contents"), corpus_now, dcfgs[0].corpus)
+        check_heldout_split(resume_from, resume_state["data_config"])
         changes = check_resume(resume_from, resume_state, flags)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
                                                      "data_config": comparable(dcfgs[0])})
@@ -579,7 +581,10 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
                 fix = (f"balancing the next-sentence labels kept {kept} of its {drawn}: few of its "
                        f"documents have the two sentences or more that an IsNext pair needs; give longer documents, "
                        f"or pass --no-nsp-balance")
-            raise ValueError(f"the {split} split has {kept} sequence pairs at length {c.max_seq_len}, fewer than one "
+            which, less = f"{split} split", p.stats["heldout_sentences_in_training"] if split == "held-out" else 0
+            if less:  # a corpus of duplicates can leave little of it
+                which += f", less its {less:,} sentences that training documents also hold,"
+            raise ValueError(f"the {which} has {kept} sequence pairs at length {c.max_seq_len}, fewer than one "
                              f"batch of {batch} x {dist.world_size} processes; {fix}")
     phases = [Phase(name=f"phase{i + 1}", train=p.train, heldout=p.heldout,
                     steps=args.max_steps if i == 0 else args.phase2_steps, max_seq_len=c.max_seq_len,
@@ -592,6 +597,7 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         schedule = [phase_schedule(p, cfg, dist.world_size) for p in phases]
         if len(phases) > 1:
             schedule = [f"phase {i + 1}: {words}" for i, words in enumerate(schedule)]
+        print(prepared[0].stats["heldout"], flush=True)
         print(f"training {source.name} ({n_params / 1e6:.1f}M parameters, vocabulary {vocab_size}) on {dist.device}"
               f" x{dist.world_size}: {', '.join(schedule)}; "
               f"{'resuming from ' + str(resume_from) if resume_from else 'checkpoints in ' + str(run_dir)}",

@@ -175,9 +175,25 @@ def absolute_path(path: str | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().resolve())
 
 
+# How the held-out split is made, as checkpoints record it (comparable): held-out documents less their
+# sentences that training documents also hold (training.data.unseen_spans). Checkpoints from before record none.
+HELDOUT_SPLIT = "documents less sentences in training"
+
+
+def check_heldout_split(path: Path, had: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose run evaluated another held-out split: its metrics would change text mid-run."""
+    if had.get("heldout_split") != HELDOUT_SPLIT:
+        raise CheckpointError(f"checkpoint {path} was made before the held-out split left out the sentences that "
+                              f"training documents also hold: its held-out evaluations so far were scored partly on "
+                              f"text the model trained on, and this run's would not be; pass --fresh or another "
+                              f"--run-dir to start over")
+
+
 def comparable(c: DataConfig) -> dict[str, Any]:
-    """The data settings that decide what the model sees (the cache location does not)."""
+    """The data settings that decide what the model sees (the cache location does not), and how the held-out
+    split is made."""
     d = asdict(c)
+    d["heldout_split"] = HELDOUT_SPLIT
     d.pop("cache_dir", None)
     if d["text_field"] == "text":  # the default, as checkpoints from before the setting record it: not at all
         del d["text_field"]

@@ -4,12 +4,14 @@ A shard folder holds
     tokens-00000.bin ...  token ids (uint16, or uint32 past 65,535 ids); a document never spans two files
     sentences.bin         int64 [sentences + 1]: where each sentence starts in the global token stream
     documents.bin         int64 [documents + 1]: the first sentence of each document
+    sentence_digests.bin  8 bytes per sentence: a digest of its words (the held-out split compares them)
     token_counts.npy      int64 [vocab size]: how often each id occurs
     shards.json           dtype, files and totals
 Documents stream through: memory stays bounded by one tokenisation batch, whatever the corpus size.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,19 +36,21 @@ class _Writer:
         self.dtype = _token_dtype(vocab_size)
         self.sentences = open(out_dir / "sentences.bin", "wb")
         self.documents = open(out_dir / "documents.bin", "wb")
+        self.digests = open(out_dir / "sentence_digests.bin", "wb")
         self.token_file = None
         self.shards: list[dict] = []
         self.n_tokens = self.n_sentences = self.n_documents = 0
         self.counts = np.zeros(vocab_size, dtype=np.int64)
 
-    def add(self, lengths: list[int], ids: np.ndarray) -> None:
-        """One document: its sentences' token counts and all its ids."""
+    def add(self, lengths: list[int], ids: np.ndarray, digests: bytes) -> None:
+        """One document: its sentences' token counts, all its ids and its sentences' digests."""
         if self.token_file is None or self.shards[-1]["end"] - self.shards[-1]["start"] >= self.shard_tokens:
             self._next_shard()
         starts = self.n_tokens + np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)])
         self.sentences.write(starts.astype(np.int64).tobytes())
         self.documents.write(np.int64(self.n_sentences).tobytes())
         self.token_file.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.digests.write(digests)
         self.counts += np.bincount(ids, minlength=self.vocab_size)[: self.vocab_size]
         self.n_tokens += len(ids)
         self.n_sentences += len(lengths)
@@ -63,7 +67,7 @@ class _Writer:
     def close(self) -> dict:
         self.sentences.write(np.int64(self.n_tokens).tobytes())
         self.documents.write(np.int64(self.n_sentences).tobytes())
-        for f in (self.sentences, self.documents, self.token_file):
+        for f in (self.sentences, self.documents, self.digests, self.token_file):
             if f is not None:
                 f.close()
         np.save(self.out_dir / "token_counts.npy", self.counts)
@@ -73,26 +77,41 @@ class _Writer:
         return meta
 
 
+def _words(tokenizer: Tokenizer):
+    """A sentence's words as the tokenizer reads them (its lower-casing and accents applied, whitespace
+    collapsed): what a sentence's digest is of. Not its ids, which a vocabulary that reads most words as [UNK]
+    would make the same for most sentences."""
+    normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer is not None else str
+    return lambda sentence: " ".join(normalize(sentence).split())
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
 def _encoded_documents(documents: Iterable[Document], tokenizer: Tokenizer, max_sentences: int):
-    """(token counts of its sentences, all its ids) per document, sentences with no tokens left out and
-    documents with none skipped. Sentences are encoded `max_sentences` at a time, across small documents
+    """(token counts of its sentences, all its ids, its sentences' digests) per document, sentences with no
+    tokens left out and documents with none skipped. Sentences are encoded `max_sentences` at a time, across small documents
     and within a large one, and kept as compact arrays: memory follows the batch, not the document (a
     200 MB one-line document is 200k sentences, whose Encoding objects alone took 40 times its size)."""
     chunk: list[str] = []
     ends: list[bool] = []  # whether chunk[i] is its document's last sentence
     lengths: list[int] = []  # the current document's
     parts: list[np.ndarray] = []
+    digests: list[bytes] = []
+    words = _words(tokenizer)
 
     def encode():
-        nonlocal lengths, parts
-        for encoding, last in zip(tokenizer.encode_batch(chunk, add_special_tokens=False), ends):
+        nonlocal lengths, parts, digests
+        for encoding, sentence, last in zip(tokenizer.encode_batch(chunk, add_special_tokens=False), chunk, ends):
             if encoding.ids:
                 lengths.append(len(encoding.ids))
                 parts.append(np.array(encoding.ids, dtype=np.int32))
+                digests.append(_digest(words(sentence)))
             if last:
                 if lengths:
-                    yield lengths, np.concatenate(parts)
-                lengths, parts = [], []
+                    yield lengths, np.concatenate(parts), b"".join(digests)
+                lengths, parts, digests = [], [], []
         chunk.clear()
         ends.clear()
 
@@ -115,14 +134,16 @@ def write_shards(documents: Iterable[Document], tokenizer: Tokenizer, out_dir: P
     # "[SEP]" written in the text (docstrings about BERT have it) must stay text, not become the special id.
     tokenizer.encode_special_tokens = True
     try:
-        for lengths, ids in _encoded_documents(documents, tokenizer, _BATCH_SENTENCES):
-            writer.add(lengths, ids)
+        for lengths, ids, digests in _encoded_documents(documents, tokenizer, _BATCH_SENTENCES):
+            writer.add(lengths, ids, digests)
     finally:
         tokenizer.encode_special_tokens = False
     return writer.close()
 
 
 def _mapped(path: Path, dtype: np.dtype) -> np.ndarray:
+    if path.stat().st_size == 0:  # no sentences: nothing to map (mmap refuses an empty file)
+        return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r").view(np.ndarray)
 
 
@@ -141,6 +162,7 @@ class TokenShards:
         self._file_starts = np.array([s["start"] for s in meta["shards"]], dtype=np.int64)
         self.sentence_starts = _mapped(self.folder / "sentences.bin", np.dtype(np.int64))
         self.document_starts = _mapped(self.folder / "documents.bin", np.dtype(np.int64))
+        self.sentence_digests = _mapped(self.folder / "sentence_digests.bin", np.dtype(np.uint64))  # [sentences]
 
     def tokens(self, start: int, end: int) -> np.ndarray:
         """Ids at global positions [start, end), which must lie within one document."""
