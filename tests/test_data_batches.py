@@ -260,7 +260,7 @@ def test_a_build_says_how_far_it_has_got_where_no_bar_is_drawn(tmp_path, monkeyp
     shown = data_module._size(size)  # the .gz counted as stored (compressed), so that the passes end at 100%
     assert lines[0].startswith("preparing data in ")
     assert lines[0].endswith(f": training a tokenizer on, then tokenising, 2 corpus file(s), {shown}")
-    for what in ("tokenizer training", "tokenising"):
+    for what in ("tokenizer training, pass 1 of 2", "tokenizer training, pass 2 of 2", "tokenising"):
         during = [line for line in lines if line.startswith(f"{what}: ") and "%" in line]
         assert during and during[-1].startswith(f"{what}: {shown} of {shown} read (100%), "), lines
         assert f"{what}: {shown} read in 00:0" in "\n".join(lines)
@@ -279,6 +279,31 @@ def test_other_ranks_wait_for_rank_0(tmp_path):
     built = prepare_data(cfg, rank=0)
     waiter.join(timeout=10)
     assert not waiter.is_alive() and result["r1"].stats["cache"] == built.stats["cache"]
+
+
+def test_the_same_corpus_trains_the_same_vocabulary_in_every_process(tmp_path):
+    """The tokenizers library's WordPiece trainer numbers word-continuing pieces in a hash map's order,
+    which each process seeds anew, and breaks ties between merges by those numbers (huggingface/tokenizers
+    #1794): the same corpus got another vocabulary on every run. Prepared in three processes with empty
+    caches, it now gets one, and a "##" piece typed in a text is read as text, not as that piece."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    corpus = write_txt_corpus(tmp_path / "c.txt", n_docs=300, sentences=(2, 5), words=(3, 12))
+    script = ("import json, sys; from training.data import DataConfig, prepare_data; "
+              "t = prepare_data(DataConfig(corpus=(sys.argv[1],), vocab_size=300, cache_dir=sys.argv[2]), "
+              "show_progress=False).tokenizer; "
+              "pieces = sorted(p for p in t.get_vocab() if p.startswith('##') and len(p) == 3); "
+              "print(json.dumps([t.get_vocab(), pieces, t.encode(' '.join(pieces)).tokens]))")
+    runs = [json.loads(subprocess.run([sys.executable, "-c", script, str(corpus), str(tmp_path / f"cache{i}")],
+                                      capture_output=True, text=True, check=True,
+                                      cwd=Path(__file__).resolve().parents[1]).stdout)
+            for i in range(3)]
+    vocab, pieces, tokens = runs[0]
+    assert len(vocab) == 300 and [vocab[t] for t in SPECIAL_TOKENS] == [0, 1, 2, 3, 4]
+    assert all(run == runs[0] for run in runs[1:])
+    assert len(pieces) > 10 and not set(pieces) & set(tokens)  # "##e" typed: "#", "#", "e"
 
 
 def test_an_existing_vocab_file_is_used(tmp_path, data):

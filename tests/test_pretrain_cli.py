@@ -230,8 +230,8 @@ def test_resume_refuses_a_corpus_file_changed_since_and_takes_it_back_as_it_was(
 
 
 def _tokenizer_training_comes_out_otherwise(monkeypatch, tmp_path: Path) -> None:
-    """A tokenizer trained from now on gets other ids than one trained before on the same corpus, as HF
-    tokenizers' may (README): its last two tokens swap places."""
+    """A tokenizer trained from now on gets other ids than one trained before on the same corpus, as another
+    `tokenizers` version's may: its last two tokens swap places."""
     real = training.data.train_wordpiece
 
     def trained_otherwise(*args, **kwargs):

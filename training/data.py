@@ -417,12 +417,17 @@ def _build(cfg: DataConfig, files: list[Path] | None, folder: Path, progress: _P
         steps = "training a tokenizer on, then tokenising," if tokenizer is None else "tokenising"
         progress.say(f"preparing data in {folder}: {steps} {len(files):,} corpus file(s), {_size(total)}")
         if tokenizer is None:
-            counted = CorpusStats()
-            # the shards' pass below reads the same files again: it warns of their bad lines, once
-            documents = progress.reading(read_documents(files, counted, warn=False, text_field=cfg.text_field),
-                                         counted, total, "tokenizer training")
-            tokenizer = train_wordpiece((s for doc in documents for s in doc), cfg.vocab_size, cfg.lowercase,
-                                        _MIN_FREQUENCY)
+            reads: list[CorpusStats] = []
+
+            def sentences() -> Iterator[str]:  # train_wordpiece reads the corpus twice
+                reads.append(CorpusStats())
+                # the shards' pass below reads the same files again: it warns of their bad lines, once
+                documents = progress.reading(read_documents(files, reads[-1], warn=False, text_field=cfg.text_field),
+                                             reads[-1], total, f"tokenizer training, pass {len(reads)} of 2")
+                return (s for doc in documents for s in doc)
+
+            tokenizer = train_wordpiece(sentences, cfg.vocab_size, cfg.lowercase, _MIN_FREQUENCY)
+            counted = reads[-1]
             # fail before tokenising a bad corpus
             split_documents(counted.documents, cfg.heldout_fraction, counted.bad_jsonl_lines, cfg.text_field)
         save_tokenizer(tokenizer, tmp / "tokenizer")

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -43,18 +43,43 @@ def _add_pair_template(tok: Tokenizer) -> Tokenizer:
     return tok
 
 
-def train_wordpiece(texts: Iterable[str], vocab_size: int, lowercase: bool = True,
+def train_wordpiece(texts: Sequence[str] | Callable[[], Iterable[str]], vocab_size: int, lowercase: bool = True,
                     min_frequency: int = 2) -> Tokenizer:
+    """A WordPiece vocabulary of `vocab_size` trained on `texts` (a list, or a function that reads the corpus
+    afresh each call: it is read twice), the same one every time.
+
+    The tokenizers library's trainer is not deterministic (huggingface/tokenizers#1794): it numbers the
+    word-continuing pieces ("##e") as it meets them in a hash map's order, which changes from one process to
+    the next, and breaks ties between equally frequent merges by those numbers, so the same corpus gave
+    another vocabulary on every run (106 of the default model's 4,096 pieces, and its figures with them).
+    So a first training finds which continuing pieces there are, and the second, whose vocabulary is kept,
+    is given them up front in sorted order, as the library numbers the alphabet."""
     if vocab_size < len(SPECIAL_TOKENS) + 100:
         raise ValueError(f"vocab_size {vocab_size} is too small; use at least {len(SPECIAL_TOKENS) + 100}")
+    read = (lambda: texts) if isinstance(texts, Sequence) else texts
+    first = _trained(read(), vocab_size, lowercase, min_frequency, SPECIAL_TOKENS)
+    pieces = sorted(t for t in first.get_vocab() if t.startswith(_CONTINUING) and len(t) == len(_CONTINUING) + 1)
+    tok = _trained(read(), vocab_size, lowercase, min_frequency, (*SPECIAL_TOKENS, *pieces))
+    # The pieces were given as special tokens only to be numbered first: as such they would also be matched
+    # whole in texts ("##e" typed in one). They stay in the vocabulary; only BERT's own tokens stay special.
+    config = json.loads(tok.to_str())
+    config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] in SPECIAL_TOKENS]
+    return _add_pair_template(Tokenizer.from_str(json.dumps(config)))
+
+
+_CONTINUING = "##"
+
+
+def _trained(texts: Iterable[str], vocab_size: int, lowercase: bool, min_frequency: int,
+             special_tokens: Sequence[str]) -> Tokenizer:
     tok = _pipeline(models.WordPiece(unk_token=UNK, max_input_chars_per_word=100), lowercase)
     trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(SPECIAL_TOKENS),
+        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=list(special_tokens),
         # the caller follows the corpus as it is read, in a bar of its own (training.data)
-        continuing_subword_prefix="##", show_progress=False,
+        continuing_subword_prefix=_CONTINUING, show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return _add_pair_template(tok)
+    return tok
 
 
 def tokenizer_from_vocab(vocab_file: Path | str, lowercase: bool = True, *, each_once: bool = False,
