@@ -499,7 +499,8 @@ class DynamicBatcher:
                 sequences = Sequences.joined(entries)
                 batch = collate(sequences, self.pad_id, outputs)
                 outcome: dict[str, np.ndarray] | Exception = self._run(batch)
-                if pooled := pooled_here(_answers_of(entries), self._graph_offers):  # here, off the loop, as part of the batch's work
+                # pooled here, off the loop, as part of the batch's work
+                if pooled := pooled_here(_answers_of(entries), self._graph_offers):
                     outcome = {**outcome, **pool_batch(outcome[TOKEN_EMBEDDINGS], sequences.lengths.tolist(), pooled)}
                 tokens = batch.padded_tokens
             except Exception as e:  # noqa: BLE001 - every waiting request must hear about it

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from artifact.manifest import (CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING,
-                               TOKEN_EMBEDDINGS)
+from artifact.manifest import (CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, NSP_LOGITS,
+                               POOLED_EMBEDDING, TOKEN_EMBEDDINGS)
 from training.model import BertForPreTraining
 
 OPSET = 17

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from artifact.manifest import (CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, NSP_LOGITS, POOLED_EMBEDDING,
-                               TOKEN_EMBEDDINGS)
+from artifact.manifest import (CLASSIFIER_LOGITS, CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, NSP_LOGITS,
+                               POOLED_EMBEDDING, TOKEN_EMBEDDINGS)
 from export import ExportError
 from export.onnx_graph import EmbeddingGraph, served_outputs
 
