@@ -21,7 +21,8 @@ from tokenizers import Tokenizer
 
 from artifact.manifest import (DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE,
                                KERNELS_GRAPH_FILE, MANIFEST_FILE, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
-                               TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, HostPackedGraph, Manifest, PaddedGraph, sha256_file)
+                               TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, HostPackedGraph, Manifest, PaddedGraph,
+                               sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
