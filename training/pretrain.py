@@ -32,9 +32,9 @@ from training.model_folder import (LoadedModel, ModelFolderError, load_model_fol
 from training.trainer import (DistInfo, Phase, TrainConfig, barrier, check_config, phase_schedule,
                               setup_distributed, teardown_distributed, train)
 from training.resume_checks import (RESUME_FIXED, RESUME_FIXED_IN_PHASE2, RESUME_TAKEN, absolute_path,
-                                    check_corpus, check_corpus_contents, check_heldout_split, check_resume,
+                                    check_corpus, check_corpus_contents, check_resume,
                                     check_same_out, check_tokenizer, comparable, corpus_contents, corpus_files,
-                                    paths_as_recorded_now)
+                                    heldout_split_notice, paths_as_recorded_now)
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt, interrupted_exit_code,
                                    sigterm_as_interrupt, sigterm_ends_the_process, sigterm_stops_between_steps)
 from training.writes import (WriteError, check_model_out, check_out_free, check_run_dir_free, check_writable, out_held,
@@ -510,12 +510,13 @@ def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -
         check_world_size(resume_from, resume_state, dist.world_size)  # before hours of data preparation
         check_corpus(resume_from, resume_state["data_config"]["corpus"], dcfgs[0].corpus)
         check_corpus_contents(resume_from, resume_state.get("corpus_contents"), corpus_now, dcfgs[0].corpus)
-        check_heldout_split(resume_from, resume_state["data_config"])
+        split_notice = heldout_split_notice(resume_from, resume_state)
         changes = check_resume(resume_from, resume_state, flags)
         check_compatible(resume_from, resume_state, {"model_source": source.record(),
                                                      "data_config": comparable(dcfgs[0])})
-        if changes and dist.is_main:
-            print(changes, flush=True)
+        for line in (split_notice, changes):
+            if line and dist.is_main:
+                print(line, flush=True)
         if "tokenizer" in resume_state:
             trained_with = Tokenizer.from_str(resume_state["tokenizer"])
             named = named_tokenizer(dcfgs[0])

@@ -180,13 +180,18 @@ def absolute_path(path: str | None) -> str | None:
 HELDOUT_SPLIT = "documents less sentences in training"
 
 
-def check_heldout_split(path: Path, had: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose run evaluated another held-out split: its metrics would change text mid-run."""
-    if had.get("heldout_split") != HELDOUT_SPLIT:
-        raise CheckpointError(f"checkpoint {path} was made before the held-out split left out the sentences that "
-                              f"training documents also hold: its held-out evaluations so far were scored partly on "
-                              f"text the model trained on, and this run's would not be; pass --fresh or another "
-                              f"--run-dir to start over")
+def heldout_split_notice(path: Path, state: dict[str, Any]) -> str | None:
+    """A line for a checkpoint made before the held-out split left out the sentences that training documents
+    also hold (it records no split), which resumes as it was: its training data and pairs are the same, and
+    only the held-out figures change text where it resumes. Its data settings then count as of this split
+    (another split it records is refused with the other settings, check_compatible). None otherwise."""
+    data = state["data_config"]
+    if "heldout_split" in data:
+        return None
+    data["heldout_split"] = HELDOUT_SPLIT
+    return (f"checkpoint {path} was made before the held-out split left out the sentences that training documents "
+            f"also hold: its held-out figures up to step {state.get('step', '?')} were scored partly on text the "
+            f"model trained on, and from here on they are not, so expect them to drop there")
 
 
 def comparable(c: DataConfig) -> dict[str, Any]:
