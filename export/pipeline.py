@@ -20,9 +20,8 @@ import torch
 from tokenizers import Tokenizer
 
 from artifact.manifest import (DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE,
-                               KERNELS_GRAPH_FILE, MANIFEST_FILE, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
-                               TOKENIZER_FILE, CustomKernelsGraph, GraphInfo, HostPackedGraph, Manifest, PaddedGraph,
-                               sha256_file)
+                               KERNELS_GRAPH_FILE, MANIFEST_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
+                               GraphInfo, HostPackedGraph, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length
 from export import ExportError
@@ -33,7 +32,8 @@ from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches
                            text_batches)
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import LoadedModel, load_model_folder, weights_files
-from training.wordpiece import CLS, MASK, PAD, SEP, UNK, load_tokenizer_from_folder
+from training.wordpiece import (CLS, MASK, PAD, SEP, TRANSFORMERS_NORMALIZER_KEYS, UNK, load_tokenizer_from_folder,
+                                transformers_normalizer)
 from training.writes import (WriteError, check_writable, first_few, remove_stale_siblings, remove_unfinished,
                              temporary_sibling)
 
@@ -298,8 +298,9 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
 
     from export.host_packing import HostPackedRunner, host_packed
 
-    def build(source: str, file: str, session_library: Path | None) -> dict[str, float]:
+    def build(source: str, file: str, session_library: Path | None) -> tuple[list[str], dict[str, float]]:
         model = host_packed(onnx.load(str(tmp / source)), mean)
+        outputs = [o.name for o in model.graph.output]  # what host_packed kept
         onnx.save(model, str(tmp / file))
         try:
             session = open_session(tmp / file, "cuda", library=session_library)
@@ -307,14 +308,13 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
             raise ExportError(str(e)) from e
         figures = compare(HostPackedRunner(session, pad_id), graph, batches, references, outputs)
         check_parity("fp16", figures)
-        return figures
+        return outputs, figures
 
-    outputs = [name for name in served_outputs(graph) if name != TOKEN_EMBEDDINGS and (mean or name != MEAN_EMBEDDING)]
-    figures = build(packed.file, HOST_PACKED_GRAPH_FILE, None)
+    outputs, figures = build(packed.file, HOST_PACKED_GRAPH_FILE, None)
     kernels = None
     if packed.custom_kernels is not None:
-        kernels = CustomKernelsGraph(HOST_PACKED_KERNELS_GRAPH_FILE, packed.custom_kernels.operators,
-                                     build(packed.custom_kernels.file, HOST_PACKED_KERNELS_GRAPH_FILE, library))
+        _, kernel_figures = build(packed.custom_kernels.file, HOST_PACKED_KERNELS_GRAPH_FILE, library)
+        kernels = CustomKernelsGraph(HOST_PACKED_KERNELS_GRAPH_FILE, packed.custom_kernels.operators, kernel_figures)
     return HostPackedGraph(HOST_PACKED_GRAPH_FILE, outputs, figures, kernels)
 
 
@@ -394,14 +394,13 @@ def _load_tokenizer(model_dir: Path, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-# How transformers' BERT tokenizers (AutoTokenizer's choice for BERT, DistilBERT and ELECTRA folders) build
-# their normaliser: from tokenizer_config.json's key, else its default, never from tokenizer.json's setting.
-# (key, BertNormalizer's name, default, what it does)
-_TRANSFORMERS_NORMALIZER = (("do_lower_case", "lowercase", True, "lower-case"),
-                            ("strip_accents", "strip_accents", None, "strip accents"),
-                            ("tokenize_chinese_chars", "handle_chinese_chars", True, "split CJK characters off"))
+# transformers' BERT tokenizers (AutoTokenizer's choice for BERT, DistilBERT and ELECTRA folders), which build
+# their normaliser from tokenizer_config.json (training.wordpiece.transformers_normalizer)
 _BERT_TOKENIZER_CLASSES = {f"{family}Tokenizer{fast}" for family in ("Bert", "DistilBert", "Electra")
                            for fast in ("", "Fast")}
+# what each BertNormalizer setting does, for the refusal's line
+_DOES = {"lowercase": "lower-case", "strip_accents": "strip accents",
+         "handle_chinese_chars": "split CJK characters off"}
 
 
 def _check_transformers_reading(model_dir: Path, tokenizer: Tokenizer) -> None:
@@ -421,12 +420,15 @@ def _check_transformers_reading(model_dir: Path, tokenizer: Tokenizer) -> None:
     if config.get("tokenizer_class", "BertTokenizer") not in _BERT_TOKENIZER_CLASSES:
         return  # transformers reads tokenizer.json as it is
 
-    def behaviour(lowercase, strip_accents, chinese) -> tuple[bool, bool, bool]:
-        return bool(lowercase), bool(lowercase if strip_accents is None else strip_accents), bool(chinese)
+    def behaviour(s: dict) -> dict[str, bool]:  # strip_accents None follows lower-casing
+        return {"lowercase": bool(s["lowercase"]), "handle_chinese_chars": bool(s["handle_chinese_chars"]),
+                "strip_accents": bool(s["lowercase"] if s["strip_accents"] is None else s["strip_accents"])}
 
-    file = behaviour(*(normalizer.get(name, default) for _, name, default, _ in _TRANSFORMERS_NORMALIZER))
-    theirs = behaviour(*(config.get(key, default) for key, _, default, _ in _TRANSFORMERS_NORMALIZER))
-    for (key, _, _, does), a, b in zip(_TRANSFORMERS_NORMALIZER, file, theirs):
+    # tokenizer.json's BertNormalizer, where silent, has transformers' defaults
+    file = behaviour({name: normalizer.get(name, default) for _, name, default in TRANSFORMERS_NORMALIZER_KEYS})
+    theirs = behaviour(transformers_normalizer(config))
+    for key, name, _ in TRANSFORMERS_NORMALIZER_KEYS:
+        a, b, does = file[name], theirs[name], _DOES[name]
         if a != b:
             source = f"tokenizer_config.json's {key}" if key in config else f"no {key} in tokenizer_config.json"
             raise ExportError(f"{model_dir}: tokenizer.json does{'' if a else ' not'} {does} but transformers' "

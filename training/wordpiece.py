@@ -153,6 +153,18 @@ def _normalizer_settings(tok: Tokenizer) -> dict:
             "tokenize_chinese_chars": normalizer.get("handle_chinese_chars", True)}
 
 
+# How transformers' BertTokenizer builds its normaliser: from tokenizer_config.json's key, else its default,
+# never from tokenizer.json's setting. (key, BertNormalizer's setting, default)
+TRANSFORMERS_NORMALIZER_KEYS = (("do_lower_case", "lowercase", True), ("strip_accents", "strip_accents", None),
+                                ("tokenize_chinese_chars", "handle_chinese_chars", True))
+
+
+def transformers_normalizer(config: dict) -> dict:
+    """The BertNormalizer settings that transformers' BertTokenizer takes from tokenizer_config.json `config`
+    (strip_accents None: as lower-casing), by BertNormalizer's names."""
+    return {name: config.get(key, default) for key, name, default in TRANSFORMERS_NORMALIZER_KEYS}
+
+
 def load_tokenizer_from_folder(folder: Path | str) -> Tokenizer:
     """tokenizer.json if present, else vocab.txt (+ do_lower_case from tokenizer_config.json).
     A tokenizer.json from elsewhere gets our pair template only if it has none."""
@@ -171,11 +183,11 @@ def load_tokenizer_from_folder(folder: Path | str) -> Tokenizer:
                              f"tokenizer_config.json) in texts, which a tokenizer made from vocab.txt does not; "
                              f"save the tokenizer with transformers' save_pretrained (it writes tokenizer.json) "
                              f"and use that folder")
-        # as transformers' BertTokenizer reads them: strip_accents None follows lower-casing
-        strip_accents = config.get("strip_accents")
-        return tokenizer_from_vocab(folder / "vocab.txt", bool(config.get("do_lower_case", True)),
+        settings = transformers_normalizer(config)
+        strip_accents = settings["strip_accents"]
+        return tokenizer_from_vocab(folder / "vocab.txt", bool(settings["lowercase"]),
                                     strip_accents=None if strip_accents is None else bool(strip_accents),
-                                    handle_chinese_chars=bool(config.get("tokenize_chinese_chars", True)))
+                                    handle_chinese_chars=bool(settings["handle_chinese_chars"]))
     raise ValueError(f"{folder} has neither tokenizer.json nor vocab.txt")
 
 
