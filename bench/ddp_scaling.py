@@ -31,6 +31,8 @@ real ones. A variant joins options with '+' onto DDP with torch's defaults:
     nocomm    diagnostic, wrong gradients: a comm hook that all-reduces nothing (the step without communication)
     graphs    the compiled step replayed from CUDA graphs (the trainer's --cuda-graphs); the one-process run
               then also times single+graphs
+    stop      each step followed by the training loop's agreement on stopping (training.trainer.stop_agreed:
+              a one-integer all-reduce over the gloo group), as `python -m training.pretrain` runs it
 
 The whole run stops starting measurements when --budget-s would be exceeded (the rest are listed as skipped).
 Prints `nvidia-smi topo -m` (NVLink or PCIe between the GPUs), an all-reduce of the model's gradient size in
@@ -67,7 +69,8 @@ from training.model import BertForPreTraining, preset_config  # noqa: E402
 from training.model_inputs import cpu_inputs  # noqa: E402
 from training.optim import WarmupLinearDecay, make_optimizer  # noqa: E402
 from training.trainer import (CUDA_GRAPH_TOKEN_MULTIPLE, DistInfo, LogWindow, TrainConfig,  # noqa: E402
-                              build_learner, optimizer_step, setup_distributed, teardown_distributed)
+                              build_learner, optimizer_step, setup_distributed, stop_agreed,
+                              teardown_distributed)
 
 # In order of what they tell: torch's defaults, gradients as bucket views, the trainer's defaults (one compiled
 # graph, no buffer broadcast), bf16 on top, and the step with no communication at all (the most any all-reduce
@@ -82,11 +85,12 @@ class Variant:
     options: DDPOptions
     hook: Callable | None = None  # a communication hook registered after training.ddp's wrapping
     cuda_graphs: bool = False
+    stop_agreement: bool = False
 
 
 def parse_variant(name: str) -> Variant:
     options, hooks = DDPOptions(bucket_view=False, broadcast_buffers=True, graph_per_bucket=True), []  # torch's
-    graphs = False
+    graphs = stop = False
     for part in name.split("+"):
         if part == "plain":
             pass
@@ -110,12 +114,14 @@ def parse_variant(name: str) -> Variant:
             hooks.append(_no_comm)
         elif part == "graphs":
             graphs = True
+        elif part == "stop":
+            stop = True
         else:
             raise ValueError(f"unknown variant part {part!r} in {name!r}; use plain, trainer, asview, bf16, "
-                             "bucketN, nobcast, onegraph, static, torchbf16, nocomm, graphs")
+                             "bucketN, nobcast, onegraph, static, torchbf16, nocomm, graphs, stop")
     if len(hooks) + options.bf16_grads > 1:
         raise ValueError(f"{name!r} asks for two communication hooks (bf16, torchbf16, nocomm); DDP takes one")
-    return Variant(name, options, hooks[0] if hooks else None, graphs)
+    return Variant(name, options, hooks[0] if hooks else None, graphs, stop)
 
 
 def _no_comm(state, bucket):  # no annotations: DDP checks them against the classes, and ours are strings
@@ -167,11 +173,14 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_steps(learner, source, window: LogWindow, cfg: TrainConfig, dist: DistInfo, steps: int) -> float:
+def timed_steps(learner, source, window: LogWindow, cfg: TrainConfig, dist: DistInfo, steps: int,
+                stop_agreement: bool = False) -> float:
     """Seconds for `steps` optimiser steps of the trainer's own, the device's queue drained at the end."""
     started = time.perf_counter()
     for _ in range(steps):
         optimizer_step(learner, source, window, cfg, dist)
+        if stop_agreement:
+            stop_agreed(dist)
     sync_device(dist.device)
     return time.perf_counter() - started
 
@@ -201,15 +210,16 @@ def measure(args: argparse.Namespace, variant: Variant, batch_size: int, pool: l
         learner.ddp_model.register_comm_hook(None, variant.hook)
     stream, window = PreparedBatches(pool), LogWindow(dist.device)
 
-    first_step_s = timed_steps(learner, stream, window, cfg, dist, 1)
-    warmup_s = first_step_s + timed_steps(learner, stream, window, cfg, dist, args.warmup - 1)
+    stop = variant.stop_agreement
+    first_step_s = timed_steps(learner, stream, window, cfg, dist, 1, stop)
+    warmup_s = first_step_s + timed_steps(learner, stream, window, cfg, dist, args.warmup - 1, stop)
     window.close(dist)  # the timed window starts empty
     if dist.distributed:
         torch_dist.barrier()
     if dist.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dist.device)
 
-    elapsed = timed_steps(learner, stream, window, cfg, dist, args.steps)
+    elapsed = timed_steps(learner, stream, window, cfg, dist, args.steps, stop)
     profiled = None
     if args.profile_steps:
         trace = Path(args.trace_dir) / f"{variant.name}-b{batch_size}" if args.trace_dir else None

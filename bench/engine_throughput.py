@@ -4,12 +4,13 @@ CUDA: the fp16 artifact (ORT, IO binding; packed = padding removed, padded, padd
 the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library is built; "+kernels
 ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention; "+kernels
 ort-remove-padding": with ORT's RemovePadding in place of ours; "+kernels three-products": each layer's Q, K
-and V as three products and PackedAttention, in place of one product and PackedQKVAttention)
+and V as three products and PackedAttention, in place of one product and PackedQKVAttention; "+kernels
+no-mean": without the mean_embedding output, what pooling the mean in the graph costs every batch)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
 
-  python bench/engine_throughput.py --device cuda --preset base              # GPU machine
+  python bench/engine_throughput.py --device cuda --preset base              # GPU machine: the served graphs
   python bench/engine_throughput.py --device cuda --packed-attention PackedAttention,PackedMultiHeadAttention
   python bench/engine_throughput.py --device cpu --preset tiny --batches 1,8 --iters 3   # smoke test
   python bench/engine_throughput.py --device cuda --untuned   # +kernels graphs also on cuBLASLt's first pick
@@ -36,11 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from artifact.manifest import INPUT_NAMES  # noqa: E402
+from artifact.manifest import INPUT_NAMES, MEAN_EMBEDDING  # noqa: E402
 from artifact.session import kernels_library, open_session, require_cuda  # noqa: E402
 from export import ExportError  # noqa: E402
 from export.onnx_graph import EmbeddingGraph  # noqa: E402
-from export.pipeline import export_artifact  # noqa: E402
+from export.pipeline import default_packed_attention, export_artifact  # noqa: E402
 from training.model import BertForPreTraining, preset_config  # noqa: E402
 from training.model_folder import save_model_folder  # noqa: E402
 from training.wordpiece import save_tokenizer, train_wordpiece  # noqa: E402
@@ -217,8 +218,9 @@ def main(argv=None) -> int:
     p.add_argument("--texts", type=int, default=8000, help="docstrings to read (fewer: faster start)")
     p.add_argument("--threads", type=int, default=2, help="CPU mode: threads per engine")
     p.add_argument("--no-cuda-graph", action="store_true")
-    p.add_argument("--packed-attention", default="PackedAttention",
-                   help=f"comma-separated ORT operators of the packed graphs to build and time: {', '.join(PACKED_KINDS)}")
+    p.add_argument("--packed-attention", default="served",
+                   help="comma-separated ORT operators of the packed graphs to build and time: "
+                        f"{', '.join(PACKED_KINDS)}; 'served' (the default): the one export picks, as the server runs")
     p.add_argument("--untuned", action="store_true",
                    help="also time each +kernels graph with the operator's autotuning off (BERTSERVE_KERNELS_AUTOTUNE=0)")
     p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
@@ -226,7 +228,8 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     text_sizes = [int(b) for b in args.text_batches.split(",") if b]
     cuda = args.device == "cuda"
-    packed_attention = [op for op in args.packed_attention.split(",") if op]
+    served = default_packed_attention(kernels_library("auto", args.device))
+    packed_attention = [served if op == "served" else op for op in args.packed_attention.split(",") if op]
     if unknown := [op for op in packed_attention if op not in PACKED_KINDS]:
         p.error(f"--packed-attention: unknown {', '.join(unknown)} (known: {', '.join(PACKED_KINDS)})")
     args.packed_attention = packed_attention
@@ -324,6 +327,26 @@ def with_ort_attention(path: Path) -> Path | None:
     return _variant(path, "ort_attention", rewrite)
 
 
+def without_mean(path: Path) -> Path | None:
+    """The graph at `path` without its mean_embedding output and the nodes that compute it (what the mean in
+    the graph costs every batch: ONNX Runtime runs every node whatever outputs are asked for); None when the
+    graph has none."""
+    from export.mean_output import is_mean_node
+
+    def rewrite(model) -> bool:
+        kept = [n for n in model.graph.node if not is_mean_node(n)]
+        if len(kept) == len(model.graph.node):
+            return False
+        del model.graph.node[:]
+        model.graph.node.extend(kept)
+        outputs = [o for o in model.graph.output if o.name != MEAN_EMBEDDING]
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
+        return True
+
+    return _variant(path, "no_mean", rewrite)
+
+
 def kernels_variants(path: Path) -> dict[str, Path]:
     """The kernels graph's A/B variants that apply to it, by name, each written beside it: export's rewrites
     undone one at a time (ORT's attention on the three products' graph, since it takes Q, K and V apart)."""
@@ -334,6 +357,8 @@ def kernels_variants(path: Path) -> dict[str, Path]:
         variants["ort-attention"] = ort_attention
     if (ort_remove_padding := with_ort_remove_padding(path)) is not None:
         variants["ort-remove-padding"] = ort_remove_padding
+    if (no_mean := without_mean(path)) is not None:
+        variants["no-mean"] = no_mean
     return variants
 
 

@@ -51,6 +51,13 @@ def default_model_name(model_dir: Path) -> str:
     return folder.name
 
 
+def default_packed_attention(library: Path | None) -> str:
+    """The packed graph's attention operator when none is asked for: measured on an H100 (BENCHMARKS.md,
+    "GPU engine"), with our MatMulBias taking the Q, K and V bias PackedMultiHeadAttention's graph is 6-10%
+    faster than PackedAttention's; without our operators (`library` None) it is 3% slower."""
+    return PACKED_ATTENTION_OPS[1] if library is not None else PACKED_ATTENTION_OPS[0]
+
+
 def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
@@ -88,10 +95,7 @@ def export_artifact(
     except SessionError as e:
         raise ExportError(str(e)) from e
     if packed_attention is None:
-        # Measured on an H100 (BENCHMARKS.md, "GPU engine"): with our MatMulBias taking the Q, K and V bias,
-        # PackedMultiHeadAttention's graph is 6-10% faster than PackedAttention's; without our operators
-        # it is 3% slower.
-        packed_attention = PACKED_ATTENTION_OPS[1] if library is not None else PACKED_ATTENTION_OPS[0]
+        packed_attention = default_packed_attention(library)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     _check_out_dir(out_dir, model_dir)
     layout = read_layout(model_dir)

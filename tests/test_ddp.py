@@ -53,25 +53,28 @@ def test_static_graph_with_accumulation_is_refused(tmp_path, capsys):
 
 def test_ddp_scaling_bench_on_cpu(tmp_path):
     """One process, then two, through the trainer's step: every variant runs; the options that only move
-    memory or change bucketing give the same losses as plain DDP to the last bit, bf16 all-reduce nearly
+    memory or change bucketing, and the training loop's per-step agreement on stopping, give the same losses as
+    plain DDP to the last bit, bf16 all-reduce nearly
     the same, and skipping the all-reduce (nocomm) other ones. Accumulating, a static graph is refused.
     A profiled step reports its busiest operators."""
     out = tmp_path / "ddp_scaling.json"
     cmd = [sys.executable, "bench/ddp_scaling.py", "--device", "cpu", "--preset", "tiny", "--vocab-size", "500",
            "--seq-len", "32", "--max-predictions", "5", "--batch-sizes", "8", "--steps", "2", "--warmup", "2",
-           "--variants", "plain,asview+bucket1,bf16,nocomm,static", "--grad-accum", "2", "--profile-steps", "1",
+           "--variants", "plain,asview+bucket1,plain+stop,bf16,nocomm,static", "--grad-accum", "2",
+           "--profile-steps", "1",
            "--trace-dir", str(tmp_path / "traces"), "--json", str(out)]
     done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     runs = {(r["nproc"], r["variant"]): r for r in report["runs"]}
-    assert set(runs) == {(1, "single"), *((2, v) for v in ("plain", "asview+bucket1", "bf16", "nocomm", "static"))}
+    assert set(runs) == {(1, "single"), *((2, v) for v in ("plain", "asview+bucket1", "plain+stop", "bf16", "nocomm",
+                                                                       "static"))}
     assert "--grad-accum" in runs[2, "static"]["error"]
     measured = {v: r for (n, v), r in runs.items() if n == 2 and v != "static"}
     for r in measured.values():
         assert r["tokens_per_s_total"] > 0 and len(r["tokens_per_s_per_process"]) == 2 and r["scaling"] > 0, r
     plain = measured["plain"]["loss"]
-    assert measured["asview+bucket1"]["loss"] == plain
+    assert measured["asview+bucket1"]["loss"] == plain and measured["plain+stop"]["loss"] == plain
     assert measured["bf16"]["loss"] == pytest.approx(plain, rel=1e-3) and measured["bf16"]["loss"] != plain
     assert measured["nocomm"]["loss"] != plain
     ranks = measured["plain"]["profile"]  # each rank's view; CPU only: no GPU time, the busiest operators

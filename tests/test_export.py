@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -95,6 +96,29 @@ def test_ort_matches_pytorch_on_padded_real_text(tiny_artifact_dir, tiny_model_d
         np.testing.assert_allclose(got[MEAN_EMBEDDING][row], got[TOKEN_EMBEDDINGS][row, :n].mean(0), atol=1e-6)
     int8 = run_graph(tiny_artifact_dir, "int8", feed)
     assert cosine(int8[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.99
+
+
+def test_the_benchmarks_graph_without_the_mean_answers_the_rest_alike(tiny_artifact_dir, tmp_path):
+    """bench/engine_throughput.py's no-mean variant (what pooling the mean in the graph costs a batch): the
+    served graph without the mean's nodes and output, every other output as before; a graph with no mean
+    gives no variant."""
+    from bench.engine_throughput import without_mean
+    from export.mean_output import is_mean_node
+
+    graph = tmp_path / "served.onnx"
+    shutil.copy(tiny_artifact_dir / GRAPH_FILES["fp32"], graph)
+    stripped = without_mean(graph)
+    model = onnx.load(str(stripped))
+    assert MEAN_EMBEDDING not in {o.name for o in model.graph.output}
+    assert not any(is_mean_node(n) for n in model.graph.node)
+    assert without_mean(stripped) is None
+    feed = padded_feed(Tokenizer.from_file(str(tiny_artifact_dir / "tokenizer.json")))
+    want = run_graph(tiny_artifact_dir, "fp32", feed)
+    session = ort.InferenceSession(str(stripped), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    assert names == [n for n in want if n != MEAN_EMBEDDING]
+    for name, got in zip(names, session.run(names, feed)):
+        np.testing.assert_array_equal(got, want[name])
 
 
 def test_tokenizer_keeps_pair_template(tiny_artifact_dir):

@@ -146,7 +146,7 @@ def setup_distributed(device: str = "auto") -> DistInfo:
     return DistInfo(rank, world_size, local_rank, dev, waits)
 
 
-def _stop_agreed(dist: DistInfo) -> bool:
+def stop_agreed(dist: DistInfo) -> bool:
     """Whether any rank was asked to stop (SIGTERM), the same answer on every rank: whether a rank stops
     decides which collective calls it makes next (the checkpoint's), and a signal reaches the ranks at
     different moments, or one alone. A one-integer all-reduce over the gloo group of waits, on the CPU: no
@@ -506,7 +506,7 @@ def train(
                     # the position after the batches taken
                     state.epoch, state.batch_in_epoch = stream.epoch, stream.batch_in_epoch
                     log.progress.update(1)
-                    stopping = _stop_agreed(dist)  # read once: a signal later in this step is taken at the next
+                    stopping = stop_agreed(dist)  # read once: a signal later in this step is taken at the next
                     checkpoint_due = bool((cfg.checkpoint_every and state.step % cfg.checkpoint_every == 0)
                                           or state.step == phase_end or stopping)
                     # a checkpoint closes the window too: a resume starts a new one, and the tokens of the
