@@ -83,7 +83,8 @@ async def app(scope, receive, send):
     answer = b'{}'
     if scope['method'] == 'POST':
         request = orjson.loads(body)
-        n = len(request['inputs']) if isinstance(request['inputs'], list) else 1
+        inputs = request['inputs'] if 'inputs' in request else request['input']  # /embed's or OpenAI's
+        n = len(inputs) if isinstance(inputs, list) else 1
         rows = ([base64.b64encode(v.tobytes()).decode() for v in vectors[:n]]
                 if request.get('encoding_format') == 'base64' else list(vectors[:n]))
         answer = orjson.dumps({'model': 'floor', 'data': [{'index': i, 'embedding': e} for i, e in enumerate(rows)],
@@ -179,10 +180,10 @@ def start_worker(root: Path, artifact: Path, socket_path: str, metrics_dir: Path
 
 
 async def load_window(url: str, pid: int, bodies: list[dict], connections: int, warm_up_s: float,
-                      duration_s: float) -> dict:
-    """Keep `connections` requests in flight; count those answered within the window and the worker's
-    CPU seconds over the same window."""
-    async with open_connections(url, connections, "/embed", bodies[0]) as conns:
+                      duration_s: float, path: str = "/embed") -> dict:
+    """Keep `connections` requests to `path` in flight; count those answered within the window and the
+    worker's CPU seconds over the same window."""
+    async with open_connections(url, connections, path, bodies[0]) as conns:
         done = errors = 0
         stop_at = time.perf_counter() + warm_up_s + duration_s
 
@@ -190,7 +191,7 @@ async def load_window(url: str, pid: int, bodies: list[dict], connections: int, 
             nonlocal done, errors
             i = k
             while time.perf_counter() < stop_at:
-                status, _ = await c.post("/embed", bodies[i % len(bodies)])
+                status, _ = await c.post(path, bodies[i % len(bodies)])
                 done += 1
                 errors += status != 200
                 i += connections
@@ -208,8 +209,8 @@ async def load_window(url: str, pid: int, bodies: list[dict], connections: int, 
 
 async def load_together(workers: list[tuple], bodies: list[dict], args: argparse.Namespace) -> list[dict]:
     """load_window on every worker at once (--together)."""
-    return await asyncio.gather(*[load_window(url, proc.pid, bodies, args.connections, args.warm_up, args.duration)
-                                  for proc, url in workers])
+    return await asyncio.gather(*[load_window(url, proc.pid, bodies, args.connections, args.warm_up, args.duration,
+                                              ROUTES[args.route]) for proc, url in workers])
 
 
 def run_window(load, args: argparse.Namespace):
@@ -227,7 +228,13 @@ def run_window(load, args: argparse.Namespace):
                          f"tree's worker must speak this checkout's engine link)") from None
 
 
-def request_bodies(texts: list[str], per_request: int, encoding_format: str) -> list[dict]:
+ROUTES = {"embed": "/embed", "openai": "/v1/embeddings"}  # --route
+
+
+def request_bodies(texts: list[str], per_request: int, encoding_format: str, route: str = "embed") -> list[dict]:
+    if route == "openai":  # as the openai client sends it
+        return [{"input": texts[i:i + per_request], "model": "bench", "encoding_format": encoding_format}
+                for i in range(0, len(texts) - per_request + 1, per_request)]
     return [{"inputs": texts[i:i + per_request], "pooling": "cls", "encoding_format": encoding_format}
             for i in range(0, len(texts) - per_request + 1, per_request)]
 
@@ -267,6 +274,8 @@ def main() -> None:
                         "on the one worker core: the host's speed swings (a quarter, from second to second on a "
                         "shared VM) then hit every tree alike. Fair only between trees that run the same threads "
                         "(the core is shared out by thread); no --profile")
+    parser.add_argument("--route", choices=sorted(ROUTES), default="embed", help="embed: POST /embed (pooling "
+                        "cls); openai: POST /v1/embeddings (the model's default pooling, as most clients ask)")
     parser.add_argument("--warm-up", type=float, default=1.0, help="seconds before each window")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds of each measured window")
     parser.add_argument("--floor", action="store_true", help="also a worker that is only uvicorn and a plain "
@@ -312,7 +321,7 @@ def main() -> None:
                 if args.together:
                     for texts_per_request in sizes:
                         for fmt in formats:
-                            bodies = request_bodies(texts, texts_per_request, fmt)
+                            bodies = request_bodies(texts, texts_per_request, fmt, args.route)
                             rows = run_window(load_together(workers, bodies, args), args)
                             for root, row in zip(roots, rows):
                                 note(r, root, texts_per_request, fmt, row)
@@ -324,8 +333,10 @@ def main() -> None:
                             if args.profile and r == args.rounds - 1 and root == roots[0]:
                                 out = args.profile.with_suffix(f".{texts_per_request}.{fmt}.txt")
                                 spy = profile_worker(proc.pid, args.warm_up + args.duration, out)
-                            row = run_window(load_window(url, proc.pid, request_bodies(texts, texts_per_request, fmt),
-                                                         args.connections, args.warm_up, args.duration), args)
+                            row = run_window(load_window(url, proc.pid,
+                                                         request_bodies(texts, texts_per_request, fmt, args.route),
+                                                         args.connections, args.warm_up, args.duration,
+                                                         ROUTES[args.route]), args)
                             if spy:
                                 spy.wait()
                             note(r, root, texts_per_request, fmt, row)
