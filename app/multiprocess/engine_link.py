@@ -22,6 +22,7 @@ A frame is a 4-byte little-endian length, then a 1-byte kind:
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import pickle
@@ -51,6 +52,7 @@ _ARRAY = struct.Struct("<BBxxII")
 _OUTPUTS = (TOKEN_EMBEDDINGS, CLS_EMBEDDING, POOLED_EMBEDDING, NSP_LOGITS, CLASSIFIER_LOGITS, *TOKEN_POOLED)
 _OUTPUT_SETS = [frozenset(name for i, name in enumerate(_OUTPUTS) if mask >> i & 1)
                 for mask in range(1 << len(_OUTPUTS))]
+_MASKS = {outputs: mask for mask, outputs in enumerate(_OUTPUT_SETS)}  # a set's bits, looked up per request
 _DTYPES = (np.dtype("<f4"), np.dtype("<f2"))
 _SCRATCH = 1 << 16  # frames up to this size are read into one reused buffer; larger ones into their own
 _HOLD_AT = 64 << 20  # unread answers the engine buffers for one worker before it stops reading its work
@@ -360,7 +362,9 @@ class EngineClient:
         if self._closed:
             raise errors.NotReady("the engine process is not available")
         loop = asyncio.get_running_loop()
-        mask = sum(1 << i for i, name in enumerate(_OUTPUTS) if name in outputs)
+        mask = _MASKS.get(outputs)
+        if mask is None:  # a name the link does not carry: the bits of those it does
+            mask = sum(1 << i for i, name in enumerate(_OUTPUTS) if name in outputs)
         future = loop.create_future()
         if len(sequences) >= _GATHER_ROWS:  # pays its own way: sent now, on its own, answered sooner
             alone = _Submission()
@@ -400,8 +404,9 @@ class EngineClient:
         self._pending[rid] = (submission, sequences.lengths, time.monotonic())
         self._link.send(_SUBMIT.pack(SUBMIT, mask, len(sequences), rid), sequences.lengths.astype(np.int32),
                         sequences.ids.astype(np.int32), sequences.type_ids.astype(np.uint8))
+        done = functools.partial(self._done, rid)
         for future in submission.futures:
-            future.add_done_callback(lambda f, rid=rid: self._done(rid, f))
+            future.add_done_callback(done)
 
     def _done(self, rid: int, future: asyncio.Future) -> None:
         """A request that was cancelled (its client went away); when every request of its submission was,
