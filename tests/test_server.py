@@ -777,6 +777,7 @@ def test_a_damaged_or_missing_file_is_one_line_naming_it(tiny_artifact_dir, tmp_
     ("length_text", "max_length is 'abc', not int"),
     ("graphs_list", "malformed"),
     ("unhashed", "has no sha256 of model.onnx"),
+    ("no_fp32", "no fp32 graph, only int8: serve it with --precision int8"),
 ])
 def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_path, case, words):
     import json
@@ -788,13 +789,14 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
     edited = {"list": [], "no_graphs": {**manifest, "graphs": {}}, "bad_length": {**manifest, "max_length": -5},
               "no_int8": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "int8"}},
               "length_text": {**manifest, "max_length": "abc"}, "graphs_list": {**manifest, "graphs": []},
-              "unhashed": {**manifest, "files_sha256": {"tokenizer.json": manifest["files_sha256"]["tokenizer.json"]}}}[case]
+              "unhashed": {**manifest, "files_sha256": {"tokenizer.json": manifest["files_sha256"]["tokenizer.json"]}},
+              "no_fp32": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "fp32"}}}[case]
     (artifact / "manifest.json").write_text(json.dumps(edited))
     flags = ["--precision", "int8", "--device", "cpu"] if case == "no_int8" else []
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()), *flags],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     err = r.stderr.strip()
-    named = artifact if case == "no_int8" else artifact / "manifest.json"
+    named = artifact if case in ("no_int8", "no_fp32") else artifact / "manifest.json"
     assert r.returncode == 2 and "\n" not in err and words in err and str(named) in err, err
 
 
