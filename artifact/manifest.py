@@ -187,6 +187,9 @@ class Manifest:
                                     f"the model")
         if manifest.default_pooling not in POOLINGS:
             raise ManifestError(f"manifest default_pooling {manifest.default_pooling!r} is not one of {', '.join(POOLINGS)}")
+        if manifest.default_pooling == "pooled" and not manifest.has_pooler:  # else every default request fails
+            raise ManifestError("manifest default_pooling 'pooled' names BERT's pooler, but the model has none: "
+                                "re-export the model")
         width = manifest.hidden_size
         for layer in manifest.sentence_dense:
             if not (isinstance(layer, dict) and layer.get("in_features") == width

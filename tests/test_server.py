@@ -778,6 +778,7 @@ def test_a_damaged_or_missing_file_is_one_line_naming_it(tiny_artifact_dir, tmp_
     ("graphs_list", "malformed"),
     ("unhashed", "has no sha256 of model.onnx"),
     ("no_fp32", "no fp32 graph, only int8: serve it with --precision int8"),
+    ("pooled_no_pooler", "default_pooling 'pooled' names BERT's pooler, but the model has none"),
 ])
 def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_path, case, words):
     import json
@@ -790,7 +791,8 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
               "no_int8": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "int8"}},
               "length_text": {**manifest, "max_length": "abc"}, "graphs_list": {**manifest, "graphs": []},
               "unhashed": {**manifest, "files_sha256": {"tokenizer.json": manifest["files_sha256"]["tokenizer.json"]}},
-              "no_fp32": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "fp32"}}}[case]
+              "no_fp32": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "fp32"}},
+              "pooled_no_pooler": {**manifest, "default_pooling": "pooled", "has_pooler": False}}[case]
     (artifact / "manifest.json").write_text(json.dumps(edited))
     flags = ["--precision", "int8", "--device", "cpu"] if case == "no_int8" else []
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()), *flags],
