@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import onnxruntime as ort
 
-    from app.build import cannot_serve
+    from app.build import cannot_serve, check_settings_fit
     from app.engine import EngineError, resolve_device_precision
     from app.main import create_app
     from app.metrics import MULTIPROC_DIR_VAR, use_metrics_folder
@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         # differs from what export wrote (hashed once here, for every process the server starts)
         manifest = read_manifest(settings.model_dir)
         manifest.verify(settings.model_dir, manifest.files_sha256)
+        check_settings_fit(settings, manifest)
         # a device this onnxruntime cannot run, a precision it or the artifact lacks, or operators asked for
         # but not found: said now, not in a traceback later
         device, _ = resolve_device_precision(settings.device, settings.precision, manifest,

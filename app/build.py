@@ -30,6 +30,13 @@ def cannot_serve(model_dir: Path, error: Exception) -> str:
     return f"cannot serve {model_dir}: {error}"
 
 
+def check_settings_fit(settings: Settings, manifest: Manifest) -> None:
+    """EngineError (one line) for a setting the model cannot serve: found at start-up, not by every request."""
+    if settings.openai_pooling == "pooled" and not manifest.has_pooler:
+        raise EngineError("openai_pooling 'pooled' names BERT's pooler, but this model has none: set it to "
+                          "another pooling (cls, mean, ...) or leave it unset for the model's own")
+
+
 def batch_token_budget(settings: Settings, device: str) -> int:
     """The configured budget, else the device's default (see Settings.max_batch_tokens)."""
     if settings.max_batch_tokens is not None:
@@ -72,6 +79,7 @@ def load_tokenizer(settings: Settings, folder: Path | None = None) -> tuple[Mani
     process's copy for its HTTP workers: app.multiprocess.worker_files)."""
     folder = folder or settings.model_dir
     manifest = read_manifest(folder, graphs=folder == settings.model_dir)
+    check_settings_fit(settings, manifest)
     tokenizer = TextTokenizer(folder / TOKENIZER_FILE, manifest.max_length, settings.max_input_chars,
                               manifest.special_tokens)
     return manifest, tokenizer

@@ -170,6 +170,10 @@ class Manifest:
         if not isinstance(d, dict):
             raise ManifestError(f"manifest is a JSON {type(d).__name__}, not an object: re-export the model")
         version = d.get("format_version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+            raise ManifestError(f"manifest format_version {version} is newer than this server reads "
+                                f"({FORMAT_VERSION}): serve it with the version that exported it, or re-export the "
+                                f"model with this one")
         if version != FORMAT_VERSION:
             raise ManifestError(f"manifest format_version {version!r} is not {FORMAT_VERSION}: re-export the "
                                 f"model with this version of `python -m export`")

@@ -802,6 +802,25 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
     assert r.returncode == 2 and "\n" not in err and words in err and str(named) in err, err
 
 
+def test_an_openai_pooling_the_model_cannot_serve_is_one_line_at_start_up(tiny_artifact_dir, tmp_path):
+    """--openai-pooling pooled on a model without BERT's pooler: refused before serving, in one line that says
+    what to set, where it used to start and answer every /v1/embeddings request 400."""
+    import json
+    import shutil
+
+    artifact = tmp_path / "artifact"
+    shutil.copytree(tiny_artifact_dir, artifact)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    (artifact / "manifest.json").write_text(json.dumps({**manifest, "has_pooler": False, "has_nsp_head": False}))
+    for workers in ("1", "2"):
+        r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()),
+                            "--openai-pooling", "pooled", "--workers", workers],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        err = r.stderr.strip()
+        assert r.returncode == 2 and "\n" not in err and str(artifact) in err, err
+        assert "openai_pooling 'pooled' names BERT's pooler, but this model has none" in err, err
+
+
 def test_fp16_asked_of_a_cpu_artifact_is_one_line_that_says_what_to_do(tiny_artifact_dir):
     """`--precision fp16` (device auto) on the CPU artifact: without CUDA the line says what the CPU runs,
     not to export an fp16 graph (which needs a GPU); with CUDA, how to export one."""

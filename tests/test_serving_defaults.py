@@ -470,6 +470,16 @@ def test_an_artifact_from_before_these_fields_asks_for_a_re_export(tiny_artifact
         read_manifest(tmp_path)
 
 
+def test_an_artifact_from_a_newer_version_says_so(tiny_artifact_dir, tmp_path):
+    """A manifest of a later format than this server reads: a re-export with this version is one way, the
+    version that wrote it the other; never 'is not 2: re-export' as if it were old."""
+    manifest = json.loads((tiny_artifact_dir / "manifest.json").read_text())
+    write_json(tmp_path / "manifest.json", {**manifest, "format_version": 3})
+    with pytest.raises(ManifestError, match="format_version 3 is newer than this server reads \\(2\\): serve it "
+                                            "with the version that exported it"):
+        read_manifest(tmp_path)
+
+
 def test_openai_settings_override_the_models_defaults(tiny_artifact_dir):
     async def go():
         async with serving(tiny_artifact_dir, openai_pooling="mean", openai_normalize=True) as (c, _):
