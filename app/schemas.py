@@ -16,7 +16,8 @@ Pooling = Literal[(*POOLINGS, "none")]
 EncodingFormat = Literal["float", "base64"]
 TruncationDirection = Literal["right", "left"]  # app.tokenization.DIRECTIONS
 _DIRECTION_TEXT = ("which end of an over-long input truncation cuts: right keeps its start, left its end (after "
-                   "the prompt, if any, which is kept whole)")
+                   "the prompt, if any, which is kept whole); null: the model's (GET /info `truncation_direction`, "
+                   "its tokenizer_config.json truncation_side as transformers reads it; right unless it says left)")
 _PROMPT_TEXT = ("one of the model's prompts (GET /info `prompts`, e.g. query), put before each text as "
                 "sentence-transformers does; null: the model's default prompt (`default_prompt_name`), if any; \"\": "
                 "no prompt, not even the default (sentence-transformers' prompt=\"\")")
@@ -58,7 +59,7 @@ class EmbedRequest(_Strict):
                                    "null: the model's default (GET /info `default_normalize`)")
     truncate: bool = Field(True, description="cut inputs to the model's max length; false: an over-long "
                            "input is answered 413")
-    truncation_direction: TruncationDirection = Field("right", description=_DIRECTION_TEXT)
+    truncation_direction: TruncationDirection | None = Field(None, description=_DIRECTION_TEXT)
     prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
     return_tokens: bool = Field(False, description="add each input's tokens and their vectors")
     encoding_format: EncodingFormat = Field("float", description="base64: little-endian float32 bytes; "
@@ -68,7 +69,7 @@ class EmbedRequest(_Strict):
 class TokenizeRequest(_Strict):
     inputs: Inputs
     truncate: bool = True
-    truncation_direction: TruncationDirection = Field("right", description=_DIRECTION_TEXT)
+    truncation_direction: TruncationDirection | None = Field(None, description=_DIRECTION_TEXT)
     prompt_name: str | None = Field(None, description=_PROMPT_TEXT)
 
 
@@ -95,16 +96,16 @@ class _TeiRequest(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     truncate: bool | None = Field(None, description="cut inputs to the model's max length, a pair's longer text "
                                   "first (null: true); false: an over-long input is answered 413")
-    truncation_direction: Literal["right", "left", "Right", "Left"] = Field("right", description=_DIRECTION_TEXT)
+    truncation_direction: Literal["right", "left", "Right", "Left"] | None = Field(None, description=_DIRECTION_TEXT)
 
     @property
     def truncates(self) -> bool:
         return self.truncate is not False
 
     @property
-    def direction(self) -> str:
-        """app.tokenization.DIRECTIONS"""
-        return self.truncation_direction.lower()
+    def direction(self) -> str | None:
+        """app.tokenization.DIRECTIONS; None: the model's"""
+        return self.truncation_direction and self.truncation_direction.lower()
 
 
 class TeiEmbedAllRequest(_TeiRequest):

@@ -153,10 +153,11 @@ class InferenceService:
         self.metrics.inflight.dec()
 
     async def tokenize(self, items: Sequence[Item], truncate: bool, field: str, offsets: bool = True,
-                       direction: str = "right", prompt: str = "") -> tuple[Tokenized, float]:
+                       direction: str | None = None, prompt: str = "") -> tuple[Tokenized, float]:
         """offsets=False: every token's offsets are (0, 0) (cheaper), for callers that never describe tokens.
-        direction: which end truncation cuts (app.tokenization.DIRECTIONS); prompt: put before each text
-        (prompt_for)."""
+        direction: which end truncation cuts (app.tokenization.DIRECTIONS; None: the model's, as transformers'
+        tokenizer of its folder cuts); prompt: put before each text (prompt_for)."""
+        direction = direction or self.manifest.truncation_direction
         if not items:
             raise InvalidInput(f"{field} is empty: send at least one {'pair' if field == 'pairs' else 'text'}")
         limit = self.settings.max_inputs_per_request
@@ -173,7 +174,7 @@ class InferenceService:
         return tokenized, seconds
 
     async def infer(self, request: Request | None, items: Sequence[Item], truncate: bool, outputs: frozenset[str],
-                    field: str, offsets: bool = False, direction: str = "right", prompt: str = "",
+                    field: str, offsets: bool = False, direction: str | None = None, prompt: str = "",
                     answers_token_vectors: bool = False) -> Inference:
         """offsets: whether the answer describes tokens (describe_tokens reads their offsets); direction:
         which end truncation cuts; prompt: put before each text (prompt_for); answers_token_vectors: whether

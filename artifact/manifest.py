@@ -151,6 +151,9 @@ class Manifest:
     # A sequence classifier's labels, in the order of CLASSIFIER_LOGITS (one for a cross-encoder's score);
     # written only for such a model.
     classifier_labels: list[str] = field(default_factory=list)
+    # Which end truncation cuts when a request does not say: the checkpoint's tokenizer_config.json
+    # truncation_side, as transformers' tokenizer and sentence-transformers cut; written only when "left".
+    truncation_direction: str = "right"
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> str:
@@ -158,6 +161,8 @@ class Manifest:
         for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels"):
             if not record[optional]:
                 del record[optional]
+        if record["truncation_direction"] == "right":
+            del record["truncation_direction"]
         return json.dumps(record, indent=2, sort_keys=True) + "\n"
 
     @property
@@ -201,6 +206,9 @@ class Manifest:
                 raise ManifestError(f"manifest sentence_dense {layer!r} is not a Dense layer taking {width}-wide "
                                     f"vectors: re-export the model")
             width = layer["out_features"]
+        if manifest.truncation_direction not in ("right", "left"):
+            raise ManifestError(f"manifest truncation_direction {manifest.truncation_direction!r} is not right or "
+                                f"left: re-export the model")
         if manifest.default_prompt_name is not None and manifest.default_prompt_name not in manifest.prompts:
             raise ManifestError(f"manifest default_prompt_name {manifest.default_prompt_name!r} is not one of its "
                                 f"prompts: re-export the model")

@@ -100,3 +100,19 @@ def _recorded_length(folder: Path) -> int | None:
         return found
     found = _positive_int(_json_object(folder / TOKENIZER_CONFIG_FILE).get("model_max_length"))
     return found if found and found < 10**9 else None  # transformers writes int(1e30) when it does not know
+
+
+TRUNCATION_SIDES = ("right", "left")
+
+
+def truncation_side(folder: Path | str) -> str:
+    """Which end transformers' tokenizer of `folder` cuts an over-long input at when asked to truncate:
+    tokenizer_config.json `truncation_side` (right when absent), which `tokenizer(a, b, truncation=True)`,
+    CrossEncoder.predict and SentenceTransformer.encode follow."""
+    path = transformer_folder(folder) / TOKENIZER_CONFIG_FILE
+    side = _json_object(path).get("truncation_side")
+    if side is None:
+        return "right"
+    if side not in TRUNCATION_SIDES:
+        raise ModelFolderError(f"{path}: truncation_side is {side!r}, not one of {', '.join(TRUNCATION_SIDES)}")
+    return side

@@ -23,7 +23,7 @@ from artifact.manifest import (DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE, 
                                KERNELS_GRAPH_FILE, MANIFEST_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
                                GraphInfo, HostPackedGraph, Manifest, PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
-from artifact.source_folder import ModelFolderError, trained_max_length
+from artifact.source_folder import ModelFolderError, trained_max_length, truncation_side
 from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, served_outputs, trace_to_onnx
@@ -107,6 +107,10 @@ def export_artifact(
                           f"this tokenizer does not; the server would tokenise them differently")
     _check_transformers_reading(layout.encoder_dir, tokenizer)
     served_length = _served_length(layout, loaded.config.max_position_embeddings, max_length)
+    try:
+        direction = truncation_side(layout.encoder_dir)
+    except ModelFolderError as e:
+        raise ExportError(str(e)) from e
 
     graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head, loaded.classifier).eval()
     # Judged up to the served length: the server never feeds longer inputs, and positions past the trained
@@ -162,6 +166,7 @@ def export_artifact(
             prompts=dict(layout.prompts),
             default_prompt_name=layout.default_prompt_name,
             classifier_labels=list(loaded.classifier_labels),
+            truncation_direction=direction,
             graphs=graphs,
             weights_sha256=_weights_sha256(layout.encoder_dir),
             files_sha256={name: sha256_file(tmp / name)

@@ -4,6 +4,8 @@ transformers BertForSequenceClassification folder or a sentence-transformers Cro
 with transformers' softmax. Both in one process and through HTTP workers."""
 from __future__ import annotations
 
+import json
+import shutil
 
 import httpx
 import numpy as np
@@ -102,6 +104,44 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
     assert_error(nsp, 400, "unsupported", "next-sentence")
     assert_error(no_query, 422, "invalid_request", "query is an empty string")
     assert_error(empty_document, 422, "invalid_request", "documents[1] is an empty string")
+
+
+
+def test_a_tokenizer_that_truncates_on_the_left_cuts_pairs_there_as_cross_encoder_predict_does(cross_encoder, tmp_path):
+    """transformers' tokenizer, and so CrossEncoder.predict, cuts over-long pairs at tokenizer_config.json's
+    truncation_side: the server cuts there too unless a request names a direction (it cut on the right)."""
+    st = pytest.importorskip("sentence_transformers")
+    folder, _ = cross_encoder
+    shutil.copytree(folder, tmp_path / "left")
+    (tmp_path / "left" / "tokenizer_config.json").write_text(json.dumps({"truncation_side": "left",
+                                                                         "model_max_length": 24}))
+    m = export_artifact(tmp_path / "left", tmp_path / "art", parity_shapes=SHAPES)
+    assert (m.truncation_direction, m.max_length) == ("left", 24)
+    texts = [text * 4 for text in TEXTS]  # each past 24 tokens with the query
+    model = st.CrossEncoder(str(tmp_path / "left"), device="cpu")
+    want = model.predict([(QUERY, t) for t in texts])
+    want_ids = model.tokenizer(QUERY, texts[0], truncation=True)
+    model.tokenizer.truncation_side = "right"
+    right = model.predict([(QUERY, t) for t in texts])
+    assert np.abs(want - right).max() > 1e-3  # the two ends give other scores
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            return ((await c.post("/rerank", json={"query": QUERY, "texts": texts})).json(),
+                    (await c.post("/rerank", json={"query": QUERY, "texts": texts,
+                                                   "truncation_direction": "Right"})).json(),
+                    (await c.post("/v1/rerank", json={"query": QUERY, "documents": texts})).json(),
+                    (await c.post("/tokenize", json={"inputs": [[QUERY, texts[0]]]})).json(),
+                    (await c.get("/info")).json())
+    ranks, right_ranks, documents, tokenized, info = run(go())
+    np.testing.assert_allclose([r["score"] for r in sorted(ranks, key=lambda r: r["index"])], want, atol=1e-5)
+    np.testing.assert_allclose([r["relevance_score"] for r in sorted(documents["results"], key=lambda r: r["index"])],
+                               want, atol=1e-5)
+    np.testing.assert_allclose([r["score"] for r in sorted(right_ranks, key=lambda r: r["index"])], right, atol=1e-5)
+    tokens = tokenized["data"][0]["tokens"]
+    assert [t["id"] for t in tokens] == want_ids["input_ids"]
+    assert [t["segment"] for t in tokens] == want_ids["token_type_ids"]
+    assert info["truncation_direction"] == "left"
 
 
 def test_a_classifier_predicts_every_label_with_transformers_softmax(tiny_tokenizer_dir, tmp_path):

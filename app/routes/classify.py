@@ -44,7 +44,7 @@ def _labels(service: InferenceService) -> list[str]:
 
 
 async def relevance(service: InferenceService, request: Request, query: str, texts: list[str], field: str,
-                    truncate: bool = True, direction: str = "right", raw: bool = False):
+                    truncate: bool = True, direction: str | None = None, raw: bool = False):
     """(each text's score against the query, the inference result): a cross-encoder's score of each
     [query, text] pair."""
     labels = _labels(service)

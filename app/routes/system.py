@@ -41,6 +41,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "dimensions": m.sentence_width,  # of the default pooling's vectors (a Dense module may change it)
         "hidden_size": m.hidden_size,  # of token vectors and of the other poolings
         "max_length": m.max_length,  # longer inputs are cut there (or answered 413 with truncate: false)
+        "truncation_direction": m.truncation_direction,  # the end cut unless a request says (tokenizer_config's)
         "max_position_embeddings": m.max_position_embeddings,
         "default_pooling": m.default_pooling,  # what /embed does without `pooling`
         "default_normalize": m.default_normalize,
