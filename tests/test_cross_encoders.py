@@ -83,12 +83,13 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
                     (await c.post("/predict", json={"inputs": [QUERY, TEXTS[0]]})).json(),
                     (await c.get("/info")).json(),
                     await c.post("/rerank", json={"query": QUERY, "texts": ["word " * 200], "truncate": False}),
+                    await c.post("/rerank", json={"query": "word " * 200, "texts": TEXTS[:2], "truncate": False}),
                     await c.post("/rerank", json={"query": QUERY, "texts": []}),
                     await c.post("/nsp", json={"pairs": [[QUERY, TEXTS[0]]]}),
                     await c.post("/rerank", json={"query": "", "texts": TEXTS}),
                     await c.post("/v1/rerank", json={"query": QUERY, "documents": ["a", ""]}),
                     await c.post("/rerank", json={"query": QUERY, "texts": TEXTS, "documents": TEXTS[:1]}))
-    ranks, raw, predicted, info, too_long, empty, nsp, no_query, empty_document, both = run(go())
+    ranks, raw, predicted, info, too_long, long_query, empty, nsp, no_query, empty_document, both = run(go())
     assert_error(both, 422, "invalid_request", "`texts`", "`documents`", "not both")
     # each text's own score, most relevant first: the ranking, whatever the random model's scores are
     assert sorted(r["index"] for r in ranks) == list(range(len(TEXTS)))
@@ -99,7 +100,8 @@ def test_a_cross_encoder_reranks_as_sentence_transformers_predicts(cross_encoder
     assert "text" not in raw[0]
     assert predicted == [{"score": pytest.approx(float(want[0]), abs=1e-5), "label": "LABEL_0"}]
     assert info["classifier_labels"] == ["LABEL_0"]
-    assert_error(too_long, 413, "input_too_long", "texts[0]")
+    assert_error(too_long, 413, "input_too_long", "[query, texts[0]] has")
+    assert_error(long_query, 413, "input_too_long", "[query, texts[0]] has")  # not the text alone: the query
     assert_error(empty, 422, "invalid_request", "empty")
     assert_error(nsp, 400, "unsupported", "next-sentence")
     assert_error(no_query, 422, "invalid_request", "query is an empty string")

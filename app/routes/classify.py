@@ -20,6 +20,7 @@ from app.routes import DirectRoute, JsonObject, ServiceRoute, get_service, requi
 from app.schemas import (SERVICE_ERROR_RESPONSES, DocumentsRerankRequest, DocumentsRerankResponse, Prediction,
                          PredictRequest, Rank, RerankRequest)
 from app.service import InferenceService
+from app.tokenization import ItemNames
 from artifact.manifest import CLASSIFIER_LOGITS
 
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["classifier"])
@@ -55,8 +56,10 @@ async def relevance(service: InferenceService, request: Request, query: str, tex
     service.tokenizer.check_text(query, "query")
     for i, text in enumerate(texts):
         service.tokenizer.check_text(text, f"{field}[{i}]")
+    # an over-long pair is named as the pair it is: the query may be what makes it too long
+    pairs = ItemNames(field, [f"[query, {field}[{i}]]" for i in range(len(texts))])
     result = await service.infer(request, [(query, text) for text in texts], truncate, frozenset({CLASSIFIER_LOGITS}),
-                                 field, direction=direction)
+                                 pairs, direction=direction)
     return scores(result.outputs[CLASSIFIER_LOGITS], raw)[:, 0], result
 
 
