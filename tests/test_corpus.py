@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.data_corpora import write_txt_corpus
+from tests.data_corpora import prepare, write_txt_corpus
+from training import corpus as corpus_module
 from training import docstring_corpus as dc
 from training.corpus import (MAX_DOCUMENT_SENTENCES, MAX_SENTENCE_CHARS, CorpusError, CorpusStats, read_documents,
                              resolve_corpus_files, split_sentences)
@@ -97,6 +98,31 @@ def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):
     assert len(docs) == 2 and "\ufffd" in docs[0][1]
     assert stats.lines_with_bad_bytes == 2 and stats.files_with_bad_bytes == [str(f)]
     assert "not UTF-8" in caplog.text
+
+
+def test_txt_lines_end_at_a_lone_cr_and_the_other_line_ends_jsonl_text_ends_at(tmp_path, monkeypatch):
+    """A file saved with \\r alone (classic Mac OS) was one document (refused as too few, or trained without
+    its document boundaries); \\v, \\f and NEL inside a line, which the tokenizer deletes, glued two words into
+    one. A \\r\\n that a read piece's end cuts in two is still one line end."""
+    docs = ["First doc, line one.", "Line two."], ["Second doc.", "More."], ["Third doc."]
+    text = "\n\n".join("\n".join(d) for d in docs)
+    for ending in ("\r", "\r\n", "\n"):
+        f = tmp_path / f"c{len(ending)}{ending == chr(10)}.txt"
+        f.write_bytes(text.replace("\n", ending).encode())
+        assert list(read_documents([f])) == [list(d) for d in docs], repr(ending)
+    f = tmp_path / "separators.txt"
+    f.write_text("One\vtwo\fthree\x85four\u2028five.\n\x0c\nNext doc.\n", encoding="utf-8", newline="")
+    assert list(read_documents([f])) == [["One", "two", "three", "four", "five."], ["Next doc."]]
+    data = prepare(tmp_path, tmp_path / "c1False.txt", vocab_size=200, heldout_fraction=0)
+    shards = data.train.shards
+    decoded = [data.tokenizer.decode(shards.tokens(*shards.sentence_starts[i:i + 2]).tolist())
+               for i in range(shards.n_sentences)]
+    assert decoded == ["first doc, line one.", "line two.", "second doc.", "more.", "third doc."]
+    assert shards.n_documents == 3
+    for size in range(3, 12):  # read pieces ending at every byte of the text, between \r and \n among them
+        monkeypatch.setattr(corpus_module, "_READ_BYTES", size)
+        for name in ("c1False.txt", "c2False.txt"):
+            assert list(read_documents([tmp_path / name])) == [list(d) for d in docs], (size, name)
 
 
 @pytest.mark.parametrize("line", ["word " * 2_000_000, "x" * 10_000_000, "Short one. " * 900_000])

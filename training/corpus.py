@@ -183,7 +183,8 @@ def _entries(folder: str) -> list[os.DirEntry]:
 
 
 def _read_pieces(path: Path, stats: CorpusStats) -> Iterator[tuple[str, bool, bool]]:
-    """(text, ends_a_line, had_bad_bytes) pieces of at most _READ_BYTES bytes of a UTF-8 file, decompressed
+    """(text, ends_a_line, had_bad_bytes) pieces of at most _READ_BYTES bytes of a UTF-8 file, each ending at
+    its \\n if it has one (kept, as is a \\r before it), decompressed
     as it is read where it ends in .gz, counting the file's bytes read into `stats`. Bytes that are not
     UTF-8 become U+FFFD; a character cut at a piece's end is completed by the next."""
     try:
@@ -216,14 +217,33 @@ def _decoded_pieces(path: Path, stats: CorpusStats, gzipped: bool) -> Iterator[t
                 text, first = text.removeprefix("\ufeff"), False
             if not raw:
                 return
-            yield text.rstrip("\r\n") if ends else text, ends, bad
+            yield text, ends, bad
+
+
+def _txt_lines(pieces: Iterable[tuple[str, bool, bool]]) -> Iterator[tuple[str, bool, bool]]:
+    r"""The pieces of _read_pieces, without their line ends, cut at every line end that str.splitlines knows
+    (as a .jsonl document's text is), not only at \n: a file saved with \r alone (classic Mac OS, some
+    exports) would be one document, and the tokenizer deletes \v, \f, NEL and \x1c-\x1e (control
+    characters), gluing the words either side of them into one."""
+    after_cr = False  # the last piece ended in \r, whose \n may start the next: one line end, not two
+    for text, ends, bad in pieces:
+        if after_cr and text.startswith("\n"):
+            text = text[1:]
+            if not text:
+                after_cr = False
+                continue
+        after_cr = text.endswith("\r")
+        lines = text.splitlines(keepends=True) or [""]
+        for i, line in enumerate(lines):
+            body = line.splitlines()[0] if line else ""
+            yield body, len(body) < len(line) or (ends and i == len(lines) - 1), bad and i == 0
 
 
 def _txt_documents(path: Path, stats: CorpusStats) -> Iterator[Document]:
     doc: Document = []
     carry = ""  # the unfinished last sentence of a line that is still being read
     bad_lines = 0
-    for piece, line_ends, bad in _read_pieces(path, stats):
+    for piece, line_ends, bad in _txt_lines(_read_pieces(path, stats)):
         bad_lines += bad
         if line_ends and not carry and not piece.strip():
             if doc:
