@@ -89,6 +89,22 @@ def test_jsonl_documents_in_another_field_are_read_with_text_field(tmp_path, cap
         DataConfig(text_field="content")
 
 
+def test_a_jsonl_escape_of_half_an_emoji_is_replaced_and_warned(tmp_path, caplog):
+    """{"text": "... \\ud83d ..."}, a surrogate with no pair (JavaScript cuts strings between the halves of an
+    emoji), stopped the tokenizer's training with a UnicodeEncodeError traceback."""
+    f = tmp_path / "c.jsonl"
+    f.write_text("".join(json.dumps({"text": f"Tweet {i} was cut \ud83d here. And another about {i} \ud83d\ude00."})
+                         + "\n" for i in range(30)))
+    with caplog.at_level(logging.WARNING):
+        data = prepare(tmp_path, f, vocab_size=200)
+    assert data.stats["documents"] == 30 and data.stats["lines_with_bad_bytes"] == 30
+    assert f"{f}: 30 lines had" in caplog.text
+    shards = data.train.shards
+    first = shards.document_starts[data.train.document_ids[0]]
+    text = data.tokenizer.decode(shards.tokens(*shards.sentence_starts[first:first + 2]).tolist())
+    assert text == "tweet 0 was cut here."
+
+
 def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):
     f = tmp_path / "c.txt"
     f.write_bytes(b"Good line.\nBad \xff\xfe bytes here.\n\nOther doc \xc3\x28.\n")

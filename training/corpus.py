@@ -32,6 +32,7 @@ _READ_BYTES = 1 << 20
 MAX_DOCUMENT_SENTENCES = 10_000
 
 Document = list[str]
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only from JSON's \u escapes, alone
 
 
 class CorpusError(ValueError):
@@ -289,6 +290,10 @@ def _jsonl_documents(path: Path, stats: CorpusStats, text_field: str) -> Iterato
         except (ValueError, KeyError, TypeError):
             bad_json += 1
             continue
+        if not text.isascii() and _SURROGATE.search(text):
+            # a \ud83d escape with no pair (an emoji cut in two, as JavaScript cuts strings): not UTF-8,
+            # and the tokenizer's training stopped at it with a traceback; replaced, as a bad byte is
+            text, bad_lines = _SURROGATE.sub("\ufffd", text), bad_lines + (not had_bad)
         doc = _text_document(text)
         for start in range(0, len(doc), MAX_DOCUMENT_SENTENCES):
             yield doc[start:start + MAX_DOCUMENT_SENTENCES]
