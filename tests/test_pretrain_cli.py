@@ -366,7 +366,8 @@ def test_corrupt_checkpoint_is_named(finished_run, tmp_path, capsys):
                                   "graphs_uncompiled", "graphs_on_cpu", "zero_lr", "nan_weight_decay",
                                   "negative_clip_norm", "zero_phase2_batch", "small_heldout_split",
                                   "small_training_split", "too_many_predictions", "no_heldout", "nan_heldout",
-                                  "one_sentence_documents", "utf16"])
+                                  "one_sentence_documents", "utf16", "utf16_without_bom", "gzip_named_txt",
+                                  "binary"])
 def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     corpus = tmp_path / "corpus.txt"
     extra: list[str] = []
@@ -377,6 +378,15 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
     elif case == "utf16":  # as Windows' Notepad saves "Unicode"
         write_corpus(corpus, n_docs=10)
         corpus.write_bytes(corpus.read_text().encode("utf-16"))
+    elif case in ("utf16_without_bom", "gzip_named_txt", "binary"):  # were trained on as text (garbage)
+        import gzip
+        (tmp_path / "data").mkdir()
+        text = write_corpus(tmp_path / "data" / "good.txt", n_docs=20).read_text()
+        corpus = tmp_path / "data" / "more.txt"
+        corpus.write_bytes({"utf16_without_bom": text.encode("utf-16-le"),
+                            "gzip_named_txt": gzip.compress(text.encode()),
+                            "binary": Path(sys.executable).read_bytes()[:20000]}[case])
+        corpus = corpus.parent  # a folder of good text and this file
     elif case == "one_sentence_documents":  # every pair NotNext: balancing keeps none
         corpus.write_text("\n\n".join(f"document {i} is one sentence of words without a full stop" for i in range(200)))
     elif case != "missing":
@@ -408,10 +418,16 @@ def test_bad_input_is_one_line_and_writes_nothing(case, tmp_path, capsys):
                 "no_heldout": "--heldout-fraction must lie in (0, 0.5]", "nan_heldout": "got nan",
                 "one_sentence_documents": "few of its documents have the two sentences or more that an IsNext "
                                           "pair needs; give longer documents, or pass --no-nsp-balance",
-                "utf16": "is UTF-16 text (it starts with a UTF-16 byte-order mark); convert it to UTF-8"}[case]
+                "utf16": "is UTF-16 text (it starts with a UTF-16 byte-order mark); convert it to UTF-8",
+                "utf16_without_bom": "more.txt is not UTF-8 text: it holds NUL bytes in its first 8 KB, as a binary "
+                                     "file or UTF-16/UTF-32 text without a byte-order mark does; convert it to UTF-8",
+                "binary": "more.txt is not UTF-8 text: it holds NUL bytes",
+                "gzip_named_txt": "more.txt is gzip-compressed; name it more.txt.gz"}[case]
     fails_in_one_line(capsys, small_args(corpus, tmp_path / "cache", out, tmp_path / "run", *extra), expected)
     assert not out.exists()
     assert not list(tmp_path.glob(".model*"))  # no temporary model folder either
+    if case in ("utf16", "utf16_without_bom", "gzip_named_txt", "binary"):  # nor prepared data, whole or part
+        assert not list((tmp_path / "cache").glob("*data-*"))
 
 
 def test_the_figures_a_short_split_suggests_each_let_the_run_train(tmp_path, capsys):

@@ -27,6 +27,9 @@ CORPUS_SUFFIXES = (".txt", ".jsonl")  # each also read gzip-compressed, with .gz
 MAX_SENTENCE_CHARS = 1000
 # A line is read in pieces of this many bytes so a file with no newline never sits in memory whole.
 _READ_BYTES = 1 << 20
+# A file with a NUL byte in its first this many bytes is not text (git's and grep's test for a binary file).
+_SNIFF_BYTES = 8192
+_GZIP_MAGIC = b"\x1f\x8b"
 # A document longer than this many sentences (a book, a 200 MB line) is handed on in parts of this size,
 # so memory follows the part, not the document; next-sentence pairs are lost only across each cut.
 MAX_DOCUMENT_SENTENCES = 10_000
@@ -199,6 +202,7 @@ def _decoded_pieces(path: Path, stats: CorpusStats, gzipped: bool) -> Iterator[t
     first, before = True, stats.bytes_read
     with (gzip.open if gzipped else open)(path, "rb") as f:
         stored = f.fileobj if gzipped else f
+        head = f.peek(_SNIFF_BYTES)[:_SNIFF_BYTES]
         while True:
             raw = f.readline(_READ_BYTES)
             stats.bytes_read = before + stored.tell()
@@ -215,10 +219,20 @@ def _decoded_pieces(path: Path, stats: CorpusStats, gzipped: bool) -> Iterator[t
                     width = 32 if raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)) else 16
                     raise CorpusError(f"{path} is UTF-{width} text (it starts with a UTF-{width} byte-order mark); "
                                       f"convert it to UTF-8, e.g. iconv -f UTF-{width} -t UTF-8")
+                # no text file holds NUL or starts with gzip's magic; read as text, such a file trained as garbage
+                if b"\0" in head or head.startswith(_GZIP_MAGIC) and not gzipped:
+                    raise CorpusError(_not_text(path, head, gzipped))
                 text, first = text.removeprefix("\ufeff"), False
             if not raw:
                 return
             yield text, ends, bad
+
+
+def _not_text(path: Path, head: bytes, gzipped: bool) -> str:
+    if head.startswith(_GZIP_MAGIC) and not gzipped:
+        return f"{path} is gzip-compressed; name it {path.name}.gz to have it decompressed as it is read"
+    return (f"{path} is not UTF-8 text: it holds NUL bytes in its first {_SNIFF_BYTES // 1024} KB, as a binary file or "
+            f"UTF-16/UTF-32 text without a byte-order mark does; convert it to UTF-8 (iconv) or leave it out")
 
 
 def _txt_lines(pieces: Iterable[tuple[str, bool, bool]]) -> Iterator[tuple[str, bool, bool]]:
