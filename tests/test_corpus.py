@@ -57,7 +57,9 @@ def test_data_preparation_warns_of_a_files_bad_lines_once(tmp_path, caplog):
                             show_progress=False)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [f"{f}: skipped 2 lines that are not JSON objects with a string `text` field",
-                        f"{f}: 1 lines had bytes that are not UTF-8 (replaced by U+FFFD)"], warnings
+                        f"{f}: 1 lines had bytes that are not UTF-8 (replaced by U+FFFD, which the tokenizer "
+                        f"drops); if it is in another encoding, convert it to UTF-8, e.g. iconv -f CP1252 -t UTF-8 "
+                        f"for Windows text"], warnings
     assert data.stats["bad_jsonl_lines"] == 2 and data.stats["documents"] == 41
 
 
@@ -103,6 +105,19 @@ def test_a_jsonl_escape_of_half_an_emoji_is_replaced_and_warned(tmp_path, caplog
     first = shards.document_starts[data.train.document_ids[0]]
     text = data.tokenizer.decode(shards.tokens(*shards.sentence_starts[first:first + 2]).tolist())
     assert text == "tweet 0 was cut here."
+
+
+def test_a_cp1252_file_is_warned_of_with_the_conversion_that_reads_it(tmp_path, caplog):
+    """Smart quotes and accents of Windows text are not UTF-8: the warning said they were replaced, not that
+    the tokenizer then drops them ("café" trains as "caf") nor how to convert the file."""
+    f = tmp_path / "c.txt"
+    f.write_bytes("He said \u201cCaf\u00e9\u201d.\n\nOther doc.\n".encode("cp1252"))
+    with caplog.at_level(logging.WARNING):
+        assert list(read_documents([f])) == [["He said \ufffdCaf\ufffd."], ["Other doc."]]
+    assert "which the tokenizer drops" in caplog.text and "iconv -f CP1252 -t UTF-8" in caplog.text
+    converted = f.read_bytes().decode("cp1252").encode()  # what the iconv it names writes
+    f.write_bytes(converted)
+    assert list(read_documents([f])) == [["He said \u201cCaf\u00e9\u201d."], ["Other doc."]]
 
 
 def test_undecodable_bytes_are_replaced_counted_and_warned(tmp_path, caplog):

@@ -342,5 +342,7 @@ def read_documents(files: Iterable[Path], stats: CorpusStats | None = None, *, w
             log.warning("%s: skipped %d lines that are not JSON objects with a string `%s` field", path,
                         stats.bad_jsonl_lines - bad_json, text_field)
         if warn and stats.lines_with_bad_bytes > bad_bytes:
-            log.warning("%s: %d lines had bytes that are not UTF-8 (replaced by U+FFFD)", path,
-                        stats.lines_with_bad_bytes - bad_bytes)
+            # U+FFFD is dropped by the tokenizer: a cp1252 file's "café" trains as "caf"; say how to convert it
+            log.warning("%s: %d lines had bytes that are not UTF-8 (replaced by U+FFFD, which the tokenizer drops); "
+                        "if it is in another encoding, convert it to UTF-8, e.g. iconv -f CP1252 -t UTF-8 for "
+                        "Windows text", path, stats.lines_with_bad_bytes - bad_bytes)
