@@ -357,6 +357,9 @@ def broken_copies(src, root):
     d = copy("one-segment")
     (d / "config.json").write_text(json.dumps({**cfg, "type_vocab_size": 1}))
     cases["type_vocab_size 1"] = (d, "type_vocab_size 1: the model has no segment embedding for a pair's second text")
+    d = copy("decoder")  # BertLMHeadModel's config: transformers attends causally, the graph would not
+    (d / "config.json").write_text(json.dumps({**cfg, "is_decoder": True}))
+    cases["is_decoder"] = (d, "is_decoder true: a decoder (causal attention, as BertLMHeadModel), not an encoder")
     d = copy("layers-left-out")
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_hidden_layers"}))
     cases["num_hidden_layers left out"] = (d, "config.json leaves out num_hidden_layers, so BERT-base's 12 was taken")

@@ -76,6 +76,11 @@ class BertConfig:
         pos = d.get("position_embedding_type", "absolute")
         if pos != "absolute":
             raise ValueError(f"unsupported position_embedding_type {pos!r}: only 'absolute' is implemented")
+        # transformers runs a decoder's self-attention causally (a token sees none after it); ours is bidirectional
+        for flag in ("is_decoder", "add_cross_attention"):
+            if d.get(flag):
+                raise ValueError(f"{flag} true: a decoder (causal attention, as BertLMHeadModel), not an encoder; "
+                                 f"only bidirectional BERT encoders are implemented")
         types = d.get("type_vocab_size", 2)
         if isinstance(types, int) and not isinstance(types, bool) and types < 2:
             raise ValueError(f"type_vocab_size {types}: the model has no segment embedding for a pair's second text "
