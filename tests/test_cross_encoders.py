@@ -286,6 +286,19 @@ def test_huggingface_inference_client_classifies_at_the_root(tiny_tokenizer_dir,
     assert answer.score == pytest.approx(float(want.max()), abs=1e-5)
 
 
+@pytest.mark.parametrize("id2label", [{0: "a", 1: "b", 3: "d"}, {0: "a", 1: "b", 2: "c", 3: "d"}])
+def test_an_id2label_that_is_not_the_heads_outputs_is_one_line(id2label, tiny_tokenizer_dir, tmp_path):
+    """Ids 0, 1, 3 on three outputs (transformers' pipeline fails on id 2), or four labels on three outputs
+    (transformers refuses to load it): once served as 'LABEL_2', or with a label dropped."""
+    folder, _ = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "id2label": id2label}))
+    ids = ", ".join(map(str, id2label))
+    with pytest.raises(ModelFolderError, match=f"id2label names ids {ids} but the classifier has 3 outputs"):
+        export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert not (tmp_path / "art").exists()
+
+
 def test_continued_pretraining_refuses_a_classifier_naming_what_it_would_lose(cross_encoder):
     folder, _ = cross_encoder
     with pytest.raises(ModelFolderError, match="BertForSequenceClassification.*pretraining would drop that head"):

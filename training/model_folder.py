@@ -358,4 +358,8 @@ def _labels(folder: Path, id2label: dict | None, count: int) -> tuple[str, ...]:
         named = {int(k): str(v) for k, v in (id2label or {}).items()}
     except (AttributeError, ValueError) as e:
         raise ModelFolderError(f"{folder / CONFIG_FILE}: id2label is not an object of ids to labels") from e
+    # transformers takes num_labels from id2label: other ids than the head's outputs are a broken config there
+    if named and sorted(named) != list(range(count)):
+        raise ModelFolderError(f"{folder / CONFIG_FILE}: id2label names ids {', '.join(map(str, sorted(named)))} but "
+                               f"the classifier has {count} outputs (ids 0 to {count - 1}); fix id2label")
     return tuple(named.get(i, f"LABEL_{i}") for i in range(count))
