@@ -299,6 +299,17 @@ def test_an_id2label_that_is_not_the_heads_outputs_is_one_line(id2label, tiny_to
     assert not (tmp_path / "art").exists()
 
 
+def test_a_multi_label_classifier_is_one_line(tiny_tokenizer_dir, tmp_path):
+    """transformers scores multi_label_classification's labels with a sigmoid each: /predict's softmax once
+    answered other scores (summing to 1)."""
+    folder, _ = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "problem_type": "multi_label_classification"}))
+    with pytest.raises(ModelFolderError, match="problem_type 'multi_label_classification' .* softmax"):
+        export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    assert not (tmp_path / "art").exists()
+
+
 def test_continued_pretraining_refuses_a_classifier_naming_what_it_would_lose(cross_encoder):
     folder, _ = cross_encoder
     with pytest.raises(ModelFolderError, match="BertForSequenceClassification.*pretraining would drop that head"):

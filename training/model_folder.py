@@ -335,6 +335,10 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
         raise ModelFolderError(f"{folder}: a sequence classifier without its pooler (bert.pooler.*), which its "
                                f"head reads")
     labels = _labels(folder, raw_config.get("id2label"), classifier.out_features) if classifier is not None else ()
+    if len(labels) > 1 and raw_config.get("problem_type") == "multi_label_classification":
+        # transformers scores such labels independently; /predict's softmax would make them compete
+        raise ModelFolderError(f"{folder / CONFIG_FILE}: problem_type 'multi_label_classification' (a sigmoid per "
+                               f"label), but the server scores several labels with a softmax over them")
     return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels)
 
 
