@@ -360,6 +360,12 @@ def broken_copies(src, root):
     d = copy("decoder")  # BertLMHeadModel's config: transformers attends causally, the graph would not
     (d / "config.json").write_text(json.dumps({**cfg, "is_decoder": True}))
     cases["is_decoder"] = (d, "is_decoder true: a decoder (causal attention, as BertLMHeadModel), not an encoder")
+    d = copy("pad-past-vocabulary")  # transformers warns, then torch's Embedding asserts: a traceback here too
+    (d / "config.json").write_text(json.dumps({**cfg, "pad_token_id": cfg["vocab_size"]}))
+    cases["pad_token_id past the vocabulary"] = (d, f"pad_token_id {cfg['vocab_size']} is not an id of the")
+    d = copy("eps-a-string")  # failed with a TypeError traceback while tracing the LayerNorm
+    (d / "config.json").write_text(json.dumps({**cfg, "layer_norm_eps": "1e-12"}))
+    cases["layer_norm_eps a string"] = (d, "layer_norm_eps must be a number from 0 to inf, got '1e-12'")
     d = copy("layers-left-out")
     (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "num_hidden_layers"}))
     cases["num_hidden_layers left out"] = (d, "config.json leaves out num_hidden_layers, so BERT-base's 12 was taken")

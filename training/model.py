@@ -49,6 +49,15 @@ class BertConfig:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
+        # else torch fails on them with a traceback: building the embeddings, or tracing the LayerNorm
+        for name, highest in (("layer_norm_eps", math.inf), ("hidden_dropout_prob", 1),
+                              ("attention_probs_dropout_prob", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= highest:
+                raise ValueError(f"{name} must be a number from 0 to {highest}, got {value!r}")
+        pad = self.pad_token_id
+        if not isinstance(pad, int) or isinstance(pad, bool) or not -self.vocab_size <= pad < self.vocab_size:
+            raise ValueError(f"pad_token_id {pad!r} is not an id of the {self.vocab_size}-token vocabulary")
 
     @property
     def head_size(self) -> int:
