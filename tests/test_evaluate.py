@@ -112,6 +112,30 @@ def test_folder_without_heads_is_one_line(root, corpus, tokenizer_dir, capsys):
                            f"(cls.seq_relationship.*): evaluation needs a BertForPreTraining checkpoint")
 
 
+def test_a_folder_whose_mlm_decoder_is_untied_is_one_line(root, corpus, tokenizer_dir, capsys):
+    """tie_word_embeddings false: the checkpoint's decoder is its own weight, which our BERT cannot hold (it
+    ties it to the word embeddings), so its MLM figures would be another model's; a tied one loads as tied."""
+    from training.model_folder import load_model_folder
+
+    folder = root / "untied"
+    torch.manual_seed(1)
+    vocab = len((tokenizer_dir / "vocab.txt").read_text().splitlines())
+    config = transformers.BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+    transformers.BertForPreTraining(config).save_pretrained(folder)
+    for f in tokenizer_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    tied = hf_folder(root / "tied", tokenizer_dir, transformers.BertForPreTraining)
+    capsys.readouterr()  # transformers' own progress output while saving
+    assert load_model_folder(folder).untied_mlm_decoder and not load_model_folder(tied).untied_mlm_decoder
+    code, out, err = _evaluate(capsys, "--model", str(folder), "--corpus", str(corpus), "--cache-dir",
+                               str(root / "cache"))
+    assert code == 2 and not out
+    assert err.strip() == (f"error: {folder}'s MLM decoder is a weight of its own (tie_word_embeddings false), which "
+                           f"this project's BERT ties to the word embeddings: its masked-LM figures would not be the "
+                           f"checkpoint's")
+
+
 def test_json_on_stdout_is_the_figures_alone_while_preparation_shows_its_progress(root, corpus, our_folder, capsys,
                                                                                    monkeypatch):
     """`--json | jq` from a terminal: stderr a terminal, so preparation shows its progress, never on stdout."""

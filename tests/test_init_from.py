@@ -151,6 +151,24 @@ def test_transformers_reads_the_tokenizer_written_as_the_sources(root, corpus, t
     assert transformers.AutoTokenizer.from_pretrained(out)(text)["input_ids"] == expected
 
 
+def test_an_untied_mlm_decoder_is_said_before_training_ties_it(root, corpus, tokenizer_dir, tmp_path, capsys):
+    """tie_word_embeddings false: our BERT ties the decoder to the word embeddings, so the checkpoint's own
+    decoder is not where masked-LM training starts; one notice says so, and the model written is tied."""
+    source = tmp_path / "untied"
+    torch.manual_seed(1)
+    config = _hf_config(len((tokenizer_dir / "vocab.txt").read_text().splitlines()))
+    config.tie_word_embeddings = False
+    transformers.BertForPreTraining(config).save_pretrained(source)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy2(f, source / f.name)
+    capsys.readouterr()
+    out = tmp_path / "model"
+    assert main(init_args(corpus, root / "cache", source, out, tmp_path / "run", "--max-steps", "1")) == 0
+    printed = capsys.readouterr().out
+    assert f"notice: --init-from {source} has an MLM decoder of its own (tie_word_embeddings false)" in printed
+    assert not load_model_folder(out).untied_mlm_decoder
+
+
 @pytest.mark.parametrize("layout", ["bare", "sentence_transformers"])
 def test_folder_without_heads_trains_and_writes_a_transformers_folder(layout, root, corpus, request, tmp_path):
     source = request.getfixturevalue({"bare": "bare_dir", "sentence_transformers": "sentence_transformers_dir"}[layout])

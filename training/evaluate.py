@@ -64,6 +64,10 @@ def require_heads(loaded: LoadedModel, folder: Path) -> None:
     if missing:
         raise ModelFolderError(f"{folder} has {' and '.join(missing)}: evaluation needs a BertForPreTraining "
                                f"checkpoint")
+    if loaded.untied_mlm_decoder:  # ours would score with the word embeddings in its place
+        raise ModelFolderError(f"{folder}'s MLM decoder is a weight of its own (tie_word_embeddings false), which "
+                               f"this project's BERT ties to the word embeddings: its masked-LM figures would not be "
+                               f"the checkpoint's")
 
 
 def evaluate_folder(model_dir: Path | str, corpus: list[str], *, max_seq_len: int | None = None,

@@ -50,6 +50,9 @@ class LoadedModel:
     # A BertForSequenceClassification's head on the pooler (read only when asked for), and its labels.
     classifier: torch.nn.Linear | None = None
     classifier_labels: tuple[str, ...] = ()
+    # The checkpoint's MLM decoder is its own weight, not its word embeddings (tie_word_embeddings false): the
+    # loaded model's decoder is the embeddings, so its MLM scores are not the checkpoint's.
+    untied_mlm_decoder: bool = False
 
 
 def sentence_transformers_files(folder: Path | str) -> dict[str, Path | str]:
@@ -272,7 +275,7 @@ def _our_names(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         renamed[key] = value
     if "cls.predictions.bias" not in renamed and "cls.predictions.decoder.bias" in renamed:
         renamed["cls.predictions.bias"] = renamed["cls.predictions.decoder.bias"]
-    return {k: v for k, v in renamed.items() if not k.endswith(_BUFFER_SUFFIXES) and k not in _TIED_KEYS}
+    return {k: v for k, v in renamed.items() if not k.endswith(_BUFFER_SUFFIXES)}
 
 
 def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> LoadedModel:
@@ -294,6 +297,8 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     raw_config = _config_json(folder)
     config = _bert_config(folder, raw_config)
     state = _our_names(bert_family.bert_state_dict(raw_config, read_state_dict(folder)))
+    decoder = state.pop(_TIED_KEYS[0], None)  # the MLM decoder: our model ties it to the word embeddings
+    state.pop(_TIED_KEYS[1], None)
     architectures = raw_config.get("architectures") or []
     classifier = None
     architecture = architectures[0] if architectures else None
@@ -329,6 +334,9 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
     has_pooler = not any(k.startswith("bert.pooler.") for k in missing)
     has_nsp = has_pooler and not any(k.startswith("cls.seq_relationship.") for k in missing)
     has_mlm = not any(k.startswith("cls.predictions.") for k in missing)
+    embeddings = model.bert.embeddings.word_embeddings.weight
+    # tie_word_embeddings false: a decoder of its own, which ours cannot hold; its MLM scores are not this model's
+    untied = decoder is not None and (decoder.shape != embeddings.shape or not torch.equal(decoder.float(), embeddings))
     # load_state_dict with no decoder key keeps the tie, fresh head or not; be explicit all the same
     model.cls.predictions.decoder.weight = model.bert.embeddings.word_embeddings.weight
     if classifier is not None and not has_pooler:
@@ -339,7 +347,7 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
         # transformers scores such labels independently; /predict's softmax would make them compete
         raise ModelFolderError(f"{folder / CONFIG_FILE}: problem_type 'multi_label_classification' (a sigmoid per "
                                f"label), but the server scores several labels with a softmax over them")
-    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels)
+    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels, untied)
 
 
 def _classifier_head(folder: Path, state: dict[str, torch.Tensor], hidden_size: int) -> torch.nn.Linear:

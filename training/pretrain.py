@@ -477,6 +477,10 @@ def run(args: argparse.Namespace, dist: DistInfo) -> dict[str, Any]:
 def _run(args: argparse.Namespace, dist: DistInfo, held: contextlib.ExitStack) -> dict[str, Any]:
     out, run_dir = Path(args.out), run_dir_of(args)
     source = model_source(args)
+    if source.init_from is not None and source.init_from.untied_mlm_decoder and dist.is_main:
+        print(f"notice: --init-from {args.init_from} has an MLM decoder of its own (tie_word_embeddings false); this "
+              f"project's BERT ties it to the word embeddings, so masked-LM training starts from them there and "
+              f"relearns the head", flush=True)
     check_lengths(args, source)
     cfg = train_config(args, source.default_lr)
     check_config(cfg, dist)
