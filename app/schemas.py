@@ -142,7 +142,8 @@ class TeiSimilarityRequest(BaseModel):
     parameters: SimilarityParameters | None = Field(None, description="truncate, truncation_direction, prompt_name")
 
 
-_RAW_SCORES_TEXT = "the head's logits instead of scores (a sigmoid for one label, else a softmax)"
+_RAW_SCORES_TEXT = ("the head's logits instead of scores (a sigmoid for one label and for each label of a "
+                    "multi-label classifier, else a softmax)")
 
 
 class RerankRequest(_TeiRequest):

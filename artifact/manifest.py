@@ -151,6 +151,10 @@ class Manifest:
     # A sequence classifier's labels, in the order of CLASSIFIER_LOGITS (one for a cross-encoder's score);
     # written only for such a model.
     classifier_labels: list[str] = field(default_factory=list)
+    # Whether its labels are scored each on its own, a sigmoid each (transformers' problem_type
+    # multi_label_classification, as its text-classification pipeline scores them), not with a softmax over
+    # them; written only when true.
+    classifier_multi_label: bool = False
     # Which end truncation cuts when a request does not say: the checkpoint's tokenizer_config.json
     # truncation_side, as transformers' tokenizer and sentence-transformers cut; written only when "left".
     truncation_direction: str = "right"
@@ -158,7 +162,8 @@ class Manifest:
 
     def to_json(self) -> str:
         record = asdict(self)
-        for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels"):
+        for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels",
+                         "classifier_multi_label"):
             if not record[optional]:
                 del record[optional]
         if record["truncation_direction"] == "right":
@@ -206,6 +211,9 @@ class Manifest:
                 raise ManifestError(f"manifest sentence_dense {layer!r} is not a Dense layer taking {width}-wide "
                                     f"vectors: re-export the model")
             width = layer["out_features"]
+        if manifest.classifier_multi_label and len(manifest.classifier_labels) < 2:
+            raise ManifestError("manifest classifier_multi_label is true for a model without several classifier "
+                                "labels: re-export the model")
         if manifest.truncation_direction not in ("right", "left"):
             raise ManifestError(f"manifest truncation_direction {manifest.truncation_direction!r} is not right or "
                                 f"left: re-export the model")

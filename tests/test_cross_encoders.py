@@ -299,15 +299,38 @@ def test_an_id2label_that_is_not_the_heads_outputs_is_one_line(id2label, tiny_to
     assert not (tmp_path / "art").exists()
 
 
-def test_a_multi_label_classifier_is_one_line(tiny_tokenizer_dir, tmp_path):
-    """transformers scores multi_label_classification's labels with a sigmoid each: /predict's softmax once
-    answered other scores (summing to 1)."""
-    folder, _ = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
+def test_a_multi_label_classifier_predicts_a_sigmoid_per_label_as_transformers_pipeline(tiny_tokenizer_dir,
+                                                                                           tmp_path):
+    """problem_type multi_label_classification (a toxicity classifier's): each label scored on its own, a
+    sigmoid of its logit, as transformers' text-classification pipeline scores it, never a softmax that makes
+    the labels compete (which /predict once answered); /info says which; raw_scores are the logits."""
+    import transformers
+
+    folder, model = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "problem_type": "multi_label_classification"}))
-    with pytest.raises(ModelFolderError, match="problem_type 'multi_label_classification' .* softmax"):
-        export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
-    assert not (tmp_path / "art").exists()
+    m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
+    written = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert m.classifier_multi_label and written["classifier_multi_label"]
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tiny_tokenizer_dir / "tokenizer.json"))
+    pipeline = transformers.TextClassificationPipeline(model=hf, tokenizer=tokenizer, top_k=None)
+    want = [{d["label"]: d["score"] for d in labelled} for labelled in pipeline(TEXTS[:2])]
+
+    async def go():
+        async with serving(tmp_path / "art") as (c, _):
+            info = (await c.get("/info")).json()
+            scored = (await c.post("/predict", json={"inputs": [[t] for t in TEXTS[:2]]})).json()
+            raw = (await c.post("/predict", json={"inputs": TEXTS[0], "raw_scores": True})).json()
+            return info, scored, raw
+    info, scored, raw = run(go())
+    assert info["classifier_multi_label"] is True
+    for row, expected in zip(scored, want):
+        assert [d["score"] for d in row] == sorted((d["score"] for d in row), reverse=True)
+        assert {d["label"]: d["score"] for d in row} == pytest.approx(expected, abs=1e-5)
+    assert sum(d["score"] for d in scored[0]) != pytest.approx(1.0, abs=1e-3)  # no softmax
+    logits = logits_of(model, tiny_tokenizer_dir, [TEXTS[0]])[0]
+    assert {d["label"]: d["score"] for d in raw} == pytest.approx(dict(zip(LABELS.values(), logits)), abs=1e-5)
 
 
 def test_continued_pretraining_refuses_a_classifier_naming_what_it_would_lose(cross_encoder):

@@ -53,6 +53,8 @@ class LoadedModel:
     # The checkpoint's MLM decoder is its own weight, not its word embeddings (tie_word_embeddings false): the
     # loaded model's decoder is the embeddings, so its MLM scores are not the checkpoint's.
     untied_mlm_decoder: bool = False
+    # problem_type multi_label_classification: its labels are scored a sigmoid each, as transformers does.
+    multi_label: bool = False
 
 
 def sentence_transformers_files(folder: Path | str) -> dict[str, Path | str]:
@@ -343,11 +345,10 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
         raise ModelFolderError(f"{folder}: a sequence classifier without its pooler (bert.pooler.*), which its "
                                f"head reads")
     labels = _labels(folder, raw_config.get("id2label"), classifier.out_features) if classifier is not None else ()
-    if len(labels) > 1 and raw_config.get("problem_type") == "multi_label_classification":
-        # transformers scores such labels independently; /predict's softmax would make them compete
-        raise ModelFolderError(f"{folder / CONFIG_FILE}: problem_type 'multi_label_classification' (a sigmoid per "
-                               f"label), but the server scores several labels with a softmax over them")
-    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels, untied)
+    # transformers scores such labels each on its own (a sigmoid each), not in competition (a softmax)
+    multi_label = len(labels) > 1 and raw_config.get("problem_type") == "multi_label_classification"
+    return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels, untied,
+                       multi_label)
 
 
 def _classifier_head(folder: Path, state: dict[str, torch.Tensor], hidden_size: int) -> torch.nn.Linear:
