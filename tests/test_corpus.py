@@ -243,6 +243,32 @@ def test_a_folder_names_the_files_its_glob_does(tmp_path):
     assert resolve_corpus_files([str(tmp_path / "data") + "/"]) == folder
 
 
+def test_corpus_files_compressed_otherwise_than_gzip_in_a_folder_are_warned_of(tmp_path, caplog):
+    """A folder of .txt.zst (or .bz2, .xz) files beside .txt ones: those are left out, as before, but said
+    in one warning naming one of them, not dropped without a word; a folder without them warns nothing."""
+    for name in ("data/a.txt", "data/b.txt.zst", "data/sub/c.jsonl.bz2", "data/d.csv.xz", "plain/e.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x")
+    with caplog.at_level(logging.WARNING):
+        files = resolve_corpus_files([str(tmp_path / "data"), str(tmp_path / "plain")])
+    assert [f.name for f in files] == ["a.txt", "e.txt"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{tmp_path / 'data'}: left out 2 corpus files compressed other than with gzip (e.g. "
+                        f"b.txt.zst); decompress them, or recompress them with gzip (.gz)"]
+
+
+def test_a_jsonl_line_nested_past_pythons_depth_is_a_bad_line(tmp_path, caplog):
+    """json.loads raises RecursionError, not ValueError, for a line nested deeper than Python recurses: one
+    more bad line, not a traceback that stops data preparation."""
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps({"text": "One. Two."}) + "\n" + "[" * 200_000 + "\n" + json.dumps({"text": "Three."})
+                 + "\n", encoding="utf-8")
+    stats = CorpusStats()
+    with caplog.at_level(logging.WARNING):
+        docs = list(read_documents([f], stats))
+    assert docs == [["One.", "Two."], ["Three."]] and stats.bad_jsonl_lines == 1
+
+
 @pytest.mark.timeout(10)
 def test_a_folder_with_links_to_folders_above_is_read_once_and_at_once(tmp_path):
     """Two links back up the tree (`latest -> .`, `up -> ..`): glob's `**` went round them 2^40 times."""

@@ -123,9 +123,9 @@ def resolve_corpus_files(paths: Iterable[str | Path]) -> list[Path]:
         elif p.is_dir():
             # read as the glob FOLDER/** (hidden files skipped, symbolic links followed), so that a folder
             # and a glob of it name the same files in the same order
-            found = _glob_files(os.path.join(glob.escape(str(p)), "**"))
+            found = _glob_files(os.path.join(glob.escape(str(p)), "**"), entry)
         elif glob.has_magic(entry):
-            found = _glob_files(str(p))
+            found = _glob_files(str(p), entry)
         else:
             raise CorpusError(f"corpus path {entry} does not exist; check the path or the glob")
         if p.is_file() and corpus_kind(p) is None:
@@ -147,8 +147,24 @@ def corpus_kind(path: Path) -> str | None:
     return suffixes[-1] if suffixes and suffixes[-1] in CORPUS_SUFFIXES else None
 
 
-def _glob_files(pattern: str) -> list[Path]:
-    return sorted(Path(f) for f in _expand(pattern) if corpus_kind(Path(f)) and Path(f).is_file())
+def _glob_files(pattern: str, entry: str) -> list[Path]:
+    """The corpus files `pattern` matches, sorted; one warning for corpus files compressed other than with
+    gzip, which are left out (a folder of .txt.zst files would otherwise train on the rest without a word)."""
+    named = (Path(f) for f in _expand(pattern))
+    matched = [f for f in named if (corpus_kind(f) or _compressed_otherwise(f)) and f.is_file()]
+    if other := [f for f in matched if _compressed_otherwise(f)]:
+        log.warning("%s: left out %d corpus file%s compressed other than with gzip (e.g. %s); decompress them, "
+                    "or recompress them with gzip (.gz)", entry, len(other), "s" * (len(other) > 1), other[0].name)
+    return sorted(f for f in matched if corpus_kind(f))
+
+
+_OTHER_COMPRESSIONS = (".bz2", ".xz", ".zst", ".lz4", ".zip", ".7z", ".br")
+
+
+def _compressed_otherwise(path: Path) -> bool:
+    """NAME.txt.bz2 or NAME.jsonl.zst: a corpus file in a compression this reader does not take."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    return len(suffixes) == 2 and suffixes[0] in CORPUS_SUFFIXES and suffixes[1] in _OTHER_COMPRESSIONS
 
 
 def _expand(pattern: str) -> Iterator[str]:
@@ -301,7 +317,7 @@ def _jsonl_documents(path: Path, stats: CorpusStats, text_field: str) -> Iterato
             text = json.loads(text)[text_field]
             if not isinstance(text, str):
                 raise TypeError(f"{text_field} is not a string")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested past Python's depth
             bad_json += 1
             continue
         if not text.isascii() and _SURROGATE.search(text):
