@@ -120,10 +120,12 @@ def resolve_device_precision(device: str, precision: str, manifest: Manifest,
                           f"or use device cpu")
     if precision == "auto":
         precision = "fp16" if device == "cuda" and "fp16" in manifest.graphs else "fp32"
-        if device == "cpu" and "fp32" not in manifest.graphs and "int8" in manifest.graphs:
-            # an int8-only folder (fp32 graph removed to save space) needs no re-export, only the flag
-            raise EngineError("this artifact has no fp32 graph, only int8: serve it with --precision int8 "
-                              "(or re-export the model for fp32)")
+        if precision not in manifest.graphs and "int8" in manifest.graphs:
+            # an int8-only folder (fp32 graph removed to save space) needs no re-export, only the flags; on a
+            # CUDA host too, where device auto picks cuda for want of --precision int8
+            on_cpu = " --device cpu" if device == "cuda" else ""
+            raise EngineError(f"this artifact has no fp32 graph, only int8: serve it with --precision int8{on_cpu} "
+                              f"(or re-export the model for fp32)")
     if precision == "fp16" and device != "cuda":
         raise EngineError("the fp16 graph runs on CUDA only; use precision fp32 or int8 on the CPU")
     if precision == "int8" and device != "cpu":

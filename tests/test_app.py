@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -1307,6 +1308,13 @@ def test_device_and_precision_choice(artifact):
         resolve_device_precision("cuda", "fp16", manifest, ["CUDAExecutionProvider", *cpu_only])
     both = ["CUDAExecutionProvider", *cpu_only]
     assert resolve_device_precision("auto", "auto", manifest, both) == ("cuda", "fp32")
+    int8_only = dataclasses.replace(manifest, graphs={"int8": manifest.graphs["int8"]})
+    for providers in (cpu_only, both):  # a CUDA host too: device auto is cuda there until --precision int8
+        with pytest.raises(EngineError, match="no fp32 graph, only int8: serve it with --precision int8"):
+            resolve_device_precision("auto", "auto", int8_only, providers)
+    with pytest.raises(EngineError, match="serve it with --precision int8 --device cpu"):
+        resolve_device_precision("cuda", "auto", int8_only, both)
+    assert resolve_device_precision("auto", "int8", int8_only, both) == ("cpu", "int8")
 
 
 def _zeros(lengths: list[int]) -> Sequences:
