@@ -15,6 +15,7 @@ from tokenizers import Encoding, Tokenizer
 from app.batcher import Sequences
 from app.errors import InputTooLong, InvalidInput
 from app.tokenizer_shortcuts import AsciiWords, Item, ascii_path, equivalent_parts
+from artifact.manifest import TRUNCATION_DIRECTIONS
 
 # When truncating a long text, tokenise a prefix of about this many characters per allowed token first:
 # a 1 MB text costs seconds to tokenise in full but only its first few hundred tokens are kept.
@@ -27,8 +28,7 @@ _CJK = ("\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-
         "\U0002b920-\U0002ceaf\U0002f800-\U0002fa1f")
 _FIRST_CJK = re.compile(f"[{_CJK}]")
 _LAST_CJK = re.compile(f".*([{_CJK}])", re.DOTALL)
-# Which end of an over-long input truncation cuts: "right" keeps its start (the default), "left" its end.
-DIRECTIONS = ("right", "left")
+DIRECTIONS = TRUNCATION_DIRECTIONS  # which end of an over-long input truncation cuts
 
 
 @dataclass(frozen=True, slots=True)

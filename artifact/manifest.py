@@ -33,6 +33,8 @@ CLASSIFIER_LOGITS = "classifier_logits"
 # How a text's vector is made (app/pooling.py): "pooled" is BERT's pooler (POOLED_EMBEDDING); the others
 # are sentence-transformers' Pooling modes, computed as it does ("cls" = the first token, [CLS]).
 POOLINGS = ("cls", "pooled", "mean", "max", "mean_sqrt_len", "weightedmean", "lasttoken")
+# Which end of an over-long input truncation cuts: "right" keeps its start (the default), "left" its end.
+TRUNCATION_DIRECTIONS = ("right", "left")
 # Graph file per precision: fp32 for CPU (always there), fp16 for CUDA, int8 (dynamic) for CPU.
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 # The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
@@ -214,7 +216,7 @@ class Manifest:
         if manifest.classifier_multi_label and len(manifest.classifier_labels) < 2:
             raise ManifestError("manifest classifier_multi_label is true for a model without several classifier "
                                 "labels: re-export the model")
-        if manifest.truncation_direction not in ("right", "left"):
+        if manifest.truncation_direction not in TRUNCATION_DIRECTIONS:
             raise ManifestError(f"manifest truncation_direction {manifest.truncation_direction!r} is not right or "
                                 f"left: re-export the model")
         if manifest.default_prompt_name is not None and manifest.default_prompt_name not in manifest.prompts:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from artifact.manifest import TRUNCATION_DIRECTIONS
+
 CONFIG_FILE = "config.json"
 TRAINING_SUMMARY_FILE = "training_summary.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -102,9 +104,6 @@ def _recorded_length(folder: Path) -> int | None:
     return found if found and found < 10**9 else None  # transformers writes int(1e30) when it does not know
 
 
-TRUNCATION_SIDES = ("right", "left")
-
-
 def truncation_side(folder: Path | str) -> str:
     """Which end transformers' tokenizer of `folder` cuts an over-long input at when asked to truncate:
     tokenizer_config.json `truncation_side` (right when absent), which `tokenizer(a, b, truncation=True)`,
@@ -113,6 +112,6 @@ def truncation_side(folder: Path | str) -> str:
     side = _json_object(path).get("truncation_side")
     if side is None:
         return "right"
-    if side not in TRUNCATION_SIDES:
-        raise ModelFolderError(f"{path}: truncation_side is {side!r}, not one of {', '.join(TRUNCATION_SIDES)}")
+    if side not in TRUNCATION_DIRECTIONS:
+        raise ModelFolderError(f"{path}: truncation_side is {side!r}, not one of {', '.join(TRUNCATION_DIRECTIONS)}")
     return side
