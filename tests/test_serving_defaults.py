@@ -14,7 +14,7 @@ import torch
 
 from app.pooling import available_poolings
 from artifact.manifest import POOLINGS, ManifestError, read_manifest
-from artifact.source_folder import ModelFolderError, trained_max_length
+from artifact.source_folder import ModelFolderError, trained_max_length, truncation_side
 from export.__main__ import main
 from export.pipeline import export_artifact
 from tests.hf_checkpoints import sentence_transformer_exported
@@ -477,6 +477,18 @@ def test_an_artifact_from_a_newer_version_says_so(tiny_artifact_dir, tmp_path):
     write_json(tmp_path / "manifest.json", {**manifest, "format_version": 3})
     with pytest.raises(ManifestError, match="format_version 3 is newer than this server reads \\(2\\): serve it "
                                             "with the version that exported it"):
+        read_manifest(tmp_path)
+
+
+def test_a_truncation_end_that_is_neither_right_nor_left_is_refused(tiny_artifact_dir, tmp_path):
+    """tokenizer_config.json truncation_side "middle" is named where export reads it; a manifest whose
+    truncation_direction is neither end asks for a re-export, where every request would have failed."""
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"truncation_side": "middle"}))
+    with pytest.raises(ModelFolderError, match="truncation_side is 'middle', not one of right, left"):
+        truncation_side(tmp_path)
+    manifest = json.loads((tiny_artifact_dir / "manifest.json").read_text())
+    write_json(tmp_path / "manifest.json", {**manifest, "truncation_direction": "Left"})
+    with pytest.raises(ManifestError, match="truncation_direction 'Left' is not right or left: re-export"):
         read_manifest(tmp_path)
 
 
