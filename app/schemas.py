@@ -143,7 +143,7 @@ class TeiSimilarityRequest(BaseModel):
 
 
 _RAW_SCORES_TEXT = ("the head's logits instead of scores (a sigmoid for one label and for each label of a "
-                    "multi-label classifier, else a softmax)")
+                    "multi-label classifier, a regression's logits, else a softmax)")
 
 
 class RerankRequest(_TeiRequest):

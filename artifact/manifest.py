@@ -35,6 +35,11 @@ CLASSIFIER_LOGITS = "classifier_logits"
 POOLINGS = ("cls", "pooled", "mean", "max", "mean_sqrt_len", "weightedmean", "lasttoken")
 # Which end of an over-long input truncation cuts: "right" keeps its start (the default), "left" its end.
 TRUNCATION_DIRECTIONS = ("right", "left")
+# How a classifier's logits become the scores /predict answers, as transformers' text-classification pipeline
+# scores its config's problem_type: "auto" a sigmoid for one label (a cross-encoder's relevance) and a softmax
+# over several (single-label classification, TEI's scoring); "sigmoid" a sigmoid per label (multi-label
+# classification); "logits" the logits themselves (regression).
+CLASSIFIER_SCORINGS = ("auto", "sigmoid", "logits")
 # Graph file per precision: fp32 for CPU (always there), fp16 for CUDA, int8 (dynamic) for CPU.
 GRAPH_FILES = {"fp32": "model.onnx", "fp16": "model_fp16.onnx", "int8": "model_int8.onnx"}
 # The fp16 graph again with our own CUDA operators (custom_kernels), when export had their library.
@@ -153,10 +158,8 @@ class Manifest:
     # A sequence classifier's labels, in the order of CLASSIFIER_LOGITS (one for a cross-encoder's score);
     # written only for such a model.
     classifier_labels: list[str] = field(default_factory=list)
-    # Whether its labels are scored each on its own, a sigmoid each (transformers' problem_type
-    # multi_label_classification, as its text-classification pipeline scores them), not with a softmax over
-    # them; written only when true.
-    classifier_multi_label: bool = False
+    # How its logits are scored (CLASSIFIER_SCORINGS); written only when not "auto".
+    classifier_scoring: str = "auto"
     # Which end truncation cuts when a request does not say: the checkpoint's tokenizer_config.json
     # truncation_side, as transformers' tokenizer and sentence-transformers cut; written only when "left".
     truncation_direction: str = "right"
@@ -164,10 +167,11 @@ class Manifest:
 
     def to_json(self) -> str:
         record = asdict(self)
-        for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels",
-                         "classifier_multi_label"):
+        for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels"):
             if not record[optional]:
                 del record[optional]
+        if record["classifier_scoring"] == "auto":
+            del record["classifier_scoring"]
         if record["truncation_direction"] == "right":
             del record["truncation_direction"]
         return json.dumps(record, indent=2, sort_keys=True) + "\n"
@@ -213,9 +217,11 @@ class Manifest:
                 raise ManifestError(f"manifest sentence_dense {layer!r} is not a Dense layer taking {width}-wide "
                                     f"vectors: re-export the model")
             width = layer["out_features"]
-        if manifest.classifier_multi_label and len(manifest.classifier_labels) < 2:
-            raise ManifestError("manifest classifier_multi_label is true for a model without several classifier "
-                                "labels: re-export the model")
+        if manifest.classifier_scoring not in CLASSIFIER_SCORINGS or (
+                manifest.classifier_scoring != "auto" and len(manifest.classifier_labels) < 2):
+            raise ManifestError(f"manifest classifier_scoring {manifest.classifier_scoring!r} is not one of "
+                                f"{', '.join(CLASSIFIER_SCORINGS)}, or not auto without several classifier labels: "
+                                f"re-export the model")
         if manifest.truncation_direction not in TRUNCATION_DIRECTIONS:
             raise ManifestError(f"manifest truncation_direction {manifest.truncation_direction!r} is not right or "
                                 f"left: re-export the model")

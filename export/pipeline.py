@@ -166,7 +166,7 @@ def export_artifact(
             prompts=dict(layout.prompts),
             default_prompt_name=layout.default_prompt_name,
             classifier_labels=list(loaded.classifier_labels),
-            classifier_multi_label=loaded.multi_label,
+            classifier_scoring=loaded.scoring,
             truncation_direction=direction,
             graphs=graphs,
             weights_sha256=_weights_sha256(layout.encoder_dir),

@@ -299,19 +299,22 @@ def test_an_id2label_that_is_not_the_heads_outputs_is_one_line(id2label, tiny_to
     assert not (tmp_path / "art").exists()
 
 
-def test_a_multi_label_classifier_predicts_a_sigmoid_per_label_as_transformers_pipeline(tiny_tokenizer_dir,
-                                                                                           tmp_path):
-    """problem_type multi_label_classification (a toxicity classifier's): each label scored on its own, a
-    sigmoid of its logit, as transformers' text-classification pipeline scores it, never a softmax that makes
-    the labels compete (which /predict once answered); /info says which; raw_scores are the logits."""
+@pytest.mark.parametrize("problem_type,scoring", [("multi_label_classification", "sigmoid"),
+                                                  ("regression", "logits"), ("single_label_classification", "auto")])
+def test_a_classifier_predicts_as_transformers_pipeline_scores_its_problem_type(problem_type, scoring,
+                                                                                tiny_tokenizer_dir, tmp_path):
+    """Several labels scored as transformers' text-classification pipeline scores config.json's problem_type:
+    a multi-label classifier's (a toxicity classifier's) a sigmoid each, never a softmax that makes them
+    compete (which /predict once answered); a regression's the logits themselves; a single-label one's a
+    softmax. /info says which; raw_scores are the logits for all."""
     import transformers
 
     folder, model = classifier_folder(tmp_path / "hf", tiny_tokenizer_dir, 3, seed=5)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "problem_type": "multi_label_classification"}))
+    (folder / "config.json").write_text(json.dumps({**config, "problem_type": problem_type}))
     m = export_artifact(folder, tmp_path / "art", parity_shapes=SHAPES)
     written = json.loads((tmp_path / "art" / "manifest.json").read_text())
-    assert m.classifier_multi_label and written["classifier_multi_label"]
+    assert m.classifier_scoring == scoring and written.get("classifier_scoring", "auto") == scoring
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tiny_tokenizer_dir / "tokenizer.json"))
     pipeline = transformers.TextClassificationPipeline(model=hf, tokenizer=tokenizer, top_k=None)
@@ -324,11 +327,12 @@ def test_a_multi_label_classifier_predicts_a_sigmoid_per_label_as_transformers_p
             raw = (await c.post("/predict", json={"inputs": TEXTS[0], "raw_scores": True})).json()
             return info, scored, raw
     info, scored, raw = run(go())
-    assert info["classifier_multi_label"] is True
+    assert info["classifier_scoring"] == scoring
     for row, expected in zip(scored, want):
         assert [d["score"] for d in row] == sorted((d["score"] for d in row), reverse=True)
         assert {d["label"]: d["score"] for d in row} == pytest.approx(expected, abs=1e-5)
-    assert sum(d["score"] for d in scored[0]) != pytest.approx(1.0, abs=1e-3)  # no softmax
+    sums_to_one = sum(d["score"] for d in scored[0]) == pytest.approx(1.0, abs=1e-3)
+    assert sums_to_one == (scoring == "auto")  # a softmax only for single-label classification
     logits = logits_of(model, tiny_tokenizer_dir, [TEXTS[0]])[0]
     assert {d["label"]: d["score"] for d in raw} == pytest.approx(dict(zip(LABELS.values(), logits)), abs=1e-5)
 

@@ -779,7 +779,7 @@ def test_a_damaged_or_missing_file_is_one_line_naming_it(tiny_artifact_dir, tmp_
     ("unhashed", "has no sha256 of model.onnx"),
     ("no_fp32", "no fp32 graph, only int8: serve it with --precision int8"),
     ("pooled_no_pooler", "default_pooling 'pooled' names BERT's pooler, but the model has none"),
-    ("multi_label_alone", "classifier_multi_label is true for a model without several classifier labels"),
+    ("scoring_alone", "classifier_scoring 'sigmoid' is not one of auto, sigmoid, logits, or not auto without"),
 ])
 def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_path, case, words):
     import json
@@ -794,7 +794,7 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
               "unhashed": {**manifest, "files_sha256": {"tokenizer.json": manifest["files_sha256"]["tokenizer.json"]}},
               "no_fp32": {**manifest, "graphs": {k: v for k, v in manifest["graphs"].items() if k != "fp32"}},
               "pooled_no_pooler": {**manifest, "default_pooling": "pooled", "has_pooler": False},
-              "multi_label_alone": {**manifest, "classifier_multi_label": True}}[case]
+              "scoring_alone": {**manifest, "classifier_scoring": "sigmoid"}}[case]
     (artifact / "manifest.json").write_text(json.dumps(edited))
     flags = ["--precision", "int8", "--device", "cpu"] if case == "no_int8" else []
     r = subprocess.run([sys.executable, "-m", "app", "--model-dir", str(artifact), "--port", str(free_port()), *flags],

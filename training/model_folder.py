@@ -53,8 +53,8 @@ class LoadedModel:
     # The checkpoint's MLM decoder is its own weight, not its word embeddings (tie_word_embeddings false): the
     # loaded model's decoder is the embeddings, so its MLM scores are not the checkpoint's.
     untied_mlm_decoder: bool = False
-    # problem_type multi_label_classification: its labels are scored a sigmoid each, as transformers does.
-    multi_label: bool = False
+    # How its logits are scored (artifact.manifest.CLASSIFIER_SCORINGS), from config.json's problem_type.
+    scoring: str = "auto"
 
 
 def sentence_transformers_files(folder: Path | str) -> dict[str, Path | str]:
@@ -345,10 +345,17 @@ def load_model_folder(folder: Path | str, sequence_classifier: bool = False) -> 
         raise ModelFolderError(f"{folder}: a sequence classifier without its pooler (bert.pooler.*), which its "
                                f"head reads")
     labels = _labels(folder, raw_config.get("id2label"), classifier.out_features) if classifier is not None else ()
-    # transformers scores such labels each on its own (a sigmoid each), not in competition (a softmax)
-    multi_label = len(labels) > 1 and raw_config.get("problem_type") == "multi_label_classification"
     return LoadedModel(model.eval(), config, has_mlm, has_pooler, has_nsp, folder, classifier, labels, untied,
-                       multi_label)
+                       _scoring(raw_config.get("problem_type"), len(labels)))
+
+
+def _scoring(problem_type: str | None, labels: int) -> str:
+    """How transformers' text-classification pipeline scores several labels of `problem_type`: a sigmoid each
+    (multi-label: labels do not compete), the logits (regression: values, not probabilities), else a softmax.
+    One label stays "auto" (a sigmoid): a cross-encoder's relevance, as TEI and CrossEncoder score it."""
+    if labels < 2:
+        return "auto"
+    return {"multi_label_classification": "sigmoid", "regression": "logits"}.get(problem_type, "auto")
 
 
 def _classifier_head(folder: Path, state: dict[str, torch.Tensor], hidden_size: int) -> torch.nn.Linear:

@@ -26,13 +26,13 @@ from artifact.manifest import CLASSIFIER_LOGITS
 router = APIRouter(route_class=ServiceRoute, dependencies=[Depends(require_api_key)], tags=["classifier"])
 
 
-def scores(logits: np.ndarray, raw: bool, multi_label: bool = False) -> np.ndarray:
-    """[n, labels] logits -> what is answered: the logits themselves, else a sigmoid for one label (a
-    cross-encoder's relevance) or for each label of a multi-label classifier (as transformers' pipeline scores
-    them), and a softmax over several (as text-embeddings-inference scores them)."""
-    if raw:
+def scores(logits: np.ndarray, raw: bool, scoring: str = "auto") -> np.ndarray:
+    """[n, labels] logits -> what is answered (artifact.manifest.CLASSIFIER_SCORINGS): the logits themselves
+    (raw, or a regression's), a sigmoid for one label (a cross-encoder's relevance) or for each label of a
+    multi-label classifier, else a softmax over several (as text-embeddings-inference scores them)."""
+    if raw or scoring == "logits":
         return logits.astype(np.float64)
-    if logits.shape[-1] == 1 or multi_label:
+    if logits.shape[-1] == 1 or scoring == "sigmoid":
         return 1 / (1 + np.exp(-logits.astype(np.float64)))
     return softmax(logits)
 
@@ -128,7 +128,7 @@ async def predict(body: PredictRequest, request: Request,
                                  direction=body.direction)
     answer = [[{"score": float(row[k]), "label": labels[k]} for k in np.argsort(-row, kind="stable").tolist()]
               for row in scores(result.outputs[CLASSIFIER_LOGITS], body.raw_scores,
-                                service.manifest.classifier_multi_label)]
+                                service.manifest.classifier_scoring)]
     return json_response(answer[0] if single else answer, headers=result.timings.headers())
 
 

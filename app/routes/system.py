@@ -54,7 +54,7 @@ async def info(service: InferenceService = Depends(get_service)) -> Response:
         "has_pooler": m.has_pooler,
         "has_nsp_head": m.has_nsp_head,
         "classifier_labels": m.classifier_labels,  # a sequence classifier's (/rerank, /predict); [] for an encoder
-        "classifier_multi_label": m.classifier_multi_label,  # its labels scored a sigmoid each, not a softmax
+        "classifier_scoring": m.classifier_scoring,  # auto (sigmoid for one label, softmax), sigmoid, logits
         "poolings": available_poolings(m.has_pooler),
         "device": e.device,
         "precision": e.precision,
