@@ -806,7 +806,8 @@ def test_a_broken_manifest_or_missing_graph_is_one_line(tiny_artifact_dir, tmp_p
 
 def test_an_openai_pooling_the_model_cannot_serve_is_one_line_at_start_up(tiny_artifact_dir, tmp_path):
     """--openai-pooling pooled on a model without BERT's pooler: refused before serving, in one line that says
-    what to set, where it used to start and answer every /v1/embeddings request 400."""
+    what to set, where it used to start and answer every /v1/embeddings request 400; by the launcher with one
+    or two workers, and by the app's own start-up in one process."""
     import json
     import shutil
 
@@ -821,6 +822,15 @@ def test_an_openai_pooling_the_model_cannot_serve_is_one_line_at_start_up(tiny_a
         err = r.stderr.strip()
         assert r.returncode == 2 and "\n" not in err and str(artifact) in err, err
         assert "openai_pooling 'pooled' names BERT's pooler, but this model has none" in err, err
+    # in one process (create_app, as `uvicorn --factory` or an embedding host runs it): the lifespan refuses
+    from app.engine import EngineError
+    from tests.test_app import run, serving
+
+    async def start():
+        async with serving(artifact, openai_pooling="pooled"):
+            pass
+    with pytest.raises(EngineError, match="openai_pooling 'pooled' names BERT's pooler, but this model has none"):
+        run(start())
 
 
 def test_fp16_asked_of_a_cpu_artifact_is_one_line_that_says_what_to_do(tiny_artifact_dir):
