@@ -38,7 +38,7 @@ from training.writes import check_writable, remove_stale_siblings, write_failed
 
 log = logging.getLogger(__name__)
 
-_FORMAT = 3          # bump when the shard layout, the tokenisation or the tokenizer files saved change
+_FORMAT = 4          # bump when the shard layout, the text read, the tokenisation or the tokenizer files saved change
 _SCAN_SENTENCES = 1 << 22  # sentence digests compared with the held-out ones at a time (32 MiB)
 _MIN_FREQUENCY = 2   # of a WordPiece we train
 _DONE = "DONE"
