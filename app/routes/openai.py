@@ -31,8 +31,6 @@ async def embeddings(body: OpenAIEmbeddingRequest, request: Request,
                           "(LangChain's OpenAIEmbeddings sends ids unless check_embedding_ctx_length=False)")
     pooling = service.openai_pooling
     service.check_dimensions(body.dimensions, pooling)
-    if pooling == "pooled" and not service.manifest.has_pooler:
-        raise Unsupported("the server's openai_pooling is 'pooled' but this model has no pooler")
     result = await service.infer(request, inputs, True, frozenset({POOLING_OUTPUT[pooling]}), "input",
                                  prompt=service.prompt_for(inputs, None))  # the model's default prompt, if any
     vectors = service.sentence_vectors(result.outputs, pooling, service.openai_normalize, body.dimensions)
