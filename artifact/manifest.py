@@ -12,7 +12,7 @@ import json
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 FORMAT_VERSION = 2  # 2: the trained max_length, max_position_embeddings, default pooling, typed graph variants
@@ -125,6 +125,11 @@ class GraphInfo:
                       "host_packed": variant(HostPackedGraph, d.get("host_packed"))})
 
 
+# The Manifest fields written only when they differ from their default (each added after format 2 was set).
+_WRITTEN_WHEN_SET = ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels", "classifier_scoring",
+                     "truncation_direction")
+
+
 @dataclass
 class Manifest:
     model_name: str
@@ -167,13 +172,10 @@ class Manifest:
 
     def to_json(self) -> str:
         record = asdict(self)
-        for optional in ("sentence_dense", "prompts", "default_prompt_name", "classifier_labels"):
-            if not record[optional]:
-                del record[optional]
-        if record["classifier_scoring"] == "auto":
-            del record["classifier_scoring"]
-        if record["truncation_direction"] == "right":
-            del record["truncation_direction"]
+        for f in fields(self):  # the optional ones at their default are left out: an older manifest reads the same
+            if f.name in _WRITTEN_WHEN_SET and record[f.name] == (
+                    f.default if f.default_factory is MISSING else f.default_factory()):
+                del record[f.name]
         return json.dumps(record, indent=2, sort_keys=True) + "\n"
 
     @property
