@@ -7,8 +7,8 @@ BENCHMARKS.md). A CUDA graph needs fixed shapes and fixed addresses, each captur
 and output buffers on the device, and a batch is padded up to the smallest bucket that holds it:
 - A packed graph's shapes follow its data (ORT removes the padding on the GPU and sizes its tensors by
   the count), so the server replays its host-packed variant instead: the tokens are packed here, one
-  (rows, tokens) bucket per graph, and every batch that fits and needs no token vectors replays
-  (`PackedGraphBuckets`).
+  (rows, tokens) bucket per graph, and every batch that fits and needs no token vectors replays; one
+  larger than every bucket runs on the same session uncaptured (`PackedGraphBuckets`).
 - A padded graph is captured per (rows, length) bucket, for small batches that find the GPU idle. A
   batch is cut into a few row groups by length, each replayed in its own bucket: a batch of 64 texts
   whose longest has 90 tokens would otherwise cost 64 x 128 tokens of GPU time however short the rest
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime as ort
 
-from artifact.host_packing import FlatLayout, HostPacker
+from artifact.host_packing import HOST_PACKED_INPUTS, FlatLayout, HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES
 
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
@@ -286,6 +286,8 @@ class PackedGraphBuckets(_SessionThread):
         self.max_rows = max(r for r, _, _ in self.buckets)  # and in rows
         self._graphs = {key: self._make(*key, graph_id) for graph_id, key in enumerate(self.buckets)}
         self._packers = {(r, w): HostPacker(r, w) for r, _, w in self.buckets}  # used on this thread only
+        self._uncaptured = ort.RunOptions()  # a batch larger than every bucket runs without capture or replay
+        self._uncaptured.add_run_config_entry("gpu_graph_id", "-1")
         self._claims = 0  # batches handed to this thread by `claim` and not finished
         self._claims_lock = threading.Lock()
 
@@ -327,8 +329,10 @@ class PackedGraphBuckets(_SessionThread):
         """The (rows, tokens, width) bucket such a batch replays (`bucket_for`), else None."""
         return bucket_for(self.buckets, rows, tokens, longest)
 
-    def fits(self, rows: int, longest: int, tokens: int, outputs: Iterable[str]) -> bool:
-        return self.outputs.issuperset(outputs) and self.bucket(rows, tokens, longest) is not None
+    def takes(self, outputs: Iterable[str]) -> bool:
+        """Whether a batch that wants `outputs` runs here: replayed when a bucket holds it, else run on the
+        same graph uncaptured, its shapes the batch's own (`run`)."""
+        return self.outputs.issuperset(outputs)
 
     def capture(self) -> None:
         """Run every bucket until ORT has captured its graph (start-up: later runs only replay)."""
@@ -340,17 +344,25 @@ class PackedGraphBuckets(_SessionThread):
 
     def run(self, lengths: np.ndarray, ids: np.ndarray, type_ids: np.ndarray,
             outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
-        """Rows of these `lengths` whose tokens, one row after another, are `ids` / `type_ids`."""
+        """Rows of these `lengths` whose tokens, one row after another, are `ids` / `type_ids`: replayed in the
+        smallest bucket that holds them, or run uncaptured when none does (a batch larger than the buckets)."""
         key = self.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
-        if key is None:
-            raise ValueError(f"{len(lengths)} rows of {int(lengths.sum())} tokens (longest {int(lengths.max())}) fit "
-                             f"no captured bucket")
         claimed = threading.get_ident() == self._thread_id  # the batcher ran it here, by `claim`
         try:
+            if key is None:
+                return self._on_thread(self._run_uncaptured, lengths, ids, type_ids, outputs)
             return self._on_thread(self._replay, key, lengths, ids, type_ids, outputs)
         finally:
             if claimed:
                 self.release()
+
+    def _run_uncaptured(self, lengths: np.ndarray, ids: np.ndarray, type_ids: np.ndarray,
+                        outputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+        # On this thread too: ORT runs a CUDA-graph session from one thread at a time.
+        inputs = pack_on_host(lengths, ids, type_ids, len(lengths), int(lengths.sum()), int(lengths.max()),
+                              self.pad_id)
+        values = self.session.run(list(outputs), dict(zip(HOST_PACKED_INPUTS, inputs)), self._uncaptured)
+        return dict(zip(outputs, values))
 
     def _replay(self, key: tuple[int, int, int], lengths: np.ndarray, ids: np.ndarray | None,
                 type_ids: np.ndarray | None, outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -223,21 +223,20 @@ class OrtEngine:
     def replay_thread(self, rows: int, longest: int, tokens: int, outputs: Iterable[str],
                       alone: bool) -> Executor | None:
         """Where to run a batch of `rows` sequences, the longest of `longest` tokens, `tokens` in all, that
-        wants `outputs` (`alone`: no other batch is running): the CUDA graphs' own thread when it will
-        replay one there (`run` there replays without a hop to that thread and back), else None (any thread)."""
-        if self.packed_lanes and self.packed_lanes[0].fits(rows, longest, tokens, outputs):
+        wants `outputs` (`alone`: no other batch is running): the CUDA graphs' own thread when it will run
+        there (`run` there runs without a hop to that thread and back), else None (any thread)."""
+        if self.packed_lanes and self.packed_lanes[0].takes(outputs):
             return self._least_claimed_lane().claim()
         if alone and self.graph_buckets is not None and self.graph_buckets.fits(rows, longest):
             return self.graph_buckets.thread
         return None
 
     def replay_busy(self, tokens: int, outputs: Iterable[str]) -> bool:
-        """Whether work of `tokens` tokens that wants `outputs` would replay, but every replaying session has
-        a batch already: it would only wait on a lane's thread, so the batcher keeps it queued, where more
-        work joins it, until a lane is free (DynamicBatcher's replay_busy)."""
+        """Whether work that wants `outputs` would run on a replaying session (of any size: `tokens` does not
+        matter), but every such session has a batch already: it would only wait on a lane's thread, so the
+        batcher keeps it queued, where more work joins it, until a lane is free (DynamicBatcher's replay_busy)."""
         lanes = self.packed_lanes
-        return (bool(lanes) and tokens <= lanes[0].max_tokens and lanes[0].outputs.issuperset(outputs)
-                and all(lane.claims for lane in lanes))
+        return bool(lanes) and lanes[0].takes(outputs) and all(lane.claims for lane in lanes)
 
     def replay_next(self, take: Callable[[int, int, frozenset[str]], T | None]) -> T | None:
         """On a replaying session's thread, just after its batch: `take(rows, tokens, outputs)` picks the next
@@ -257,10 +256,13 @@ class OrtEngine:
         return taken or None
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
-        """A batch replays a CUDA graph of the host-packed variant when it fits its buckets and wants no
-        token vectors; of a padded graph, when it is small and the only batch on the GPU (a padded replay's
-        synchronous copies would wait for a batch running beside it: replaying beside one cost 7-8% at
-        16-64 texts per request, BENCHMARKS.md). The rest run on the session's graph.
+        """A batch that wants only what the host-packed variant answers (no token vectors) runs on it:
+        replayed as a CUDA graph when it fits its buckets, else uncaptured. That variant skips the packed
+        graph's wait for RemovePadding's count and, for a model that pools [CLS], computes its last layer
+        for the [CLS] rows only (export/last_layer_rows.py), so it is the faster graph at every size
+        (BENCHMARKS.md). A padded graph's CUDA graphs take a batch when it is small and the only one on the
+        GPU (a padded replay's synchronous copies would wait for a batch running beside it: replaying beside
+        one cost 7-8% at 16-64 texts per request, BENCHMARKS.md). The rest run on the session's graph.
         Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable."""
         try:
             return self._run_batch(batch)
@@ -273,7 +275,7 @@ class OrtEngine:
     def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
         if self.packed_lanes:
             ids, type_ids, lengths = batch.unpadded()
-            if self.packed_lanes[0].fits(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
+            if self.packed_lanes[0].takes(batch.outputs):
                 return self._packed_lane().run(lengths, ids, type_ids, batch.outputs)
         if self.graph_buckets is None:
             return self._run_session(batch)

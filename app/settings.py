@@ -41,7 +41,8 @@ class Settings(BaseSettings):
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: replay batches as CUDA graphs captured at start, from the graph python -m "
         "export --device cuda writes for them: with a packed graph (the default) every batch of up to "
-        "max_batch_size texts and cuda_graph_tokens tokens that needs no token vectors; with a padded one "
+        "max_batch_size texts and cuda_graph_tokens tokens that needs no token vectors (a larger one runs on "
+        "the same graph uncaptured); with a padded one "
         "(--keep-padding), a batch of up to cuda_graph_rows texts that finds the GPU otherwise idle. A lone "
         "text is answered sooner and a batch costs less CPU, for GPU memory and start-up time (BENCHMARKS.md). "
         "auto: when the artifact has that graph; on: fail without it; off: never")
@@ -49,8 +50,8 @@ class Settings(BaseSettings):
                                    "(tokens) replayed from a CUDA graph; one is captured for each (rows, tokens) "
                                    "bucket up to it, about 1.25x apart. 4096 instead of 2048: one text per request "
                                    "14% faster on an H200, for 28 more graphs, 272 MiB of GPU memory and 0.45 s of "
-                                   "start-up (BERT-base); at 8192 large batches replay slower than they run on the "
-                                   "packed graph (BENCHMARKS.md)")
+                                   "start-up (BERT-base). A larger batch that needs no token vectors runs on the "
+                                   "same graph uncaptured (BENCHMARKS.md)")
     cuda_graph_short_lengths: str | None = Field(
         "64,128", pattern=r"^\d+(,\d+)*$", description="CUDA, packed graphs: text lengths in tokens that get "
         "captured graphs of their own besides the model's longest: a batch whose longest text fits one replays a "

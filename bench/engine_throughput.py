@@ -5,7 +5,9 @@ the graph on custom_kernels' fused GEMM + bias + GELU operator, when its library
 ort-attention": that graph with ORT's PackedMultiHeadAttention in place of our PackedAttention; "+kernels
 ort-remove-padding": with ORT's RemovePadding in place of ours; "+kernels three-products": each layer's Q, K
 and V as three products and PackedAttention, in place of one product and PackedQKVAttention; "+kernels
-no-mean": without the mean_embedding output, what pooling the mean in the graph costs every batch)
+no-mean": without the mean_embedding output, what pooling the mean in the graph costs every batch; "host-packed
++kernels": export's host-packed graph of it, the per-sequence outputs from tokens packed on the host, its last
+layer for the [CLS] rows only, "full-last-layer": without that, each also replayed as a CUDA graph)
 against PyTorch fp16 SDPA eager. CPU: the fp32 and int8 artifacts against PyTorch fp32. Workloads:
 fixed length (--seq) at each of --batches, and real text of varying length (Python docstrings of
 the standard library, 16..256 tokens) where padding costs the engines that keep it.
@@ -183,6 +185,63 @@ class DeviceBoundSession:
         pass  # run_with_iobinding returns once the device stream is done
 
 
+class HostPackedSession(DeviceBoundSession):
+    """A host-packed graph (export/host_packing.py: the per-sequence outputs, from tokens packed here) timed as
+    DeviceBoundSession times the others: each batch packed on the host and put on the device in `prepare`,
+    outside the timing; with `cuda_graph`, replayed as the server replays it (one graph per batch shape)."""
+
+    def __init__(self, path: Path, kernels_library: Path | None = None, cuda_graph: bool = False):
+        super().__init__(path, "cuda", cuda_graph=cuda_graph, kernels_library=kernels_library)
+        self._graph_ids = 0
+
+    def prepare(self, feed):
+        from artifact.host_packing import HOST_PACKED_INPUTS, pack_on_host
+
+        real = feed["attention_mask"].astype(bool)
+        lengths = real.sum(1)
+        rows, width = real.shape
+        inputs = pack_on_host(lengths, feed["input_ids"][real], feed["token_type_ids"][real], rows,
+                              int(lengths.sum()), width, 0)
+        io, keep = self.session.io_binding(), []
+        for name, array in zip(HOST_PACKED_INPUTS, inputs):
+            value = self.ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), "cuda", 0)
+            keep.append(value)
+            io.bind_ortvalue_input(name, value)
+        options = None
+        if self.cuda_graph:
+            for o in self.session.get_outputs():
+                value = self.ort.OrtValue.ortvalue_from_shape_and_type([rows, *o.shape[1:]], np.float32, "cuda", 0)
+                keep.append(value)
+                io.bind_ortvalue_output(o.name, value)
+            options = self.ort.RunOptions()
+            options.add_run_config_entry("gpu_graph_id", str(self._graph_ids))
+            self._graph_ids += 1
+        else:
+            for name in self.outputs:
+                io.bind_output(name, "cuda")
+        return io, keep, options
+
+    def run(self, prepared):
+        self.session.run_with_iobinding(prepared[0], prepared[2])
+
+
+def host_packed_variants(packed_kernels: Path) -> dict[str, Path]:
+    """The packed kernels graph as export's host-packed graph without the mean (the last layer for the [CLS]
+    rows only, export.last_layer_rows) and as it was before that rewrite (every row through the last layer)."""
+    import onnx
+
+    from export.host_packing import host_packed
+    from export.last_layer_rows import last_layer_for_cls_rows
+
+    full = host_packed(onnx.load(str(packed_kernels)), mean=False)
+    variants = {"host-packed+kernels full-last-layer": packed_kernels.with_name("host_packed_full_last_layer.onnx")}
+    onnx.save(full, str(variants["host-packed+kernels full-last-layer"]))
+    if last_layer_for_cls_rows(full):
+        variants["host-packed+kernels"] = packed_kernels.with_name("host_packed_cls_rows.onnx")
+        onnx.save(full, str(variants["host-packed+kernels"]))
+    return variants
+
+
 def untuned(make):
     """make() with custom_kernels' autotuning off: its kernels read the switch when the session is made."""
     with mock.patch.dict(os.environ, BERTSERVE_KERNELS_AUTOTUNE="0"):
@@ -221,6 +280,9 @@ def main(argv=None) -> int:
     p.add_argument("--packed-attention", default="served",
                    help="comma-separated ORT operators of the packed graphs to build and time: "
                         f"{', '.join(PACKED_KINDS)}; 'served' (the default): the one export picks, as the server runs")
+    p.add_argument("--variants", default="all",
+                   help="comma-separated A/B variants of the +kernels graphs to time (three-products, ort-attention, "
+                        "ort-remove-padding, no-mean, host-packed), 'all' or 'none'")
     p.add_argument("--untuned", action="store_true",
                    help="also time each +kernels graph with the operator's autotuning off (BERTSERVE_KERNELS_AUTOTUNE=0)")
     p.add_argument("--json", help="where to write the JSON (default: $OUT/engine_throughput.json)")
@@ -375,6 +437,11 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         return work / kind / variant.file if variant else None
 
     library = kernels_library("auto", args.device)
+    chosen = set(args.variants.split(","))
+
+    def wanted(variant: str) -> bool:
+        return "all" in chosen or variant in chosen
+
     if cuda:
         engines = {"torch fp16 sdpa": lambda: TorchEngine(model, "cuda", torch.float16)}
         packed = [kind for kind in PACKED_KINDS.values() if kind in artifacts]
@@ -386,8 +453,14 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                 engines[f"ort fp16 {kind}+kernels"] = (
                     lambda kind=kind: DeviceBoundSession(kernels_file(kind), "cuda", kernels_library=library))
                 for variant, path in kernels_variants(kernels_file(kind)).items():
+                    if not wanted(variant):
+                        continue
                     engines[f"ort fp16 {kind}+kernels {variant}"] = (
                         lambda path=path: DeviceBoundSession(path, "cuda", kernels_library=library))
+                if kind != "padded" and wanted("host-packed"):
+                    for variant, path in host_packed_variants(kernels_file(kind)).items():
+                        engines[f"ort fp16 {variant}"] = (
+                            lambda path=path: HostPackedSession(path, kernels_library=library))
                 if args.untuned:
                     engines[f"ort fp16 {kind}+kernels untuned"] = (
                         lambda kind=kind: untuned(lambda: DeviceBoundSession(kernels_file(kind), "cuda",
@@ -429,9 +502,14 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         graphs = {"ort fp16 padded+cudagraph": (graph_file("padded", "fp16"), None)} if cuda else {}
         if cuda and kernels_file("padded"):
             graphs["ort fp16 padded+kernels+cudagraph"] = (kernels_file("padded"), library)
+        served = next((kind for kind in PACKED_KINDS.values() if kind in artifacts and kernels_file(kind)), None)
+        if cuda and served and wanted("host-packed"):
+            for variant, path in host_packed_variants(kernels_file(served)).items():
+                graphs[f"ort fp16 {variant}+cudagraph"] = (path, library)
         for name, (path, kernels) in graphs.items() if not args.no_cuda_graph else ():
             try:
-                engine = DeviceBoundSession(path, "cuda", cuda_graph=True, kernels_library=kernels)
+                engine = (HostPackedSession(path, kernels, cuda_graph=True) if "host-packed" in name else
+                          DeviceBoundSession(path, "cuda", cuda_graph=True, kernels_library=kernels))
                 record(f"fixed{args.seq}", b, name, timed(engine, feeds, args.iters), feeds)
                 del engine
             except Exception as e:  # report, do not hide: the table says why the row is missing

@@ -303,13 +303,16 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
                        mean: bool) -> HostPackedGraph:
     """The packed fp16 graph `packed` and its kernels variant as host-packed graphs (export.host_packing),
     each gated on parity like the graph it comes from, on the outputs it has; with the mean (`mean`: the
-    model pools so by default) or without."""
+    model pools so by default) or without, and then with its last layer for the [CLS] rows only."""
     import onnx
 
     from export.host_packing import HostPackedRunner, host_packed
+    from export.last_layer_rows import last_layer_for_cls_rows
 
     def build(source: str, file: str, session_library: Path | None) -> tuple[list[str], dict[str, float]]:
         model = host_packed(onnx.load(str(tmp / source)), mean)
+        if not mean:
+            last_layer_for_cls_rows(model)
         outputs = [o.name for o in model.graph.output]  # what host_packed kept
         onnx.save(model, str(tmp / file))
         try:

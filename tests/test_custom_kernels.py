@@ -531,3 +531,102 @@ def test_packed_qkv_attention_reads_the_thirds_of_one_product(hostref_library, d
                                atol=2e-6 if dtype == np.float32 else 2e-3)
     with pytest.raises(Exception, match="do not fit"):
         session.run(None, {"qkv": q, "token_offset": offsets, "cu": cu})  # a third of the width
+
+
+def _host_packed_kernels_graph(model_dir: Path, tmp_path: Path, mean: bool = False) -> onnx.ModelProto:
+    """The model's packed fp16 graph built here as export builds it for CUDA, on our operators, made
+    host-packed: what export's `_build_host_packed` starts from."""
+    from export.host_packing import host_packed
+    from export.onnx_graph import EmbeddingGraph, trace_to_onnx
+    from export.optimize import optimize_graph
+    from training.model_folder import load_model_folder
+
+    loaded = load_model_folder(model_dir)
+    trace_to_onnx(EmbeddingGraph(loaded.model, True, True).eval(), tmp_path / "traced.onnx")
+    optimize_graph(tmp_path / "traced.onnx", tmp_path / "packed.onnx", loaded.config, use_gpu=False, float16=True,
+                   remove_padding=True, packed_attention="PackedMultiHeadAttention")
+    model = onnx.load(str(tmp_path / "packed.onnx"))
+    fuse_matmul_bias_gelu(model)
+    fuse_attention_bias(model)
+    remove_padding_on_our_kernel(model)
+    attention_on_packed_kernel(model)
+    fuse_qkv_products(model)
+    return host_packed(model, mean)
+
+
+def test_the_last_layer_runs_for_the_cls_rows_only_and_answers_the_same(tiny_model_dir, tmp_path, hostref_library):
+    """export.last_layer_rows: after the last attention, the products, residual sums and LayerNorms see one
+    row per sequence, and every per-sequence output is what the graph gave with all rows, bit for bit."""
+    from export.host_packing import HostPackedRunner
+    from export.last_layer_rows import last_layer_for_cls_rows
+
+    full = _host_packed_kernels_graph(tiny_model_dir, tmp_path)
+    pruned = onnx.ModelProto()
+    pruned.CopyFrom(full)
+    assert last_layer_for_cls_rows(pruned)
+    ops = [n.op_type for n in pruned.graph.node]
+    last = max(i for i, op in enumerate(ops) if op == PACKED_QKV_ATTENTION)
+    # the attention's output and the residual gathered at the [CLS] positions, then the layer's row-wise nodes
+    assert ops[last + 1:last + 3] == ["Gather", "Gather"]
+    assert {n.input[1] for n in pruned.graph.node[last + 1:last + 3]} == {"cls_positions"}
+    assert "Gather" not in ops[last + 3:]  # the [CLS] vector is the layer's output itself
+    assert [o.name for o in pruned.graph.output] == [o.name for o in full.graph.output]
+
+    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
+    rng = np.random.default_rng(0)
+    lengths = [5, 17, 1, 64, 3, 2]
+    ids = np.zeros((len(lengths), max(lengths)), np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n], mask[row, :n] = rng.integers(5, vocab, n), 1
+    feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (rng.random(ids.shape) < 0.5) * mask}
+    names = [o.name for o in full.graph.output]
+    want = HostPackedRunner(_session(full.SerializeToString(), hostref_library), 0).run(names, feed)
+    got = HostPackedRunner(_session(pruned.SerializeToString(), hostref_library), 0).run(names, feed)
+    for name, a, b in zip(names, want, got):
+        assert a.shape == b.shape and np.array_equal(a, b), name
+
+
+def test_a_graph_that_reads_every_row_of_the_last_layer_keeps_it(tiny_model_dir, tmp_path):
+    """With the mean pooled in the graph (every token of the last layer), or any other reader of a row the
+    rewrite would drop, nothing changes."""
+    from export.last_layer_rows import last_layer_for_cls_rows
+
+    with_mean = _host_packed_kernels_graph(tiny_model_dir, tmp_path, mean=True)
+    before = with_mean.SerializeToString()
+    assert not last_layer_for_cls_rows(with_mean) and with_mean.SerializeToString() == before
+
+    model = _host_packed_kernels_graph(tiny_model_dir, tmp_path)
+    inner = next(n for n in reversed(model.graph.node) if n.op_type == "SkipLayerNormalization").input[1]
+    model.graph.node.append(helper.make_node("Identity", [inner], ["residual_copy"]))
+    model.graph.output.append(helper.make_tensor_value_info("residual_copy", TensorProto.FLOAT16, None))
+    before = model.SerializeToString()
+    assert not last_layer_for_cls_rows(model) and model.SerializeToString() == before
+
+
+def test_a_node_that_mixes_rows_after_the_last_attention_keeps_the_layer_whole():
+    """Only row-wise nodes may run on the [CLS] rows alone: a Transpose (or anything else) between the last
+    attention and the [CLS] Gather leaves the graph as it is."""
+    from export.last_layer_rows import last_layer_for_cls_rows
+
+    f16 = TensorProto.FLOAT16
+    nodes = [helper.make_node(PACKED_QKV_ATTENTION, ["qkv", "token_offset", "cu"], ["att"], domain=custom_kernels.DOMAIN),
+             helper.make_node("Transpose", ["att"], ["mixed"], perm=[1, 0]),
+             helper.make_node("Add", ["mixed", "x"], ["out"]),
+             helper.make_node("Gather", ["out", "cls_positions"], ["cls"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, f16, ["T", 8]) for n in ("qkv", "x")]
+                              + [helper.make_tensor_value_info(n, TensorProto.INT32, None)
+                                 for n in ("token_offset", "cu", "cls_positions")],
+                              [helper.make_tensor_value_info("cls", f16, ["B", 8])])
+    model = helper.make_model(graph)
+    before = model.SerializeToString()
+    assert not last_layer_for_cls_rows(model) and model.SerializeToString() == before
+    nodes[1].op_type = "Relu"  # a row-wise node in its place: rewritten
+    del nodes[1].attribute[:]
+    model = helper.make_model(helper.make_graph(nodes, "g", graph.input, graph.output))
+    assert last_layer_for_cls_rows(model)
+    # the graph's output, the Gather's, is now the last node's output as it is
+    assert [n.op_type for n in model.graph.node] == [PACKED_QKV_ATTENTION, "Gather", "Gather", "Relu", "Add",
+                                                     "Identity"]
+    assert {tuple(n.input) for n in model.graph.node if n.op_type == "Gather"} == {("att", "cls_positions"),
+                                                                                    ("x", "cls_positions")}

@@ -264,8 +264,9 @@ def test_kernels_reuse_a_buckets_algorithm_for_new_token_counts(tiny_model_dir, 
 def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_dir, tmp_path, kernels, keep_padding):
     """A packed fp16 graph gets a host-packed variant (and its kernels variant with the library), gated on
     parity like it; the engine replays it for every batch within its buckets that wants no token vectors,
-    each replay on its own new inputs, and answers what the packed graph answers. A padded graph is
-    replayed as it is, for small batches. The rest runs on the session's graph."""
+    each replay on its own new inputs, runs it uncaptured for such a batch past its buckets, and answers
+    what the packed graph answers. A padded graph is replayed as it is, for small batches. The rest runs on
+    the session's graph."""
     from app.engine import Batch, OrtEngine
     from artifact.manifest import HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE, MEAN_EMBEDDING, NSP_LOGITS
 
@@ -289,11 +290,12 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
     packed = OrtEngine(out, m, "cuda", "fp16", kernels=kernels, cuda_graphs="off")
     assert replayed.cuda_graphs and not packed.cuda_graphs
     assert (not replayed.packed_lanes) == keep_padding and (replayed.graph_buckets is None) != keep_padding
-    replays = []
+    replays, uncaptured = [], []
     if not keep_padding:
         lane = replayed.packed_lanes[0]
-        run = lane.run
-        lane.run = lambda lengths, *a: replays.append(len(lengths)) or run(lengths, *a)
+        replay, run = lane._replay, lane._run_uncaptured
+        lane._replay = lambda key, lengths, *a: replays.append(len(lengths)) or replay(key, lengths, *a)
+        lane._run_uncaptured = lambda lengths, *a: uncaptured.append(len(lengths)) or run(lengths, *a)
 
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     rng = np.random.default_rng(0)
@@ -325,10 +327,12 @@ def test_batches_replay_cuda_graphs_of_the_graph_exported_for_them(tiny_model_di
         if POOLED_EMBEDDING in outputs:
             assert cosine(got[POOLED_EMBEDDING], want[POOLED_EMBEDDING]).min() >= 0.9999, (rows, first)
             np.testing.assert_allclose(got[NSP_LOGITS], want[NSP_LOGITS], atol=2e-2)
-    if not keep_padding:  # within 24 rows and 2000 tokens, without token vectors
+    if not keep_padding:  # without token vectors: replayed within 24 rows and 2000 tokens, else uncaptured
         tokens = [sum(len(texts[(first + i) % len(texts)]) for i in range(rows)) for rows, first, _ in cases]
-        assert replays == [rows for (rows, _, outputs), n in zip(cases, tokens)
-                           if rows <= 24 and n <= 2000 and not {TOKEN_EMBEDDINGS, MEAN_EMBEDDING} & set(outputs)]
+        per_row_cases = [(rows, n) for (rows, _, outputs), n in zip(cases, tokens)
+                         if not {TOKEN_EMBEDDINGS, MEAN_EMBEDDING} & set(outputs)]
+        assert replays == [rows for rows, n in per_row_cases if rows <= 24 and n <= 2000]
+        assert uncaptured == [rows for rows, n in per_row_cases if rows > 24 or n > 2000] and uncaptured
         assert len(set(replays)) >= 5
 
 
@@ -531,7 +535,7 @@ def test_two_sessions_replay_side_by_side_and_answer_as_the_packed_graph(tiny_mo
     assert not engine.replay_busy(len(one), {CLS_EMBEDDING})  # the other lane is free
     second = engine.replay_thread(*small)
     assert engine.replay_busy(len(one), {CLS_EMBEDDING})
-    assert not engine.replay_busy(engine.packed_lanes[0].max_tokens + 1, {CLS_EMBEDDING})  # not a replay's
+    assert engine.replay_busy(engine.packed_lanes[0].max_tokens + 1, {CLS_EMBEDDING})  # past the buckets: uncaptured there
     assert not engine.replay_busy(len(one), {TOKEN_EMBEDDINGS})
     for lane in (first, second):
         lane.submit(engine.run, batches[0]).result(30)
