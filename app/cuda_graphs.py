@@ -223,12 +223,11 @@ PACKED_ROWS = (4, 16, 64, 256)
 # About 1.25x apart (the filler a batch can cost)
 PACKED_TOKENS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
                  5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768)
-# The largest batch replayed by default. BERT-base on an H200 with the short widths below
-# (bench/packed_cuda_graphs.py): a replay took 1.15 against 1.40 ms at 1,131 tokens and 2.29 against 2.42 ms
-# at 3,494; past 2,048 tokens, one-text HTTP traffic went from the packed graph to replays and gained 14%
-# (BENCHMARKS.md). At 8,192 the batches of 64-text requests replayed too, 14% slower than on the packed
-# graph two at a time (H100, before the short widths).
-PACKED_MAX_TOKENS = 4096
+# The largest batch replayed by default: the GPU's default batch budget, so that every batch the server
+# forms that needs no token vectors replays. BERT-base on an H200 through HTTP (bench/http_ab.py, BENCHMARKS.md):
+# one text a request 39.5k requests/s against 34.2k with 4,096 (past which batches ran uncaptured), 64 texts
+# a request 2.7% slower.
+PACKED_MAX_TOKENS = 16384
 # Widths captured besides the model's longest (cuda_graph_short_lengths). On an H200 a batch of texts of at most
 # 64 tokens replayed at width 64 took 0.99 against 1.04 ms at 40 texts and 1.95 against 2.14 ms at 128
 # (device time); one-text HTTP traffic +8% (BENCHMARKS.md).
