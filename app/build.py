@@ -137,24 +137,27 @@ def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, 
     admission by time (max_queue_ms) goes by until the first real batch finishes. Without it the admission
     knew no speed at start and refused a burst that came at once (41-101 requests answered 429 in
     bench/replicas.py's first runs on H100s). On a GPU untimed runs go first: one of every power of two of
-    tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them. Costs
-    a batch's time at start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores), on a GPU those runs too (two
-    with the default budget)."""
+    tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them, on
+    every session that runs such batches (OrtEngine.warm_up_outputs). Costs a batch's time at start (0.17 s
+    for all-MiniLM-L6-v2 int8 on 2 CPU cores), on a GPU those runs too (two a session with the default
+    budget)."""
     length = min(_WARM_UP_LENGTH, max_length)
     row = np.resize(ids, length)  # the probe's tokens repeated: what they are does not change the time
 
-    def batch_of(rows: int):
+    def batch_of(rows: int, outputs: frozenset[str] = frozenset({CLS_EMBEDDING})):
         return collate(Sequences(np.tile(row, rows), np.zeros(rows * length, dtype=np.int64),
-                                 np.full(rows, length, dtype=np.int64)), engine.pad_id, frozenset({CLS_EMBEDDING}))
+                                 np.full(rows, length, dtype=np.int64)), engine.pad_id, outputs)
 
     rows = max(1, min(batcher.max_batch_size, batcher.max_batch_tokens // length))
     batch = batch_of(rows)
     if engine.device == "cuda":
-        tokens = _TUNED_FROM_TOKENS
+        sizes, tokens = [], _TUNED_FROM_TOKENS
         while tokens < rows * length:
-            engine.run(batch_of(tokens // length))
+            sizes.append(tokens // length)
             tokens *= 2
-        engine.run(batch)
+        for size in sizes + [rows]:
+            for outputs in engine.warm_up_outputs:  # each session that runs large batches tunes its own
+                engine.run(batch_of(size, outputs))
     started = time.perf_counter()
     engine.run(batch)
     batcher.speed.assume(rows * length, time.perf_counter() - started)

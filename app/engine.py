@@ -220,6 +220,16 @@ class OrtEngine:
             log.info("small batches (up to %d x %d tokens) replay CUDA graphs of %s", buckets.rows[-1],
                      buckets.lengths[-1], path.name)
 
+    @property
+    def warm_up_outputs(self) -> list[frozenset[str]]:
+        """Outputs that send a batch to each session that may run large ones (start-up runs one of each size
+        there, so that every session's products are tuned before serving): [CLS] alone, and with replaying
+        lanes, which take [CLS] batches, token vectors too, for the session's own graph."""
+        outputs = [frozenset({CLS_EMBEDDING})]
+        if self.packed_lanes and TOKEN_EMBEDDINGS in self.outputs:
+            outputs.append(frozenset({TOKEN_EMBEDDINGS}))
+        return outputs
+
     def replay_thread(self, rows: int, longest: int, tokens: int, outputs: Iterable[str],
                       alone: bool) -> Executor | None:
         """Where to run a batch of `rows` sequences, the longest of `longest` tokens, `tokens` in all, that

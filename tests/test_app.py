@@ -35,7 +35,7 @@ from app.errors import InputTooLong
 from app.build import usable_cores
 from app.main import create_app
 from app.settings import Settings
-from artifact.manifest import ManifestError, read_manifest
+from artifact.manifest import CLS_EMBEDDING, TOKEN_EMBEDDINGS, ManifestError, read_manifest
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -1631,24 +1631,29 @@ def test_start_up_runs_a_batch_in_every_power_of_two_of_tokens_the_gpu_kernels_t
     class Engine:
         pad_id = 0
 
-        def __init__(self, device):
-            self.device, self.tokens = device, []
+        def __init__(self, device, warm_up_outputs):
+            self.device, self.warm_up_outputs, self.tokens = device, warm_up_outputs, []
 
         def run(self, batch):
-            self.tokens.append(int(batch.attention_mask.sum()))
+            self.tokens.append((int(batch.attention_mask.sum()), *sorted(batch.outputs)))
             return {}
 
-    def start(device, max_batch_tokens, max_batch_size=256):
-        engine = Engine(device)
+    def start(device, max_batch_tokens, max_batch_size=256, sessions=({CLS_EMBEDDING},)):
+        engine = Engine(device, [frozenset(s) for s in sessions])
         batcher = DynamicBatcher(engine.run, pad_id=0, max_batch_tokens=max_batch_tokens,
                                  max_batch_size=max_batch_size, max_wait_ms=0, max_queued=10, packed=True)
         _measure_speed(engine, batcher, np.arange(5, 25), 512)
         assert batcher.speed.measured
         return engine.tokens
-    assert start("cuda", 16384) == [4096, 8192, 16384, 16384]
-    assert start("cuda", 32768) == [4096, 8192, 16384, 32768, 32768]
-    assert start("cuda", 16384, max_batch_size=40) == [4096, 5120, 5120]
-    assert start("cpu", 512) == [512]
+    cls = CLS_EMBEDDING
+    assert start("cuda", 16384) == [(4096, cls), (8192, cls), (16384, cls), (16384, cls)]
+    assert start("cuda", 32768) == [(4096, cls), (8192, cls), (16384, cls), (32768, cls), (32768, cls)]
+    assert start("cuda", 16384, max_batch_size=40) == [(4096, cls), (5120, cls), (5120, cls)]
+    assert start("cpu", 512) == [(512, cls)]
+    # replaying lanes take [CLS] batches: the session's own graph is warmed with token vectors, size by size
+    both = start("cuda", 16384, sessions=({cls}, {TOKEN_EMBEDDINGS}))
+    assert both == [(4096, cls), (4096, TOKEN_EMBEDDINGS), (8192, cls), (8192, TOKEN_EMBEDDINGS),
+                    (16384, cls), (16384, TOKEN_EMBEDDINGS), (16384, cls)]
 
 
 def test_a_batch_runs_on_the_thread_the_engine_names():
