@@ -533,58 +533,145 @@ def test_packed_qkv_attention_reads_the_thirds_of_one_product(hostref_library, d
         session.run(None, {"qkv": q, "token_offset": offsets, "cu": cu})  # a third of the width
 
 
-def _host_packed_kernels_graph(model_dir: Path, tmp_path: Path, mean: bool = False) -> onnx.ModelProto:
-    """The model's packed fp16 graph built here as export builds it for CUDA, on our operators, made
-    host-packed: what export's `_build_host_packed` starts from."""
+def _host_packed_kernels_graph(model_dir: Path, tmp_path: Path, mean: bool = False,
+                               our_products: bool = True) -> onnx.ModelProto:
+    """The model's packed fp16 graph built here as export builds it for CUDA (the outputs, classifier and
+    head GELUs export's `_build_graph` traces for the folder), on our operators, made host-packed: what
+    export's `_build_host_packed` starts from. Without `our_products` only the attention goes onto ours (it
+    has no CPU kernel of ORT's): the last layer is then ORT's MatMul, BiasGelu and SkipLayerNormalization
+    (with its bias), as in the host-packed graph export writes without the library."""
+    import torch
+
+    from artifact.manifest import POOLED_EMBEDDING
+    from export.checkpoint_layout import read_layout
     from export.host_packing import host_packed
     from export.onnx_graph import EmbeddingGraph, trace_to_onnx
     from export.optimize import optimize_graph
     from training.model_folder import load_model_folder
 
-    loaded = load_model_folder(model_dir)
-    trace_to_onnx(EmbeddingGraph(loaded.model, True, True).eval(), tmp_path / "traced.onnx")
+    loaded = load_model_folder(read_layout(model_dir).encoder_dir, sequence_classifier=True)
+    graph = EmbeddingGraph(loaded.model, loaded.has_pooler, loaded.has_nsp_head, loaded.classifier).eval()
+    head_gelus = int(POOLED_EMBEDDING in graph.outputs and isinstance(loaded.model.bert.pooler.activation, torch.nn.GELU))
+    trace_to_onnx(graph, tmp_path / "traced.onnx")
     optimize_graph(tmp_path / "traced.onnx", tmp_path / "packed.onnx", loaded.config, use_gpu=False, float16=True,
-                   remove_padding=True, packed_attention="PackedMultiHeadAttention")
+                   remove_padding=True, packed_attention="PackedMultiHeadAttention", head_gelus=head_gelus)
     model = onnx.load(str(tmp_path / "packed.onnx"))
-    fuse_matmul_bias_gelu(model)
+    if our_products:
+        fuse_matmul_bias_gelu(model)
     fuse_attention_bias(model)
-    remove_padding_on_our_kernel(model)
+    if our_products:
+        remove_padding_on_our_kernel(model)
     attention_on_packed_kernel(model)
-    fuse_qkv_products(model)
+    if our_products:
+        fuse_qkv_products(model)
     return host_packed(model, mean)
+
+
+def _cls_rows_answer_the_same(full: onnx.ModelProto, library: Path, vocab: int, longest: int = 64) -> onnx.ModelProto:
+    """`full` with its last layer for the [CLS] rows (asserted to be rewritten), after checking that both give
+    every output bit for bit on a ragged batch (1 token up to `longest`)."""
+    from export.host_packing import HostPackedRunner
+    from export.last_layer_rows import last_layer_for_cls_rows
+
+    pruned = onnx.ModelProto()
+    pruned.CopyFrom(full)
+    assert last_layer_for_cls_rows(pruned)
+    assert [o.name for o in pruned.graph.output] == [o.name for o in full.graph.output]
+    rng = np.random.default_rng(0)
+    lengths = [5, 17, 1, longest, 3, 2]
+    ids = np.zeros((len(lengths), max(lengths)), np.int64)
+    mask = np.zeros_like(ids)
+    for row, n in enumerate(lengths):  # ORT's CPU EmbedLayerNormalization reads only ids below the vocabulary
+        ids[row, :n], mask[row, :n] = rng.integers(5, vocab, n), 1
+    feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (rng.random(ids.shape) < 0.5) * mask}
+    names = [o.name for o in full.graph.output]
+    want = HostPackedRunner(_session(full.SerializeToString(), library), 0).run(names, feed)
+    got = HostPackedRunner(_session(pruned.SerializeToString(), library), 0).run(names, feed)
+    for name, a, b in zip(names, want, got):
+        assert a.shape == b.shape == (len(lengths), *a.shape[1:]) and np.array_equal(a, b), name
+    return pruned
 
 
 def test_the_last_layer_runs_for_the_cls_rows_only_and_answers_the_same(tiny_model_dir, tmp_path, hostref_library):
     """export.last_layer_rows: after the last attention, the products, residual sums and LayerNorms see one
     row per sequence, and every per-sequence output is what the graph gave with all rows, bit for bit."""
-    from export.host_packing import HostPackedRunner
-    from export.last_layer_rows import last_layer_for_cls_rows
-
-    full = _host_packed_kernels_graph(tiny_model_dir, tmp_path)
-    pruned = onnx.ModelProto()
-    pruned.CopyFrom(full)
-    assert last_layer_for_cls_rows(pruned)
+    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
+    pruned = _cls_rows_answer_the_same(_host_packed_kernels_graph(tiny_model_dir, tmp_path), hostref_library, vocab)
     ops = [n.op_type for n in pruned.graph.node]
     last = max(i for i, op in enumerate(ops) if op == PACKED_QKV_ATTENTION)
     # the attention's output and the residual gathered at the [CLS] positions, then the layer's row-wise nodes
     assert ops[last + 1:last + 3] == ["Gather", "Gather"]
     assert {n.input[1] for n in pruned.graph.node[last + 1:last + 3]} == {"cls_positions"}
     assert "Gather" not in ops[last + 3:]  # the [CLS] vector is the layer's output itself
-    assert [o.name for o in pruned.graph.output] == [o.name for o in full.graph.output]
 
+
+def _transformers_folder(root: Path, tokenizer_dir: Path, family: str) -> Path:
+    """A tiny random transformers checkpoint of `family`, saved as transformers saves it (tests/hf_checkpoints.py)."""
+    import transformers
+
+    from tests.hf_checkpoints import saved_model, vocab_size
+
+    vocab = vocab_size(tokenizer_dir)
+    bert = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=64)
+    distil = dict(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64)
+    made = {
+        "bert-without-pooler": (lambda c: transformers.BertModel(c, add_pooling_layer=False), transformers.BertConfig(**bert)),
+        "bert-classifier": (transformers.BertForSequenceClassification,
+                            transformers.BertConfig(num_labels=3, initializer_range=0.3, **bert)),
+        "distilbert-classifier": (transformers.DistilBertForSequenceClassification,
+                                  transformers.DistilBertConfig(num_labels=3, **distil)),
+        "electra-cross-encoder": (transformers.ElectraForSequenceClassification,
+                                  transformers.ElectraConfig(num_labels=1, embedding_size=32, initializer_range=0.3,
+                                                             **bert)),
+    }
+    model_class, config = made[family]
+    return saved_model(root, tokenizer_dir, model_class, config, seed=3)[0]
+
+
+@pytest.mark.parametrize("family,outputs", [
+    ("bert-without-pooler", ["cls_embedding"]),  # the [CLS] Gather the only reader of the last layer
+    ("bert-classifier", ["cls_embedding", "pooled_embedding", "classifier_logits"]),
+    ("distilbert-classifier", ["cls_embedding", "pooled_embedding", "classifier_logits"]),  # ReLU head, no segments
+    ("electra-cross-encoder", ["cls_embedding", "pooled_embedding", "classifier_logits"]),  # GELU head
+])
+def test_each_family_of_checkpoint_gets_the_cls_rows_last_layer(family, outputs, tiny_tokenizer_dir, tmp_path,
+                                                                 hostref_library):
+    """transformers' checkpoints as export reads them (the heads after the [CLS] Gather differ by family; the
+    layer before it does not): rewritten, with the same per-sequence outputs."""
+    folder = _transformers_folder(tmp_path / "hf", tiny_tokenizer_dir, family)
+    full = _host_packed_kernels_graph(folder, tmp_path)
+    assert [o.name for o in full.graph.output] == outputs
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    _cls_rows_answer_the_same(full, hostref_library, vocab)
+
+
+def test_the_host_packed_graph_without_our_products_gets_the_cls_rows_last_layer(tiny_model_dir, tmp_path,
+                                                                                 hostref_library):
+    """The last layer as ORT fuses it (MatMul, BiasGelu, SkipLayerNormalization with its bias), which export's
+    host-packed graph without the library has: the same rewrite, the same outputs."""
+    full = _host_packed_kernels_graph(tiny_model_dir, tmp_path, our_products=False)
+    last = max(i for i, n in enumerate(full.graph.node) if n.op_type == PACKED_ATTENTION)
+    assert "BiasGelu" in [n.op_type for n in full.graph.node[last:]]
     vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
-    rng = np.random.default_rng(0)
-    lengths = [5, 17, 1, 64, 3, 2]
-    ids = np.zeros((len(lengths), max(lengths)), np.int64)
-    mask = np.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, :n], mask[row, :n] = rng.integers(5, vocab, n), 1
-    feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": (rng.random(ids.shape) < 0.5) * mask}
-    names = [o.name for o in full.graph.output]
-    want = HostPackedRunner(_session(full.SerializeToString(), hostref_library), 0).run(names, feed)
-    got = HostPackedRunner(_session(pruned.SerializeToString(), hostref_library), 0).run(names, feed)
-    for name, a, b in zip(names, want, got):
-        assert a.shape == b.shape and np.array_equal(a, b), name
+    _cls_rows_answer_the_same(full, hostref_library, vocab)
+
+
+def test_a_residual_made_after_the_last_attention_is_gathered_once_it_is_made(tiny_model_dir, tmp_path,
+                                                                              hostref_library):
+    """The residual's Gather goes after the node that makes it, wherever that node is in the graph."""
+    model = _host_packed_kernels_graph(tiny_model_dir, tmp_path)
+    nodes = list(model.graph.node)
+    last = max(i for i, n in enumerate(nodes) if n.op_type == PACKED_QKV_ATTENTION)
+    first_norm = next(n for n in nodes[last:] if n.op_type == "SkipLayerNormalization")
+    residual = first_norm.input[1]
+    first_norm.input[1] = "residual_made_late"
+    model.graph.node.insert(last + 1, helper.make_node("Identity", [residual], ["residual_made_late"]))
+    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
+    pruned = _cls_rows_answer_the_same(model, hostref_library, vocab)
+    gather = next(n for n in pruned.graph.node if n.input[0] == "residual_made_late")
+    order = [n.output[0] for n in pruned.graph.node]
+    assert order.index(gather.output[0]) > order.index("residual_made_late")
 
 
 def test_a_graph_that_reads_every_row_of_the_last_layer_keeps_it(tiny_model_dir, tmp_path):
