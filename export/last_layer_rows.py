@@ -46,13 +46,15 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
             readers[name].append(n)
 
     region = _between(attended, hidden, made_by)
-    if region is None or any(n.op_type not in ROW_WISE for n in region):
+    # an empty region (the [CLS] rows read straight off the attention) has nothing to run on fewer rows, and
+    # its Gathers must stay: the rewrite would hand their readers every token's row
+    if not region or any(n.op_type not in ROW_WISE for n in region):
         return False
     inside = {id(n) for n in region} | {id(n) for n in gathers}
     outputs = {o.name for o in graph.output}
     for n in region:  # nothing outside reads a row the rewrite drops
-        for out in n.output:
-            if out in outputs or any(id(r) not in inside for r in readers[out]):
+        for out in n.output:  # "" is an optional output left out (SkipLayerNormalization's mean, ...), no tensor
+            if out and (out in outputs or any(id(r) not in inside for r in readers[out])):
                 return False
 
     constant = _constant_names(graph, made_by)

@@ -674,6 +674,41 @@ def test_a_residual_made_after_the_last_attention_is_gathered_once_it_is_made(ti
     assert order.index(gather.output[0]) > order.index("residual_made_late")
 
 
+def test_a_skip_layer_norm_that_also_gives_its_sum_is_rewritten(tiny_model_dir, tmp_path, hostref_library):
+    """ORT's SkipLayerNormalization gives its input + skip sum as a fourth output, the two between left unnamed
+    (""), when another node reads that sum (a pre-LayerNorm model's residual): the unnamed outputs are
+    no tensor anyone reads, and the layer is rewritten all the same."""
+    model = _host_packed_kernels_graph(tiny_model_dir, tmp_path)
+    nodes = list(model.graph.node)
+    last = max(i for i, n in enumerate(nodes) if n.op_type == PACKED_QKV_ATTENTION)
+    first_norm, second_norm = [n for n in nodes[last:] if n.op_type == "SkipLayerNormalization"]
+    first_norm.output.extend(["", "", "attention_residual_sum"])
+    second_norm.input[1] = "attention_residual_sum"  # the sum, not the normalised sum, carried on
+    assert any(name == "" for n in nodes[:last] for name in n.input)  # as in every host-packed graph
+    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
+    _cls_rows_answer_the_same(model, hostref_library, vocab)
+
+
+def test_a_cls_vector_read_straight_off_the_last_attention_is_left_alone(hostref_library):
+    """With no node between the last attention and the [CLS] Gather there is nothing to run on fewer rows;
+    dropping the Gather there would answer every token's row as the [CLS] vectors."""
+    from export.last_layer_rows import last_layer_for_cls_rows
+
+    model = packed_attention_model(heads=2, head_size=4, elem=TensorProto.FLOAT)
+    model.graph.node.append(helper.make_node("Gather", ["out", "cls_positions"], ["cls"], axis=0))
+    model.graph.input.append(helper.make_tensor_value_info("cls_positions", TensorProto.INT32, ["B"]))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("cls", TensorProto.FLOAT, ["B", 8]))
+    before = model.SerializeToString()
+    assert not last_layer_for_cls_rows(model) and model.SerializeToString() == before
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((6, 8)).astype(np.float32) for _ in range(3))
+    (cls,) = _session(model.SerializeToString(), hostref_library).run(None, {
+        "q": q, "k": k, "v": v, "token_offset": np.zeros((2, 5), np.int32), "cu": np.array([0, 1, 6], np.int32),
+        "cls_positions": np.array([0, 1], np.int32)})
+    assert cls.shape == (2, 8)
+
+
 def test_a_graph_that_reads_every_row_of_the_last_layer_keeps_it(tiny_model_dir, tmp_path):
     """With the mean pooled in the graph (every token of the last layer), or any other reader of a row the
     rewrite would drop, nothing changes."""
