@@ -12,6 +12,7 @@ import numpy as np
 
 from app.backend import Backend, EngineInfo, InlineTokenizing
 from app.batcher import DynamicBatcher, Sequences, collate
+from app.cuda_graphs import default_replay_tokens
 from app.engine import EngineError, OrtEngine, resolve_device_precision
 from app.metrics import Metrics
 from app.settings import Settings
@@ -94,7 +95,9 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
     device, precision = resolve_device_precision(settings.device, settings.precision, manifest,
                                                  ort.get_available_providers())
     workers, threads = inference_threads(settings, device)
-    replayed_tokens = min(settings.cuda_graph_tokens, batch_token_budget(settings, device))  # no batch is larger
+    host_packed = manifest.graph(precision).host_packed
+    wanted = settings.cuda_graph_tokens or default_replay_tokens(host_packed.outputs if host_packed else ())
+    replayed_tokens = min(wanted, batch_token_budget(settings, device))  # no batch is larger
     try:
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
                            settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows,

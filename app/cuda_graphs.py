@@ -7,8 +7,9 @@ BENCHMARKS.md). A CUDA graph needs fixed shapes and fixed addresses, each captur
 and output buffers on the device, and a batch is padded up to the smallest bucket that holds it:
 - A packed graph's shapes follow its data (ORT removes the padding on the GPU and sizes its tensors by
   the count), so the server replays its host-packed variant instead: the tokens are packed here, one
-  (rows, tokens) bucket per graph, and every batch that fits and needs no token vectors replays; one
-  larger than every bucket runs on the same session uncaptured (`PackedGraphBuckets`).
+  (rows, tokens) bucket per graph, and every batch that fits and needs no token vectors replays; where that
+  graph leaves out the mean, one larger than every bucket runs on the same session uncaptured
+  (`PackedGraphBuckets`).
 - A padded graph is captured per (rows, length) bucket, for small batches that find the GPU idle. A
   batch is cut into a few row groups by length, each replayed in its own bucket: a batch of 64 texts
   whose longest has 90 tokens would otherwise cost 64 x 128 tokens of GPU time however short the rest
@@ -29,7 +30,7 @@ import numpy as np
 import onnxruntime as ort
 
 from artifact.host_packing import HOST_PACKED_INPUTS, FlatLayout, HostPacker, pack_on_host
-from artifact.manifest import INPUT_NAMES
+from artifact.manifest import INPUT_NAMES, MEAN_EMBEDDING
 
 MAX_ROWS = 16  # the largest batch captured by default; a larger batch runs on the packed graph
 LENGTHS = (16, 32, 64, 128)  # sequence lengths captured (up to the model's maximum)
@@ -223,11 +224,21 @@ PACKED_ROWS = (4, 16, 64, 256)
 # About 1.25x apart (the filler a batch can cost)
 PACKED_TOKENS = (64, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096,
                  5120, 6144, 7168, 8192, 10240, 12288, 14336, 16384, 20480, 24576, 28672, 32768)
-# The largest batch replayed by default: the GPU's default batch budget, so that every batch the server
-# forms that needs no token vectors replays. BERT-base on an H200 through HTTP (bench/http_ab.py, BENCHMARKS.md):
-# one text a request 39.5k requests/s against 34.2k with 4,096 (past which batches ran uncaptured), 64 texts
-# a request 2.7% slower.
-PACKED_MAX_TOKENS = 16384
+# The largest batch replayed by default where the host-packed graph does as much work as the packed graph
+# (its mean pools every row of the last layer): past it, batches run on the packed graph, two at a time. BERT-base
+# on an H200 (bench/packed_cuda_graphs.py): a replay took 1.15 against 1.40 ms at 1,131 tokens and 2.29 against
+# 2.42 ms at 3,494; past 2,048 tokens one-text HTTP traffic gained 14%. all-MiniLM-L6-v2 (mean) replaying up to
+# 16,384 tokens on one lane: 64 texts a request 7.5% slower than this (BENCHMARKS.md).
+PACKED_MAX_TOKENS = 4096
+# Where the host-packed graph does less (its last layer for the [CLS] rows only, export/last_layer_rows.py): every
+# batch the server forms replays (the GPU's batch budget), and a larger one runs there uncaptured. BERT-base [CLS]
+# on an H200 through HTTP: one text a request 39.5k requests/s against 34.2k at 4,096 (BENCHMARKS.md).
+CLS_ROWS_MAX_TOKENS = 16384
+
+
+def default_replay_tokens(host_packed_outputs: Iterable[str]) -> int:
+    """cuda_graph_tokens' default for a host-packed graph with these outputs (see the two limits above)."""
+    return PACKED_MAX_TOKENS if MEAN_EMBEDDING in host_packed_outputs else CLS_ROWS_MAX_TOKENS
 # Widths captured besides the model's longest (cuda_graph_short_lengths). On an H200 a batch of texts of at most
 # 64 tokens replayed at width 64 took 0.99 against 1.04 ms at 40 texts and 1.95 against 2.14 ms at 128
 # (device time); one-text HTTP traffic +8% (BENCHMARKS.md).
@@ -328,10 +339,18 @@ class PackedGraphBuckets(_SessionThread):
         """The (rows, tokens, width) bucket such a batch replays (`bucket_for`), else None."""
         return bucket_for(self.buckets, rows, tokens, longest)
 
-    def takes(self, outputs: Iterable[str]) -> bool:
-        """Whether a batch that wants `outputs` runs here: replayed when a bucket holds it, else run on the
-        same graph uncaptured, its shapes the batch's own (`run`)."""
-        return self.outputs.issuperset(outputs)
+    @property
+    def takes_any_size(self) -> bool:
+        """Whether a batch past every bucket runs here too, uncaptured: where this graph does less than the
+        packed graph (no mean, so its last layer runs for the [CLS] rows only). Where it does as much, the
+        packed graph runs large batches two at a time, which this one thread cannot."""
+        return MEAN_EMBEDDING not in self.outputs
+
+    def takes(self, rows: int, longest: int, tokens: int, outputs: Iterable[str]) -> bool:
+        """Whether a batch of these sizes that wants `outputs` runs here: replayed when a bucket holds it, else,
+        with `takes_any_size`, run uncaptured, its shapes the batch's own (`run`)."""
+        return self.outputs.issuperset(outputs) and (self.takes_any_size or
+                                                      self.bucket(rows, tokens, longest) is not None)
 
     def capture(self) -> None:
         """Run every bucket until ORT has captured its graph (start-up: later runs only replay)."""

@@ -16,7 +16,8 @@ from typing import TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from app.cuda_graphs import MAX_ROWS, PACKED_MAX_TOKENS, PACKED_SHORT_WIDTHS, CudaGraphBuckets, PackedGraphBuckets
+from app.cuda_graphs import (MAX_ROWS, PACKED_SHORT_WIDTHS, CudaGraphBuckets, PackedGraphBuckets,
+                              default_replay_tokens)
 from app.errors import EngineLost
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
                                GraphInfo, HostPackedGraph, Manifest)
@@ -138,7 +139,7 @@ class OrtEngine:
     def __init__(self, folder: Path, manifest: Manifest, device: str, precision: str,
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
                  cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS, max_batch_size: int = 256,
-                 cuda_graph_tokens: int = PACKED_MAX_TOKENS, cuda_graph_lanes: int = 1,
+                 cuda_graph_tokens: int | None = None, cuda_graph_lanes: int = 1,
                  cuda_graph_short_lengths: tuple[int, ...] = PACKED_SHORT_WIDTHS):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
@@ -176,10 +177,11 @@ class OrtEngine:
         return self.graph_buckets is not None or bool(self.packed_lanes)
 
     def _open_cuda_graphs(self, folder: Path, graph: GraphInfo, library: Path | None, choice: str, max_length: int,
-                          max_rows: int, batch_limits: tuple[int, int], lanes: int,
+                          max_rows: int, batch_limits: tuple[int, int | None], lanes: int,
                           short_lengths: tuple[int, ...]) -> None:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
-        host-packed variant for every batch up to `batch_limits` (rows, tokens) that needs no token vectors,
+        host-packed variant for every batch up to `batch_limits` (rows, tokens; tokens None: its default,
+        app.cuda_graphs.default_replay_tokens) that needs no token vectors,
         in `lanes` sessions that replay side by side (each also at `short_lengths`), or a padded graph for
         batches of up to `max_rows` rows that find the GPU idle. choice "auto": when on CUDA and the artifact
         has them; "on": both required; "off": never. With the custom kernels running (`library`), their variant."""
@@ -192,6 +194,8 @@ class OrtEngine:
             raise EngineError("cuda_graphs on needs CUDA and an artifact exported for them (python -m export "
                               "--device cuda writes what they replay unless --no-cuda-graphs)")
         packed = isinstance(variant, HostPackedGraph)
+        if packed and batch_limits[1] is None:
+            batch_limits = (batch_limits[0], default_replay_tokens(variant.outputs))
         captured = []
         try:
             for _ in range(lanes if packed else 1):
@@ -235,18 +239,19 @@ class OrtEngine:
         """Where to run a batch of `rows` sequences, the longest of `longest` tokens, `tokens` in all, that
         wants `outputs` (`alone`: no other batch is running): the CUDA graphs' own thread when it will run
         there (`run` there runs without a hop to that thread and back), else None (any thread)."""
-        if self.packed_lanes and self.packed_lanes[0].takes(outputs):
+        if self.packed_lanes and self.packed_lanes[0].takes(rows, longest, tokens, outputs):
             return self._least_claimed_lane().claim()
         if alone and self.graph_buckets is not None and self.graph_buckets.fits(rows, longest):
             return self.graph_buckets.thread
         return None
 
     def replay_busy(self, tokens: int, outputs: Iterable[str]) -> bool:
-        """Whether work that wants `outputs` would run on a replaying session (of any size: `tokens` does not
-        matter), but every such session has a batch already: it would only wait on a lane's thread, so the
-        batcher keeps it queued, where more work joins it, until a lane is free (DynamicBatcher's replay_busy)."""
+        """Whether work of `tokens` tokens that wants `outputs` would run on a replaying session, but every such
+        session has a batch already: it would only wait on a lane's thread, so the batcher keeps it queued,
+        where more work joins it, until a lane is free (DynamicBatcher's replay_busy)."""
         lanes = self.packed_lanes
-        return bool(lanes) and lanes[0].takes(outputs) and all(lane.claims for lane in lanes)
+        return (bool(lanes) and (lanes[0].takes_any_size or tokens <= lanes[0].max_tokens)
+                and lanes[0].outputs.issuperset(outputs) and all(lane.claims for lane in lanes))
 
     def replay_next(self, take: Callable[[int, int, frozenset[str]], T | None]) -> T | None:
         """On a replaying session's thread, just after its batch: `take(rows, tokens, outputs)` picks the next
@@ -266,11 +271,10 @@ class OrtEngine:
         return taken or None
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
-        """A batch that wants only what the host-packed variant answers (no token vectors) runs on it:
-        replayed as a CUDA graph when it fits its buckets, else uncaptured. That variant skips the packed
-        graph's wait for RemovePadding's count and, for a model that pools [CLS], computes its last layer
-        for the [CLS] rows only (export/last_layer_rows.py), so it is the faster graph at every size
-        (BENCHMARKS.md). A padded graph's CUDA graphs take a batch when it is small and the only one on the
+        """A batch that wants only what the host-packed variant answers (no token vectors) runs on it,
+        replayed as a CUDA graph, when it fits its buckets. For a model that pools [CLS] that variant computes
+        its last layer for the [CLS] rows only (export/last_layer_rows.py) and takes a larger batch too,
+        uncaptured: it is then the faster graph at every size (BENCHMARKS.md). A padded graph's CUDA graphs take a batch when it is small and the only one on the
         GPU (a padded replay's synchronous copies would wait for a batch running beside it: replaying beside
         one cost 7-8% at 16-64 texts per request, BENCHMARKS.md). The rest run on the session's graph.
         Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable."""
@@ -285,7 +289,7 @@ class OrtEngine:
     def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
         if self.packed_lanes:
             ids, type_ids, lengths = batch.unpadded()
-            if self.packed_lanes[0].takes(batch.outputs):
+            if self.packed_lanes[0].takes(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
                 return self._packed_lane().run(lengths, ids, type_ids, batch.outputs)
         if self.graph_buckets is None:
             return self._run_session(batch)

@@ -46,12 +46,15 @@ class Settings(BaseSettings):
         "(--keep-padding), a batch of up to cuda_graph_rows texts that finds the GPU otherwise idle. A lone "
         "text is answered sooner and a batch costs less CPU, for GPU memory and start-up time (BENCHMARKS.md). "
         "auto: when the artifact has that graph; on: fail without it; off: never")
-    cuda_graph_tokens: int = Field(16384, ge=1, le=32768, description="CUDA, packed graphs: the "
-                                   "largest batch (tokens) replayed from a CUDA graph; one is captured for each (rows, "
-                                   "tokens) bucket up to it, about 1.25x apart. A larger batch that needs no token "
-                                   "vectors runs on the same graph uncaptured. The default, the GPU's batch budget, "
-                                   "replays every such batch: one text per request 15% faster on an H200 than with "
-                                   "4096 (BERT-base), for more graphs, GPU memory and start-up time (BENCHMARKS.md)")
+    cuda_graph_tokens: int | None = Field(None, ge=1, le=32768, description="CUDA, packed graphs: the largest "
+                                          "batch (tokens) replayed from a CUDA graph; one is captured for each "
+                                          "(rows, tokens) bucket up to it, about 1.25x apart. Default: the batch "
+                                          "budget where the replayed graph runs its last layer for the [CLS] rows "
+                                          "only (a model that pools [CLS]; a larger batch also runs there, "
+                                          "uncaptured): one text per request 15% faster on an H200 than with 4096 "
+                                          "(BERT-base). 4096 where it pools the mean: past it batches run on the "
+                                          "packed graph, two at a time, 8% faster at 64 texts per request "
+                                          "(all-MiniLM-L6-v2; BENCHMARKS.md)")
     cuda_graph_short_lengths: str | None = Field(
         "64,128", pattern=r"^\d+(,\d+)*$", description="CUDA, packed graphs: text lengths in tokens that get "
         "captured graphs of their own besides the model's longest: a batch whose longest text fits one replays a "
@@ -157,6 +160,7 @@ class Settings(BaseSettings):
     access_log: bool = Field(False, description="uvicorn's per-request log line (costs CPU under load)")
 
     @field_validator("api_key", "model_name", "max_queue_ms", "cuda_device_ids", "cuda_graph_short_lengths",
+                     "cuda_graph_tokens",
                      "cors_allow_origins", "intra_op_threads", "inference_workers", "max_batch_tokens", "max_padding",
                      "overlap_min_tokens", "openai_pooling", "openai_normalize", mode="before")
     @classmethod

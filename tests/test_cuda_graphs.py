@@ -7,8 +7,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from app.cuda_graphs import (MAX_ROWS, PACKED_MAX_TOKENS, PACKED_ROWS, PACKED_SHORT_WIDTHS, CudaGraphBuckets,
-                              ReplayPlanner, bucket_for, packed_buckets, packed_width_buckets, rows_up_to)
+from app.cuda_graphs import (CLS_ROWS_MAX_TOKENS, MAX_ROWS, PACKED_MAX_TOKENS, PACKED_ROWS, PACKED_SHORT_WIDTHS,
+                             CudaGraphBuckets, ReplayPlanner, bucket_for, default_replay_tokens, packed_buckets,
+                             packed_width_buckets, rows_up_to)
 from app.engine import EngineError, OrtEngine
 from app.settings import Settings
 from artifact.host_packing import HostPacker, pack_on_host
@@ -239,8 +240,12 @@ def test_a_batch_replays_the_narrowest_width_with_room_and_there_the_smallest_bu
 
 def test_the_servers_cuda_graph_defaults_are_the_engines(tmp_path):
     """The settings spell their defaults as literals (they load without onnxruntime); OrtEngine's come from
-    app/cuda_graphs.py. A change to one must be made to the other."""
+    app/cuda_graphs.py. A change to one must be made to the other. cuda_graph_tokens follows the artifact:
+    the batch budget where the replayed graph leaves out the mean (its last layer for the [CLS] rows only),
+    4096 where it pools the mean."""
     settings = Settings(model_dir=tmp_path)
     assert settings.cuda_graph_rows == MAX_ROWS
-    assert settings.cuda_graph_tokens == PACKED_MAX_TOKENS
+    assert settings.cuda_graph_tokens is None
+    assert default_replay_tokens(["cls_embedding", "pooled_embedding", "nsp_logits"]) == CLS_ROWS_MAX_TOKENS == 16384
+    assert default_replay_tokens(["cls_embedding", "mean_embedding"]) == PACKED_MAX_TOKENS == 4096
     assert settings.replay_short_lengths == PACKED_SHORT_WIDTHS

@@ -460,7 +460,8 @@ def test_a_mean_pooling_models_mean_replays_from_its_packed_tokens(tiny_model_di
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     rng = np.random.default_rng(5)
     words = "the a cat sat on mat of words longer sentence with more in it and pair".split()
-    sizes = [1, 2, 3, 5, 9, 17, 24]
+    assert not lane.takes_any_size  # as much work as the packed graph: a batch past the buckets runs there
+    sizes = [1, 2, 3, 5, 9, 17, 24, 30]
     for rows in sizes:
         texts = [tok.encode(" ".join(rng.choice(words, int(n)))) for n in rng.integers(1, 60, rows)]
         feed = padded_feed(texts)
@@ -471,7 +472,7 @@ def test_a_mean_pooling_models_mean_replays_from_its_packed_tokens(tiny_model_di
         mean = (tokens * real[..., None]).sum(1) / real.sum(1, keepdims=True)
         assert got[MEAN_EMBEDDING].shape == (rows, 128)
         assert cosine(got[MEAN_EMBEDDING], mean).min() >= 0.9999, rows
-    assert replays == sizes
+    assert replays == [rows for rows in sizes if rows <= 24]
 
 
 def test_short_texts_replay_graphs_as_wide_as_their_longest_and_answer_as_the_packed_graph(tiny_model_dir, tmp_path):
