@@ -3,16 +3,20 @@
 CPU provider with the tiny artifact's fp32 graph, against the same batch run as it is."""
 from __future__ import annotations
 
+import threading
+from types import SimpleNamespace
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 
 from app.cuda_graphs import (CLS_ROWS_MAX_TOKENS, MAX_ROWS, PACKED_MAX_TOKENS, PACKED_ROWS, PACKED_SHORT_WIDTHS,
-                             CudaGraphBuckets, ReplayPlanner, bucket_for, default_replay_tokens, packed_buckets,
-                             packed_width_buckets, rows_up_to)
-from app.engine import EngineError, OrtEngine
+                             CudaGraphBuckets, PackedGraphBuckets, ReplayPlanner, bucket_for, default_replay_tokens,
+                             packed_buckets, packed_width_buckets, rows_up_to)
+from app.engine import Batch, EngineError, OrtEngine
+from app.errors import EngineLost
 from app.settings import Settings
-from artifact.host_packing import HostPacker, pack_on_host
+from artifact.host_packing import CLS_POSITIONS, HOST_PACKED_INPUTS, HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
 from tests.padding_reference import ort_token_offset
 
@@ -249,3 +253,66 @@ def test_the_servers_cuda_graph_defaults_are_the_engines(tmp_path):
     assert default_replay_tokens(["cls_embedding", "pooled_embedding", "nsp_logits"]) == CLS_ROWS_MAX_TOKENS == 16384
     assert default_replay_tokens(["cls_embedding", "mean_embedding"]) == PACKED_MAX_TOKENS == 4096
     assert settings.replay_short_lengths == PACKED_SHORT_WIDTHS
+
+
+def test_a_batch_past_every_bucket_runs_uncaptured_on_its_lanes_thread_and_a_failure_there_ends_its_claim(
+        tiny_artifact_dir, monkeypatch):
+    """OrtEngine with a host-packed lane (its session faked: capture needs a GPU): a batch without token
+    vectors larger than every bucket is handed to the lane's thread (replay_thread claims it) and runs there
+    on the same session uncaptured (gpu_graph_id -1), with its own shapes; replay_busy holds such work
+    back whatever its size while the lane has a batch. An ORT error there still ends the claim, and a
+    sticky CUDA error is still EngineLost. Token vectors never go to the lane. A lane whose graph pools the
+    mean (as much work as the packed graph) takes only what its buckets hold."""
+    class Session:  # what PackedGraphBuckets calls of a host-packed graph's session past its buckets
+        fail = None
+
+        def __init__(self):
+            self.calls = []
+
+        def get_outputs(self):
+            return [SimpleNamespace(name="cls_embedding", shape=["rows", 4])]
+
+        def run(self, names, feeds, options):
+            graph_id = options.get_run_config_entry("gpu_graph_id")
+            self.calls.append((threading.get_ident(), names, sorted(feeds), graph_id))
+            if self.fail:
+                raise RuntimeError(self.fail)
+            return [np.ones((len(feeds[CLS_POSITIONS]), 4), np.float32)]
+
+    monkeypatch.setattr(PackedGraphBuckets, "_make", lambda self, *key: None)  # nothing captured
+    session = Session()
+    lane = PackedGraphBuckets(session, 0, 64, 0, max_rows=4, max_tokens=64)
+    engine = OrtEngine(tiny_artifact_dir, read_manifest(tiny_artifact_dir), "cpu", "fp32")
+    engine.packed_lanes = (lane,)
+    cls, vectors = frozenset({"cls_embedding"}), frozenset({"token_embeddings"})
+    lengths = np.full(8, 16, np.int64)  # 8 rows, 128 tokens: past every bucket (4 rows, 64 tokens)
+    assert lane.bucket(8, 128, 16) is None
+    batch = Batch.of_rows(np.arange(5, 133), np.zeros(128, np.int64), lengths, 0, ("cls_embedding",))
+
+    assert engine.replay_thread(1, 4, 4, vectors, True) is None and not engine.replay_busy(4, vectors)
+    assert not engine.replay_busy(10**6, cls)
+    thread = engine.replay_thread(8, 16, 128, cls, False)
+    assert lane.claims == 1 and engine.replay_busy(1, cls) and engine.replay_busy(10**6, cls)
+    got = thread.submit(engine.run, batch).result(30)
+    assert got["cls_embedding"].shape == (8, 4) and lane.claims == 0
+    assert session.calls == [(lane.thread_id, ["cls_embedding"], sorted(HOST_PACKED_INPUTS), "-1")]
+
+    session.fail = "CUDA failure 2: out of memory ; GPU=0"  # not sticky: the batch fails, the engine lives
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.replay_thread(8, 16, 128, cls, False).submit(engine.run, batch).result(30)
+    assert lane.claims == 0
+    session.fail = "CUDA failure 700: an illegal memory access was encountered ; GPU=0"
+    with pytest.raises(EngineLost, match="CUDA error 700"):
+        engine.replay_thread(8, 16, 128, cls, False).submit(engine.run, batch).result(30)
+    assert lane.claims == 0 and len(session.calls) == 3
+
+    class MeanSession(Session):  # a host-packed graph that pools the mean: all the packed graph's work
+        def get_outputs(self):
+            return [SimpleNamespace(name=name, shape=["rows", 4]) for name in ("cls_embedding", "mean_embedding")]
+
+    mean_lane = PackedGraphBuckets(MeanSession(), 0, 64, 0, max_rows=4, max_tokens=64)
+    engine.packed_lanes = (mean_lane,)
+    assert not mean_lane.takes_any_size
+    assert engine.replay_thread(8, 16, 128, cls, False) is None and mean_lane.claims == 0  # the packed graph's
+    assert engine.replay_thread(2, 16, 32, cls, False) is mean_lane.thread and mean_lane.claims == 1  # a bucket's
+    assert not engine.replay_busy(128, cls) and engine.replay_busy(32, cls)
