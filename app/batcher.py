@@ -525,8 +525,8 @@ class DynamicBatcher:
 
     def _take_replayable(self, rows: int, tokens: int, outputs: frozenset[str]) -> list[Entry] | None:
         """A replaying session's thread: the whole queue when it is the batch the loop would take and replay
-        there (within `rows` and `tokens`, wanting only `outputs`), else None: more work than that goes
-        as one larger batch on the packed graph, from the loop."""
+        there (within `rows` and `tokens`, wanting only `outputs`), else None: the loop takes it, and a
+        larger batch goes where OrtEngine.replay_thread sends it (a lane uncaptured, or the packed graph)."""
         if not self.packed:
             return None
         with self._queue_lock:

@@ -281,7 +281,8 @@ class PackedGraphBuckets(_SessionThread):
     of `short_widths` (token_offset's width, which ORT's attention takes for the sequence length: a batch of
     short texts replays a graph whose attention spans only them, and packs and copies fewer offsets). `run`
     packs a batch's tokens on the host into the smallest bucket that holds them and answers its per-row
-    outputs (float32). One batch at a time, on the buckets' own thread, like CudaGraphBuckets; the
+    outputs (float32); with `takes_any_size`, a batch larger than every bucket runs on the same session
+    uncaptured, at its own shapes. One batch at a time, on the buckets' own thread, like CudaGraphBuckets; the
     bucket's device buffers are reused."""
 
     def __init__(self, session: ort.InferenceSession, device_id: int, width: int, pad_id: int, max_rows: int,
@@ -320,13 +321,14 @@ class PackedGraphBuckets(_SessionThread):
         return _Bucket(rows, tokens, binding, inputs, outputs, run_options)
 
     def claim(self) -> Executor:
-        """The thread, counting one more batch for it until its replay ends (see `claims`)."""
+        """The thread, counting one more batch for it until its run ends (see `claims`)."""
         with self._claims_lock:
             self._claims += 1
         return self._thread
 
     def release(self) -> None:
-        """One claimed batch fewer: its replay ended, or the claim found no batch (OrtEngine.replay_next)."""
+        """One claimed batch fewer: its run ended (replayed or uncaptured, or failed), or the claim found no
+        batch (OrtEngine.replay_next)."""
         with self._claims_lock:
             self._claims = max(0, self._claims - 1)
 

@@ -180,11 +180,12 @@ class OrtEngine:
                           max_rows: int, batch_limits: tuple[int, int | None], lanes: int,
                           short_lengths: tuple[int, ...]) -> None:
         """The artifact's graph for CUDA graphs (app/cuda_graphs.py), captured now: a packed graph's
-        host-packed variant for every batch up to `batch_limits` (rows, tokens; tokens None: its default,
-        app.cuda_graphs.default_replay_tokens) that needs no token vectors,
-        in `lanes` sessions that replay side by side (each also at `short_lengths`), or a padded graph for
-        batches of up to `max_rows` rows that find the GPU idle. choice "auto": when on CUDA and the artifact
-        has them; "on": both required; "off": never. With the custom kernels running (`library`), their variant."""
+        host-packed variant for every batch that needs no token vectors (replayed up to `batch_limits`, rows
+        and tokens, the tokens None for app.cuda_graphs.default_replay_tokens; where that graph leaves out the
+        mean, uncaptured past them), in `lanes` sessions that replay side by side (each also at
+        `short_lengths`), or a padded graph for batches of up to `max_rows` rows that find the GPU idle. choice
+        "auto": when on CUDA and the artifact has them; "on": both required; "off": never. With the custom
+        kernels running (`library`), their variant."""
         if choice not in ("auto", "on", "off"):
             raise EngineError(f"cuda_graphs must be auto, on or off, not {choice!r}")
         variant = graph.host_packed or graph.padded
@@ -287,7 +288,7 @@ class OrtEngine:
             raise lost from e
 
     def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
-        if self.packed_lanes:
+        if self.packed_lanes and self.packed_lanes[0].outputs.issuperset(batch.outputs):
             ids, type_ids, lengths = batch.unpadded()
             if self.packed_lanes[0].takes(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
                 return self._packed_lane().run(lengths, ids, type_ids, batch.outputs)
