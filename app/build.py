@@ -140,8 +140,10 @@ def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, 
     admission by time (max_queue_ms) goes by until the first real batch finishes. Without it the admission
     knew no speed at start and refused a burst that came at once (41-101 requests answered 429 in
     bench/replicas.py's first runs on H100s). On a GPU untimed runs go first: one of every power of two of
-    tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them, on
-    every session that runs such batches (OrtEngine.warm_up_outputs). Costs a batch's time at start (0.17 s
+    tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them (our
+    operator's choices are the process's, made once for every session: ChosenAlgos in
+    custom_kernels/src/matmul_epilogues.cc), and on every session that runs such batches
+    (OrtEngine.warm_up_outputs) so that its own memory arena has grown for them. Costs a batch's time at start (0.17 s
     for all-MiniLM-L6-v2 int8 on 2 CPU cores), on a GPU those runs too (two a session with the default
     budget)."""
     length = min(_WARM_UP_LENGTH, max_length)
@@ -159,7 +161,7 @@ def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, 
             sizes.append(tokens // length)
             tokens *= 2
         for size in sizes + [rows]:
-            for outputs in engine.warm_up_outputs:  # each session that runs large batches tunes its own
+            for outputs in engine.warm_up_outputs:  # each session that runs large batches grows its arena
                 engine.run(batch_of(size, outputs))
     started = time.perf_counter()
     engine.run(batch)

@@ -228,8 +228,11 @@ class OrtEngine:
     @property
     def warm_up_outputs(self) -> list[frozenset[str]]:
         """Outputs that send a batch to each session that may run large ones (start-up runs one of each size
-        there, so that every session's products are tuned before serving): [CLS] alone, and with replaying
-        lanes, which take [CLS] batches, token vectors too, for the session's own graph."""
+        there, so that each session's memory arena has grown for it before serving; our operator's cuBLASLt
+        choices are the process's, tuned by whichever session meets a size first, a lane's capture included):
+        [CLS] alone, and with replaying lanes, which take [CLS] batches, token vectors too, for the session's
+        own graph. With several lanes the [CLS] batches reach the first only (the least claimed); the others
+        ran every size they replay when they were captured."""
         outputs = [frozenset({CLS_EMBEDDING})]
         if self.packed_lanes and TOKEN_EMBEDDINGS in self.outputs:
             outputs.append(frozenset({TOKEN_EMBEDDINGS}))
