@@ -143,9 +143,9 @@ def _measure_speed(engine: OrtEngine, batcher: DynamicBatcher, ids: np.ndarray, 
     tokens from _TUNED_FROM_TOKENS up, and the full batch, so the kernels are set up and tuned for them (our
     operator's choices are the process's, made once for every session: ChosenAlgos in
     custom_kernels/src/matmul_epilogues.cc), and on every session that runs such batches
-    (OrtEngine.warm_up_outputs) so that its own memory arena has grown for them. Costs a batch's time at start (0.17 s
-    for all-MiniLM-L6-v2 int8 on 2 CPU cores), on a GPU those runs too (two a session with the default
-    budget)."""
+    (OrtEngine.warm_up_outputs) so that its own memory arena has grown for them. Costs a batch's time at
+    start (0.17 s for all-MiniLM-L6-v2 int8 on 2 CPU cores), on a GPU those runs too (two a session with the
+    default budget)."""
     length = min(_WARM_UP_LENGTH, max_length)
     row = np.resize(ids, length)  # the probe's tokens repeated: what they are does not change the time
 

@@ -278,9 +278,10 @@ class OrtEngine:
         """A batch that wants only what the host-packed variant answers (no token vectors) runs on it,
         replayed as a CUDA graph, when it fits its buckets. For a model that pools [CLS] that variant computes
         its last layer for the [CLS] rows only (export/last_layer_rows.py) and takes a larger batch too,
-        uncaptured: it is then the faster graph at every size (BENCHMARKS.md). A padded graph's CUDA graphs take a batch when it is small and the only one on the
-        GPU (a padded replay's synchronous copies would wait for a batch running beside it: replaying beside
-        one cost 7-8% at 16-64 texts per request, BENCHMARKS.md). The rest run on the session's graph.
+        uncaptured: it is then the faster graph at every size (BENCHMARKS.md). A padded graph's CUDA graphs
+        take a batch when it is small and the only one on the GPU (a padded replay's synchronous copies would
+        wait for a batch running beside it: replaying beside one cost 7-8% at 16-64 texts per request,
+        BENCHMARKS.md). The rest run on the session's graph.
         Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable."""
         try:
             return self._run_batch(batch)
