@@ -85,8 +85,9 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
         if n is attentions[-1]:
             kept += gathered
     # the residual may come from before the attention: each Gather goes right after what it reads
+    ordered = _in_order(kept, {i.name for i in graph.input} | {t.name for t in graph.initializer})
     del graph.node[:]
-    graph.node.extend(_in_order(kept, {i.name for i in graph.input} | {t.name for t in graph.initializer}))
+    graph.node.extend(ordered)
     return True
 
 
