@@ -35,7 +35,7 @@ from onnx import helper, numpy_helper  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from artifact.session import open_session  # noqa: E402
-from export.last_layer_rows import _between, _constant_names, _in_order  # noqa: E402
+from export.last_layer_rows import nodes_between, constant_names, in_order  # noqa: E402
 from export.parity import text_batches  # noqa: E402
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES  # noqa: E402
 
@@ -82,11 +82,11 @@ def cls_rows_variant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     (hidden,) = hidden
     attention = [n for n in nodes if n.op_type in ATTENTION][-1]
     made_by = {out: n for n in nodes for out in n.output}
-    region = _between(attention.output[0], hidden, made_by)
+    region = nodes_between(attention.output[0], hidden, made_by)
     if not region:
         raise ValueError("nothing between the last attention and the [CLS] Gather")
 
-    constant = _constant_names(graph, made_by)
+    constant = constant_names(graph, made_by)
     made_inside = {out for n in region for out in n.output}
     entering = []  # the attention's output, the residual
     for n in region:
@@ -125,7 +125,7 @@ def cls_rows_variant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
         if any(i in made_inside for i in n.input):
             raise ValueError(f"{n.name} ({n.op_type}) reads a row the variant drops")
     inputs = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    ordered = _in_order([n for n in all_nodes if id(n) in live], inputs)
+    ordered = in_order([n for n in all_nodes if id(n) in live], inputs)
     del graph.node[:]
     graph.node.extend(ordered)
     del graph.value_info[:]  # shapes after the cut differ; ORT infers them again

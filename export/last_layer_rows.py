@@ -45,7 +45,7 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
         for name in n.input:
             readers[name].append(n)
 
-    region = _between(attended, hidden, made_by)
+    region = nodes_between(attended, hidden, made_by)
     # an empty region (the [CLS] rows read straight off the attention) has nothing to run on fewer rows, and
     # its Gathers must stay: the rewrite would hand their readers every token's row
     if not region or any(n.op_type not in ROW_WISE for n in region):
@@ -57,7 +57,7 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
             if out and (out in outputs or any(id(r) not in inside for r in readers[out])):
                 return False
 
-    constant = _constant_names(graph, made_by)
+    constant = constant_names(graph, made_by)
     made_inside = {out for n in region for out in n.output}
     entering = []  # activations the region reads from before it: the attention's output, the residual
     for n in region:
@@ -85,7 +85,7 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
         if n is attentions[-1]:
             kept += gathered
     # the residual may come from before the attention: each Gather goes right after what it reads
-    ordered = _in_order(kept, {i.name for i in graph.input} | {t.name for t in graph.initializer})
+    ordered = in_order(kept, {i.name for i in graph.input} | {t.name for t in graph.initializer})
     del graph.node[:]
     graph.node.extend(ordered)
     return True
@@ -95,7 +95,7 @@ def _axis(node: onnx.NodeProto) -> int:
     return next((a.i for a in node.attribute if a.name == "axis"), 0)
 
 
-def _between(start: str, end: str, made_by: dict[str, onnx.NodeProto]) -> list[onnx.NodeProto] | None:
+def nodes_between(start: str, end: str, made_by: dict[str, onnx.NodeProto]) -> list[onnx.NodeProto] | None:
     """The nodes on some path from tensor `start` to tensor `end` (those `end` depends on that depend on
     `start`), in graph order; None when `end` does not depend on `start`."""
     depends: dict[str, bool] = {}
@@ -127,7 +127,7 @@ def _between(start: str, end: str, made_by: dict[str, onnx.NodeProto]) -> list[o
     return sorted(region.values(), key=lambda n: order[id(n)])
 
 
-def _constant_names(graph: onnx.GraphProto, made_by: dict[str, onnx.NodeProto]) -> set[str]:
+def constant_names(graph: onnx.GraphProto, made_by: dict[str, onnx.NodeProto]) -> set[str]:
     """Tensors that depend on no graph input: initializers, Constants and what is made from them only."""
     constant = {t.name for t in graph.initializer}
     for n in graph.node:
@@ -136,7 +136,7 @@ def _constant_names(graph: onnx.GraphProto, made_by: dict[str, onnx.NodeProto]) 
     return constant
 
 
-def _in_order(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+def in_order(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
     """`nodes` in an order where each comes after what it reads (the given order where it already is)."""
     made, ordered, waiting = set(available), [], list(nodes)
     while waiting:
