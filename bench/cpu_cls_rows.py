@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-from onnx import helper, numpy_helper  # noqa: E402
+from onnx import numpy_helper  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from artifact.session import open_session  # noqa: E402
-from export.last_layer_rows import nodes_between, constant_names, in_order  # noqa: E402
+from export.last_layer_rows import gather_entering, in_order, nodes_between  # noqa: E402
 from export.parity import text_batches  # noqa: E402
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES  # noqa: E402
 
@@ -86,20 +86,10 @@ def cls_rows_variant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
     if not region:
         raise ValueError("nothing between the last attention and the [CLS] Gather")
 
-    constant = constant_names(graph, made_by)
     made_inside = {out for n in region for out in n.output}
-    entering = []  # the attention's output, the residual
-    for n in region:
-        for name in n.input:
-            if name and name not in made_inside and name not in constant and name not in entering:
-                entering.append(name)
-    rows = {name: f"{name}_cls_rows" for name in entering}
-    for n in region:
-        for i, name in enumerate(n.input):
-            n.input[i] = rows.get(name, name)
     graph.initializer.append(numpy_helper.from_array(np.array([0], dtype=np.int64), FIRST_ROW))
-    gathered = [helper.make_node("Gather", [name, FIRST_ROW], [rows[name]], name=f"{rows[name]}_gather", axis=1)
-                for name in entering]
+    gathered = gather_entering(graph, region, made_by, FIRST_ROW, axis=1)
+    entering = [g.input[0] for g in gathered]  # the attention's output, the residual
 
     # outputs needing every token go, and the nodes only they read
     kept_outputs = [o for o in graph.output if o.name not in EVERY_TOKEN]

@@ -57,19 +57,7 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
             if out and (out in outputs or any(id(r) not in inside for r in readers[out])):
                 return False
 
-    constant = constant_names(graph, made_by)
-    made_inside = {out for n in region for out in n.output}
-    entering = []  # activations the region reads from before it: the attention's output, the residual
-    for n in region:
-        for name in n.input:
-            if name and name not in made_inside and name not in constant and name not in entering:
-                entering.append(name)
-    rows = {name: f"{name}_cls_rows" for name in entering}
-    for n in region:
-        for i, name in enumerate(n.input):
-            n.input[i] = rows.get(name, name)
-    gathered = [helper.make_node("Gather", [name, CLS_POSITIONS], [rows[name]], name=f"{rows[name]}_gather", axis=0)
-                for name in entering]
+    gathered = gather_entering(graph, region, made_by, CLS_POSITIONS, axis=0)
     # the Gathers at the end become the tensor itself, which now has a row per sequence
     renamed = {n.output[0]: hidden for n in gathers if n.output[0] not in outputs}
     ends = {id(n) for n in gathers}
@@ -89,6 +77,26 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
     del graph.node[:]
     graph.node.extend(ordered)
     return True
+
+
+def gather_entering(graph: onnx.GraphProto, region: list[onnx.NodeProto], made_by: dict[str, onnx.NodeProto],
+                    indices: str, axis: int) -> list[onnx.NodeProto]:
+    """The region's nodes made to read, in place of each activation that enters it from before (the
+    attention's output, the residual), that activation's rows at `indices` along `axis`; the Gather nodes
+    that make them, one per such activation, in the order the region first reads them."""
+    constant = constant_names(graph, made_by)
+    made_inside = {out for n in region for out in n.output}
+    entering = []
+    for n in region:
+        for name in n.input:
+            if name and name not in made_inside and name not in constant and name not in entering:
+                entering.append(name)
+    rows = {name: f"{name}_cls_rows" for name in entering}
+    for n in region:
+        for i, name in enumerate(n.input):
+            n.input[i] = rows.get(name, name)
+    return [helper.make_node("Gather", [name, indices], [rows[name]], name=f"{rows[name]}_gather", axis=axis)
+            for name in entering]
 
 
 def _axis(node: onnx.NodeProto) -> int:
