@@ -41,8 +41,8 @@ class Settings(BaseSettings):
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="CUDA: replay batches as CUDA graphs captured at start, from the graph python -m "
         "export --device cuda writes for them: with a packed graph (the default) every batch of up to "
-        "max_batch_size texts and cuda_graph_tokens tokens that needs no token vectors (a larger one runs on "
-        "the same graph uncaptured); with a padded one "
+        "max_batch_size texts and cuda_graph_tokens tokens that needs no token vectors (for a model that pools "
+        "[CLS], a larger one too, uncaptured); with a padded one "
         "(--keep-padding), a batch of up to cuda_graph_rows texts that finds the GPU otherwise idle. A lone "
         "text is answered sooner and a batch costs less CPU, for GPU memory and start-up time (BENCHMARKS.md). "
         "auto: when the artifact has that graph; on: fail without it; off: never")
