@@ -445,6 +445,9 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
     if cuda:
         engines = {"torch fp16 sdpa": lambda: TorchEngine(model, "cuda", torch.float16)}
         packed = [kind for kind in PACKED_KINDS.values() if kind in artifacts]
+        # export's host-packed graphs of the first packed kernels graph (the served one), built once
+        served = next((kind for kind in packed if kernels_file(kind)), None)
+        host_packed = host_packed_variants(kernels_file(served)) if served and wanted("host-packed") else {}
         for kind in packed:
             engines[f"ort fp16 {kind}"] = lambda kind=kind: DeviceBoundSession(graph_file(kind, "fp16"), "cuda")
         engines["ort fp16 padded"] = lambda: DeviceBoundSession(graph_file("padded", "fp16"), "cuda")
@@ -457,8 +460,8 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
                         continue
                     engines[f"ort fp16 {kind}+kernels {variant}"] = (
                         lambda path=path: DeviceBoundSession(path, "cuda", kernels_library=library))
-                if kind != "padded" and wanted("host-packed"):
-                    for variant, path in host_packed_variants(kernels_file(kind)).items():
+                if kind == served:
+                    for variant, path in host_packed.items():
                         engines[f"ort fp16 {variant}"] = (
                             lambda path=path: HostPackedSession(path, kernels_library=library))
                 if args.untuned:
@@ -472,7 +475,7 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
             "ort fp32": lambda: DeviceBoundSession(graph_file("cpu", "fp32"), "cpu", args.threads),
             "ort int8": lambda: DeviceBoundSession(graph_file("cpu", "int8"), "cpu", args.threads),
         }
-        baseline = "torch fp32"
+        baseline, host_packed = "torch fp32", {}
     built = {name: make() for name, make in engines.items()}
 
     rng = np.random.default_rng(0)
@@ -502,10 +505,8 @@ def _measure(args, work: Path, texts: list[str], batches: list[int], text_sizes:
         graphs = {"ort fp16 padded+cudagraph": (graph_file("padded", "fp16"), None)} if cuda else {}
         if cuda and kernels_file("padded"):
             graphs["ort fp16 padded+kernels+cudagraph"] = (kernels_file("padded"), library)
-        served = next((kind for kind in PACKED_KINDS.values() if kind in artifacts and kernels_file(kind)), None)
-        if cuda and served and wanted("host-packed"):
-            for variant, path in host_packed_variants(kernels_file(served)).items():
-                graphs[f"ort fp16 {variant}+cudagraph"] = (path, library)
+        for variant, path in host_packed.items():
+            graphs[f"ort fp16 {variant}+cudagraph"] = (path, library)
         for name, (path, kernels) in graphs.items() if not args.no_cuda_graph else ():
             try:
                 engine = (HostPackedSession(path, kernels, cuda_graph=True) if "host-packed" in name else
