@@ -29,14 +29,15 @@ real ones. A variant joins options with '+' onto DDP with torch's defaults:
     static    static_graph=True                           (--ddp-static-graph; refused with --grad-accum above 1)
     torchbf16 torch's bf16_compress_hook instead of training.ddp's: the same arithmetic (torch built with CUDA only)
     nocomm    diagnostic, wrong gradients: a comm hook that all-reduces nothing (the step without communication)
+    avg       a comm hook averaging in the all-reduce (ReduceOp.AVG, NCCL only) instead of dividing first
     graphs    the compiled step replayed from CUDA graphs (the trainer's --cuda-graphs); the one-process run
               then also times single+graphs
     stop      each step followed by the training loop's agreement on stopping (training.trainer.stop_agreed:
               a one-integer all-reduce over the gloo group), as `python -m training.pretrain` runs it
 
 The whole run stops starting measurements when --budget-s would be exceeded (the rest are listed as skipped).
-Prints `nvidia-smi topo -m` (NVLink or PCIe between the GPUs), an all-reduce of the model's gradient size in
-fp32 and bf16, and a table; writes JSON to $OUT/ddp_scaling.json when OUT is set (or to --json), after each
+Prints `nvidia-smi topo -m` (NVLink or PCIe between the GPUs), all-reduces of the model's gradient size (fp32,
+bf16, and fp32 in DDP's 25 MB buckets), and a table; writes JSON to $OUT/ddp_scaling.json when OUT is set (or to --json), after each
 process count, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
@@ -112,15 +113,17 @@ def parse_variant(name: str) -> Variant:
             hooks.append(default_hooks.bf16_compress_hook)
         elif part == "nocomm":
             hooks.append(_no_comm)
+        elif part == "avg":
+            hooks.append(_average_all_reduce)
         elif part == "graphs":
             graphs = True
         elif part == "stop":
             stop = True
         else:
             raise ValueError(f"unknown variant part {part!r} in {name!r}; use plain, trainer, asview, bf16, "
-                             "bucketN, nobcast, onegraph, static, torchbf16, nocomm, graphs, stop")
+                             "bucketN, nobcast, onegraph, static, torchbf16, nocomm, avg, graphs, stop")
     if len(hooks) + options.bf16_grads > 1:
-        raise ValueError(f"{name!r} asks for two communication hooks (bf16, torchbf16, nocomm); DDP takes one")
+        raise ValueError(f"{name!r} asks for two communication hooks (bf16, torchbf16, nocomm, avg); DDP takes one")
     return Variant(name, options, hooks[0] if hooks else None, graphs, stop)
 
 
@@ -129,6 +132,12 @@ def _no_comm(state, bucket):  # no annotations: DDP checks them against the clas
     done: torch.futures.Future = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
+
+
+def _average_all_reduce(group, bucket):  # no annotations, as _no_comm
+    """The bucket averaged by the all-reduce itself (NCCL's ncclAvg), instead of DDP's division first."""
+    return torch_dist.all_reduce(bucket.buffer(), op=torch_dist.ReduceOp.AVG, group=group,
+                                 async_op=True).get_future().then(lambda done: done.value()[0])
 
 
 class PreparedBatches:
@@ -301,24 +310,33 @@ def profile_steps(learner, stream, window, cfg: TrainConfig, dist: DistInfo, ste
 
 
 def allreduce_timings(numel: int, dist: DistInfo, repeats: int = 5) -> list[dict[str, Any]]:
-    """One all-reduce of the whole gradient (every parameter once) in fp32 and in bf16: what DDP moves per
-    step, timed alone. Bus bandwidth as NCCL's tests report it: bytes x 2(N-1)/N over time."""
+    """All-reduces of the whole gradient (every parameter once): in one piece in fp32 and in bf16, and in
+    fp32 as DDP sends it, in pieces of its default bucket size (25 MB) one after another. Bus bandwidth as
+    NCCL's tests report it: bytes x 2(N-1)/N over time. NCCL picks its protocol by message size, so the
+    pieces can run slower than the whole."""
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype, piece_mb in ((torch.float32, None), (torch.bfloat16, None), (torch.float32, 25)):
         t = torch.ones(numel, dtype=dtype, device=dist.device)
+        pieces = [t] if piece_mb is None else list(t.split(int(piece_mb * 2**20) // t.element_size()))
+
+        def all_reduce() -> None:
+            for work in [torch_dist.all_reduce(p, async_op=True) for p in pieces]:
+                work.wait()
+
         for _ in range(2):
-            torch_dist.all_reduce(t)
+            all_reduce()
         sync_device(dist.device)
         torch_dist.barrier()
         started = time.perf_counter()
         for _ in range(repeats):
-            torch_dist.all_reduce(t)
+            all_reduce()
         sync_device(dist.device)
         seconds = max(_gathered((time.perf_counter() - started) / repeats, dist))
         size = numel * t.element_size()
-        rows.append({"dtype": str(dtype).removeprefix("torch."), "mb": size / 1e6, "ms": seconds * 1e3,
+        rows.append({"dtype": str(dtype).removeprefix("torch."), "mb": size / 1e6, "pieces": len(pieces),
+                     "ms": seconds * 1e3,
                      "bus_gb_per_s": size * 2 * (dist.world_size - 1) / dist.world_size / seconds / 1e9})
-        del t
+        del t, pieces
     return rows
 
 
@@ -354,7 +372,8 @@ def worker(args: argparse.Namespace) -> int:
             for row in allreduce_timings(numel, dist):
                 record(kind="allreduce", **row)
                 if dist.is_main:
-                    print(f"all-reduce of {row['mb']:.0f} MB in {row['dtype']} over {dist.world_size} processes: "
+                    print(f"all-reduce of {row['mb']:.0f} MB in {row['dtype']}, {row['pieces']} piece(s), over "
+                          f"{dist.world_size} processes: "
                           f"{row['ms']:.2f} ms ({row['bus_gb_per_s']:.1f} GB/s bus bandwidth)", flush=True)
         asked = [parse_variant(v) for v in args.variants.split(",")]
         variants = asked if dist.distributed else [Variant(SINGLE, DDPOptions())] + (
