@@ -174,6 +174,7 @@ class DynamicBatcher:
                  replay_thread: Callable[[int, int, int, frozenset[str], bool], Executor | None] | None = None,
                  replay_busy: Callable[[int, frozenset[str]], bool] | None = None,
                  replay_next: Callable[[Callable[[int, int, frozenset[str]], list | None]], list | None] | None = None,
+                 replay_abandoned: Callable[[], None] | None = None,
                  graph_offers: frozenset[str] = frozenset()):
         self._run = run
         self._graph_offers = graph_offers  # the engine's graph outputs: a pooled vector among them is not pooled here
@@ -186,6 +187,9 @@ class DynamicBatcher:
         # (take) -> the batch take(rows, tokens, outputs) chose for the replaying session whose thread calls it,
         # that session kept claimed for it (OrtEngine.replay_next): a session goes on to queued work itself.
         self._replay_next = replay_next
+        # On that thread, after a batch claimed for it failed before reaching the engine, whose run would have
+        # ended the claim (OrtEngine.replay_abandoned).
+        self._replay_abandoned = replay_abandoned
         self._on_engine_lost = on_engine_lost  # called (on the loop) after a batch fails with EngineLost
         self.pad_id = pad_id
         self.max_batch_tokens, self.max_batch_size = max_batch_tokens, max_batch_size
@@ -495,9 +499,11 @@ class DynamicBatcher:
         left: the session would otherwise wait for the loop's next turn between its batches."""
         while True:
             begun = time.perf_counter()
+            reached = False  # the engine: on a replaying session's thread, its run ends the session's claim
             try:
                 sequences = Sequences.joined(entries)
                 batch = collate(sequences, self.pad_id, outputs)
+                reached = True
                 outcome: dict[str, np.ndarray] | Exception = self._run(batch)
                 # pooled here, off the loop, as part of the batch's work
                 if pooled := pooled_here(_answers_of(entries), self._graph_offers):
@@ -505,6 +511,8 @@ class DynamicBatcher:
                 tokens = batch.padded_tokens
             except Exception as e:  # noqa: BLE001 - every waiting request must hear about it
                 outcome, tokens = e, 0
+                if replayed and not reached and self._replay_abandoned is not None:
+                    self._replay_abandoned()
             following = None
             if self._replay_next is not None and not isinstance(outcome, Exception):
                 following = self._replay_next(self._take_replayable)

@@ -120,6 +120,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
                              max_queue_ms=settings.max_queue_ms, overlap_min_tokens=settings.overlap_min_tokens,
                              metrics=metrics, on_engine_lost=on_engine_lost, replay_thread=engine.replay_thread,
                              replay_busy=engine.replay_busy, replay_next=engine.replay_next,
+                             replay_abandoned=engine.replay_abandoned,
                              graph_offers=engine.outputs)
     _measure_speed(engine, batcher, probe.ids, manifest.max_length)
     log.info("engine: %s on %s (%s), %d batch(es) at once", engine.graph_file, device, engine.provider, workers)

@@ -274,6 +274,12 @@ class OrtEngine:
                 lane.release()
         return taken or None
 
+    def replay_abandoned(self) -> None:
+        """On a lane's thread: the batch claimed for it (replay_thread, replay_next) failed before it reached
+        `run`, which would have ended the claim, so the claim ends here. Elsewhere nothing was claimed."""
+        if (lane := self._lane_here()) is not None:
+            lane.release()
+
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """A batch that wants only what the host-packed variant answers (no token vectors) runs on it,
         replayed as a CUDA graph, when it fits its buckets. For a model that pools [CLS] that variant computes

@@ -3,6 +3,7 @@
 CPU provider with the tiny artifact's fp32 graph, against the same batch run as it is."""
 from __future__ import annotations
 
+import asyncio
 import threading
 from types import SimpleNamespace
 
@@ -13,8 +14,10 @@ import pytest
 from app.cuda_graphs import (CLS_ROWS_MAX_TOKENS, MAX_ROWS, PACKED_MAX_TOKENS, PACKED_ROWS, PACKED_SHORT_WIDTHS,
                              CudaGraphBuckets, PackedGraphBuckets, ReplayPlanner, bucket_for, default_replay_tokens,
                              packed_buckets, packed_width_buckets, rows_up_to)
+import app.batcher as app_batcher
+from app.batcher import DynamicBatcher, Sequences
 from app.engine import Batch, EngineError, OrtEngine
-from app.errors import EngineLost
+from app.errors import EngineLost, InternalError
 from app.settings import Settings
 from artifact.host_packing import CLS_POSITIONS, HOST_PACKED_INPUTS, HostPacker, pack_on_host
 from artifact.manifest import INPUT_NAMES, read_manifest
@@ -316,3 +319,51 @@ def test_a_batch_past_every_bucket_runs_uncaptured_on_its_lanes_thread_and_a_fai
     assert engine.replay_thread(8, 16, 128, cls, False) is None and mean_lane.claims == 0  # the packed graph's
     assert engine.replay_thread(2, 16, 32, cls, False) is mean_lane.thread and mean_lane.claims == 1  # a bucket's
     assert not engine.replay_busy(128, cls) and engine.replay_busy(32, cls)
+
+
+def test_a_batch_that_fails_on_a_lanes_thread_before_the_engine_still_ends_the_lanes_claim(
+        tiny_artifact_dir, monkeypatch):
+    """The batcher hands a batch to a lane's thread with the lane claimed (OrtEngine.replay_thread), and the
+    engine's run ends the claim. When the batch fails there before it reaches the engine (building it
+    raised), the batcher ends the claim through OrtEngine.replay_abandoned: the request gets the error, the
+    lane is free (replay_busy no longer holds work back) and the next request runs on it."""
+    class Session:  # a host-packed graph's session, run past its buckets (capture needs a GPU)
+        def get_outputs(self):
+            return [SimpleNamespace(name="cls_embedding", shape=["rows", 4])]
+
+        def run(self, names, feeds, options):
+            return [np.ones((len(feeds[CLS_POSITIONS]), 4), np.float32)]
+
+    monkeypatch.setattr(PackedGraphBuckets, "_make", lambda self, *key: None)  # nothing captured
+    lane = PackedGraphBuckets(Session(), 0, 64, 0, max_rows=4, max_tokens=64)
+    engine = OrtEngine(tiny_artifact_dir, read_manifest(tiny_artifact_dir), "cpu", "fp32")
+    engine.packed_lanes = (lane,)
+    real_collate, failures = app_batcher.collate, [MemoryError("no room for the batch")]
+
+    def collate(*args):
+        if failures:
+            raise failures.pop()
+        return real_collate(*args)
+
+    monkeypatch.setattr(app_batcher, "collate", collate)
+    cls = frozenset({"cls_embedding"})
+    rows = Sequences.concat([np.full(16, 5 + i, np.int64) for i in range(8)], [np.zeros(16, np.int64)] * 8)
+
+    async def go():  # 8 rows of 16 tokens: past every bucket, so the lane runs them uncaptured
+        batcher = DynamicBatcher(engine.run, pad_id=0, max_batch_tokens=1024, max_batch_size=64, max_wait_ms=0,
+                                 max_queued=100, inference_workers=1, packed=True,
+                                 replay_thread=engine.replay_thread, replay_busy=engine.replay_busy,
+                                 replay_next=engine.replay_next, replay_abandoned=engine.replay_abandoned)
+        batcher.start()
+        try:
+            with pytest.raises(InternalError, match=r"inference failed \(MemoryError\)"):
+                await batcher.submit_group(rows, cls)
+            claims_after_failure = lane.claims
+            answer = await asyncio.wait_for(batcher.submit_group(rows, cls), 30)
+        finally:
+            await batcher.stop()
+        return claims_after_failure, answer
+
+    claims_after_failure, answer = asyncio.run(go())
+    assert claims_after_failure == 0 and lane.claims == 0 and not engine.replay_busy(1, cls)
+    assert answer.outputs["cls_embedding"].shape == (8, 4)
