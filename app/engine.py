@@ -161,6 +161,7 @@ class OrtEngine:
             raise EngineError(f"{path} lacks the outputs {sorted(set(graph.outputs) - self.outputs)} its manifest "
                               f"promises")
         self.hidden_size = manifest.hidden_size
+        self.max_length = manifest.max_length  # the longest row a batch may bring (the tokenizer truncates there)
         self.packed = graph.packed  # padded tokens cost nothing: the batcher packs by tokens, not rows
         self.pad_id = manifest.special_tokens.get("[PAD]", 0)
         self.graph_buckets: CudaGraphBuckets | None = None  # a padded graph's, for small batches
@@ -288,7 +289,12 @@ class OrtEngine:
         take a batch when it is small and the only one on the GPU (a padded replay's synchronous copies would
         wait for a batch running beside it: replaying beside one cost 7-8% at 16-64 texts per request,
         BENCHMARKS.md). The rest run on the session's graph.
-        Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable."""
+        Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable, and
+        ValueError for a row longer than the model's max_length: its positions past that are untrained, and
+        on a GPU the graph would read past its position table without a word (the CPU's refuses them)."""
+        if batch.input_ids.shape[1] > self.max_length:
+            raise ValueError(f"a batch row has {batch.input_ids.shape[1]} tokens, more than the model's max_length "
+                             f"{self.max_length}: texts must be truncated to it before the engine")
         try:
             return self._run_batch(batch)
         except Exception as e:  # noqa: BLE001 - ORT raises its own types

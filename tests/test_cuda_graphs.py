@@ -367,3 +367,19 @@ def test_a_batch_that_fails_on_a_lanes_thread_before_the_engine_still_ends_the_l
     claims_after_failure, answer = asyncio.run(go())
     assert claims_after_failure == 0 and lane.claims == 0 and not engine.replay_busy(1, cls)
     assert answer.outputs["cls_embedding"].shape == (8, 4)
+
+
+def test_a_batch_longer_than_the_models_max_length_is_refused_before_onnx_runtime(tiny_artifact_dir):
+    """The tokenizer truncates every text to max_length before the engine. A batch that still brings a longer
+    row is refused in one line, on every device: on the CPU ORT's embedding node refuses such positions itself,
+    but on a GPU it read past the position table and answered (a GPU test fed such a row unnoticed)."""
+    m = read_manifest(tiny_artifact_dir)
+    engine = OrtEngine(tiny_artifact_dir, m, "cpu", "fp32")
+    for width in (m.max_length, m.max_length + 1):
+        ids = np.full((2, width), 7, np.int64)
+        batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), ("cls_embedding",))
+        if width > m.max_length:
+            with pytest.raises(ValueError, match=f"{width} tokens, more than the model's max_length {m.max_length}"):
+                engine.run(batch)
+        else:
+            assert engine.run(batch)["cls_embedding"].shape == (2, m.hidden_size)
