@@ -293,6 +293,7 @@ class OrtEngine:
         ValueError for a row longer than the model's max_length: its positions past that are untrained, and
         on a GPU the graph would read past its position table without a word (the CPU's refuses them)."""
         if batch.input_ids.shape[1] > self.max_length:
+            self.replay_abandoned()  # a lane's thread ran nothing for the batch claimed for it
             raise ValueError(f"a batch row has {batch.input_ids.shape[1]} tokens, more than the model's max_length "
                              f"{self.max_length}: texts must be truncated to it before the engine")
         try:

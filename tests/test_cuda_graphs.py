@@ -369,12 +369,26 @@ def test_a_batch_that_fails_on_a_lanes_thread_before_the_engine_still_ends_the_l
     assert answer.outputs["cls_embedding"].shape == (8, 4)
 
 
-def test_a_batch_longer_than_the_models_max_length_is_refused_before_onnx_runtime(tiny_artifact_dir):
+def test_a_batch_longer_than_the_models_max_length_is_refused_before_onnx_runtime(tiny_artifact_dir, monkeypatch):
     """The tokenizer truncates every text to max_length before the engine. A batch that still brings a longer
     row is refused in one line, on every device: on the CPU ORT's embedding node refuses such positions itself,
-    but on a GPU it read past the position table and answered (a GPU test fed such a row unnoticed)."""
+    but on a GPU it read past the position table and answered (a GPU test fed such a row unnoticed). Refused
+    on a lane's thread, the batch ends the lane's claim as a run would."""
     m = read_manifest(tiny_artifact_dir)
     engine = OrtEngine(tiny_artifact_dir, m, "cpu", "fp32")
+    monkeypatch.setattr(PackedGraphBuckets, "_make", lambda self, *key: None)  # nothing captured
+    session = SimpleNamespace(get_outputs=lambda: [SimpleNamespace(name="cls_embedding", shape=["rows", 4])])
+    lane = PackedGraphBuckets(session, 0, 64, 0, max_rows=4, max_tokens=64)
+    engine.packed_lanes = (lane,)
+    cls = frozenset({"cls_embedding"})
+    too_long = np.full((1, m.max_length + 1), 7, np.int64)
+    on_lane = engine.replay_thread(1, m.max_length + 1, m.max_length + 1, cls, True)
+    assert on_lane is lane.thread and lane.claims == 1
+    with pytest.raises(ValueError, match="more than the model's max_length"):
+        on_lane.submit(engine.run, Batch(too_long, np.ones_like(too_long), np.zeros_like(too_long),
+                                         ("cls_embedding",))).result(30)
+    assert lane.claims == 0
+    engine.packed_lanes = ()
     for width in (m.max_length, m.max_length + 1):
         ids = np.full((2, width), 7, np.int64)
         batch = Batch(ids, np.ones_like(ids), np.zeros_like(ids), ("cls_embedding",))
