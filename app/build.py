@@ -102,7 +102,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
         engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, settings.cuda_device_id,
                            settings.custom_kernels, settings.cuda_graphs, settings.cuda_graph_rows,
                            settings.max_batch_size, replayed_tokens, settings.cuda_graph_lanes,
-                           settings.replay_short_lengths)
+                           settings.replay_short_lengths, settings.cpu_cls_rows)
     except EngineError as e:
         if settings.device != "auto" or device != "cuda":
             raise
@@ -110,7 +110,7 @@ def build_engine(settings: Settings, manifest: Manifest, tokenizer: TextTokenize
         log.warning("CUDA did not start (%s); serving on the CPU instead", e)
         device, precision = resolve_device_precision("cpu", settings.precision, manifest, [CPU])
         workers, threads = inference_threads(settings, device)
-        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads)
+        engine = OrtEngine(settings.model_dir, manifest, device, precision, threads, cls_rows=settings.cpu_cls_rows)
     probe = tokenizer.encode([("warm-up forward pass", "checks every output")], truncate=True)[0]
     engine.health(probe.ids, probe.type_ids)
     batcher = DynamicBatcher(engine.run, pad_id=engine.pad_id, max_batch_tokens=batch_token_budget(settings, device),

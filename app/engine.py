@@ -21,7 +21,7 @@ from app.cuda_graphs import (MAX_ROWS, PACKED_SHORT_WIDTHS, CudaGraphBuckets, Pa
 from app.errors import EngineLost
 from artifact.manifest import (CLS_EMBEDDING, INPUT_NAMES, MEAN_EMBEDDING, POOLED_EMBEDDING, TOKEN_EMBEDDINGS,
                                GraphInfo, HostPackedGraph, Manifest)
-from artifact.session import CUDA, SessionError, kernels_library, open_graph
+from artifact.session import CUDA, SessionError, kernels_library, open_graph, open_session
 
 log = logging.getLogger("app.engine")
 T = TypeVar("T")
@@ -140,7 +140,7 @@ class OrtEngine:
                  intra_op_threads: int | None = None, cuda_device_id: int = 0, kernels: str = "auto",
                  cuda_graphs: str = "auto", cuda_graph_rows: int = MAX_ROWS, max_batch_size: int = 256,
                  cuda_graph_tokens: int | None = None, cuda_graph_lanes: int = 1,
-                 cuda_graph_short_lengths: tuple[int, ...] = PACKED_SHORT_WIDTHS):
+                 cuda_graph_short_lengths: tuple[int, ...] = PACKED_SHORT_WIDTHS, cls_rows: bool = True):
         self.device, self.precision, self.cuda_device_id = device, precision, cuda_device_id
         self.intra_op_threads = intra_op_threads  # None: ONNX Runtime's choice
         graph = manifest.graph(precision)
@@ -167,6 +167,19 @@ class OrtEngine:
         self.graph_buckets: CudaGraphBuckets | None = None  # a padded graph's, for small batches
         # a packed graph's host-packed variant's, one per session that replays it (each on its own thread)
         self.packed_lanes: tuple[PackedGraphBuckets, ...] = ()
+        # A CPU graph's variant whose last layer runs at [CLS] only, for the batches that want only what it
+        # answers (export/last_layer_rows.py), and those outputs
+        self.cls_rows_session: ort.InferenceSession | None = None
+        self.cls_rows_outputs: frozenset[str] = frozenset()
+        if cls_rows and device == "cpu" and graph.cls_rows is not None:
+            try:
+                self.cls_rows_session = open_session(folder / graph.cls_rows.file, device,
+                                                     intra_op_threads=intra_op_threads)
+            except SessionError as e:
+                raise EngineError(str(e)) from e
+            self.cls_rows_outputs = frozenset(o.name for o in self.cls_rows_session.get_outputs())
+            log.info("batches that need only %s run on %s (its last layer at the [CLS] position only)",
+                     ", ".join(sorted(self.cls_rows_outputs)), graph.cls_rows.file)
         self._open_cuda_graphs(folder, graph, library if self.custom_kernels else None, cuda_graphs,
                                manifest.max_length, cuda_graph_rows, (max_batch_size, cuda_graph_tokens),
                                cuda_graph_lanes, cuda_graph_short_lengths)
@@ -305,6 +318,8 @@ class OrtEngine:
             raise lost from e
 
     def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
+        if self.cls_rows_session is not None and self.cls_rows_outputs.issuperset(batch.outputs):
+            return self._run_session(batch, self.cls_rows_session)
         if self.packed_lanes and self.packed_lanes[0].outputs.issuperset(batch.outputs):
             ids, type_ids, lengths = batch.unpadded()
             if self.packed_lanes[0].takes(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
@@ -334,20 +349,22 @@ class OrtEngine:
     def _least_claimed_lane(self) -> PackedGraphBuckets:
         return min(self.packed_lanes, key=lambda lane: lane.claims)
 
-    def _run_session(self, batch: Batch) -> dict[str, np.ndarray]:
+    def _run_session(self, batch: Batch, session: ort.InferenceSession | None = None) -> dict[str, np.ndarray]:
+        """`batch` on `session` (default: the graph's own)."""
+        session = session or self.session
         feeds = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
                  "token_type_ids": batch.token_type_ids}
         names = list(batch.outputs)
         if self.device == "cuda":
-            binding = self.session.io_binding()
+            binding = session.io_binding()
             for name, value in feeds.items():
                 binding.bind_cpu_input(name, value)
             for name in names:
                 binding.bind_output(name, "cuda", self.cuda_device_id)
-            self.session.run_with_iobinding(binding)
+            session.run_with_iobinding(binding)
             values = binding.copy_outputs_to_cpu()
         else:
-            values = self.session.run(names, feeds)
+            values = session.run(names, feeds)
         return {n: np.asarray(v, dtype=np.float32) for n, v in zip(names, values)}
 
     def health(self, ids: Sequence[int], type_ids: Sequence[int]) -> None:
@@ -361,6 +378,9 @@ class OrtEngine:
         input_ids[1, :2], mask[1, :2] = [ids[0], ids[-1]], 1
         probe = Batch(input_ids, mask, types, tuple(sorted(self.outputs)))
         runs = [self._run_session(probe)] + ([self.run(probe)] if self.graph_buckets is not None else [])
+        if self.cls_rows_session is not None:
+            runs.append(self._run_session(Batch(input_ids, mask, types, tuple(sorted(self.cls_rows_outputs))),
+                                          self.cls_rows_session))
         probe_ids, probe_types, lengths = probe.unpadded()
         for lane in self.packed_lanes:  # each session's replay, with the outputs it has
             runs.append(lane.run(lengths, probe_ids, probe_types, tuple(sorted(lane.outputs))))

@@ -65,6 +65,12 @@ class Settings(BaseSettings):
                                   "graphs side by side, each on its own thread with its own copy of the graph and "
                                   "of every captured bucket in GPU memory. Two replayed 30% more 40-text batches "
                                   "a second on an H100, a gain not seen through HTTP (BENCHMARKS.md)")
+    cpu_cls_rows: bool = Field(True, description="CPU: run the batches that need no token vectors or mean "
+                               "([CLS], pooled, NSP, a classifier) on the artifact's graph whose last layer runs at "
+                               "the [CLS] position only, where export wrote one (python -m export --cpu-cls-rows; by "
+                               "default for models of at most 6 layers). It holds the model's weights again in "
+                               "memory; a [CLS] batch of the default 2-layer model took 34-39% less time "
+                               "(BENCHMARKS.md). false: every batch on the one graph")
     cuda_graph_rows: int = Field(16, ge=1, le=256, description="CUDA, padded graphs: the largest batch (texts) "
                                  "replayed from a CUDA graph; one is captured for each power of two below it and "
                                  "for it, at each length bucket (a batch of mixed lengths may be replayed as a few "

@@ -48,6 +48,8 @@ KERNELS_GRAPH_FILE = "model_fp16_kernels.onnx"
 # (artifact/host_packing.py) can, per (rows, tokens) bucket (app/cuda_graphs.py). With our operators too:
 HOST_PACKED_GRAPH_FILE = "model_fp16_host_packed.onnx"
 HOST_PACKED_KERNELS_GRAPH_FILE = "model_fp16_host_packed_kernels.onnx"
+# A CPU graph again with its last layer for the [CLS] position only (export/last_layer_rows.py), per precision.
+CLS_ROWS_GRAPH_FILES = {"fp32": "model_cls_rows.onnx", "int8": "model_int8_cls_rows.onnx"}
 # A sentence-transformers checkpoint's Dense modules, applied after its own pooling (numpy .npz: arrays
 # "<i>.weight" [out, in] and "<i>.bias" [out], float32), each followed by its activation.
 DENSE_FILE = "sentence_dense.npz"
@@ -89,6 +91,15 @@ class HostPackedGraph:
 
 
 @dataclass
+class ClsRowsGraph:
+    """A padded graph's variant whose last layer runs at the [CLS] position only: it answers the per-sequence
+    outputs ([CLS], pooled, NSP, a classifier), not the token vectors or their mean. Gated on parity."""
+    file: str
+    outputs: list[str]
+    parity: dict[str, float]
+
+
+@dataclass
 class GraphInfo:
     """A precision's graph as export built and checked it, and its variants: packed (ORT drops the padding
     itself) or padded, each with or without our custom kernels."""
@@ -100,6 +111,9 @@ class GraphInfo:
     custom_kernels: CustomKernelsGraph | None = None  # a server without their library runs `file`
     padded: PaddedGraph | None = None  # for CUDA graphs of a padded graph (see PaddedGraph)
     host_packed: HostPackedGraph | None = None  # a packed graph's variant for CUDA graphs
+    # A padded CPU graph's variant for the batches that need no token vectors. Written only when there is
+    # one, so that a manifest without it reads as before.
+    cls_rows: ClsRowsGraph | None = None
 
     @property
     def packed(self) -> bool:
@@ -109,7 +123,7 @@ class GraphInfo:
     def files(self) -> list[str]:
         """Every graph file this entry names."""
         variants = [self, self.custom_kernels, self.padded, self.padded and self.padded.custom_kernels,
-                    self.host_packed, self.host_packed and self.host_packed.custom_kernels]
+                    self.host_packed, self.host_packed and self.host_packed.custom_kernels, self.cls_rows]
         return [v.file for v in variants if v]
 
     @classmethod
@@ -120,9 +134,11 @@ class GraphInfo:
         def variant(kind: type, v: dict | None):
             return kind(**{**v, "custom_kernels": kernels(v.get("custom_kernels"))}) if v else None
 
+        rows = d.get("cls_rows")
         return cls(**{**d, "custom_kernels": kernels(d.get("custom_kernels")),
                       "padded": variant(PaddedGraph, d.get("padded")),
-                      "host_packed": variant(HostPackedGraph, d.get("host_packed"))})
+                      "host_packed": variant(HostPackedGraph, d.get("host_packed")),
+                      "cls_rows": _typed(ClsRowsGraph(**rows)) if rows else None})
 
 
 # The Manifest fields written only when they differ from their default (each added after format 2 was set).
@@ -176,6 +192,9 @@ class Manifest:
             if f.name in _WRITTEN_WHEN_SET and record[f.name] == (
                     f.default if f.default_factory is MISSING else f.default_factory()):
                 del record[f.name]
+        for graph in record["graphs"].values():
+            if graph["cls_rows"] is None:
+                del graph["cls_rows"]
         return json.dumps(record, indent=2, sort_keys=True) + "\n"
 
     @property

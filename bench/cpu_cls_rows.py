@@ -1,12 +1,13 @@
-"""Prototype (not served): a [CLS]-rows variant of an artifact's padded CPU graphs (fp32 and int8), its
-parity against the full graph and its speed on the server's CPU session options.
+"""The [CLS]-rows variant of an artifact's padded CPU graphs (fp32 and int8; export writes it as
+model_cls_rows.onnx / model_int8_cls_rows.onnx, export.last_layer_rows.padded_for_cls_rows), made again
+here from the full graphs: its parity against the full graph and its speed on the server's CPU session
+options.
 
 The padded CPU graph ([batch, length, hidden]) reads the [CLS] vector as Gather(axis=1, index 0) of the last
 hidden state. The variant gathers the tensors that enter the region after the last attention (its output
 and the residual) at position 0 with Gather(axis=1, indices=[0]) (1-D, so they stay [B, 1, H]): the last
 layer's output product, feed-forward block and LayerNorms run on one row per sequence. The outputs that need
-every token (token_embeddings, mean_embedding) are dropped. export/last_layer_rows.py does this on the
-host-packed CUDA graph; nothing here is used by export or the server.
+every token (token_embeddings, mean_embedding) are dropped.
 
     python bench/cpu_cls_rows.py --artifact ARTIFACT [--gate MODEL_DIR] [--threads 1] [--parity-only] [--json OUT]
 
@@ -31,103 +32,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
-from onnx import numpy_helper  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from artifact.session import open_session  # noqa: E402
-from export.last_layer_rows import gather_entering, in_order, nodes_between  # noqa: E402
+from export.last_layer_rows import ATTENTION, padded_for_cls_rows  # noqa: E402
 from export.parity import text_batches  # noqa: E402
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES  # noqa: E402
 
-ATTENTION = frozenset({"Attention", "QAttention", "MultiHeadAttention"})
-EVERY_TOKEN = ("token_embeddings", "mean_embedding")
 CLS_OUTPUTS = ("cls_embedding", "pooled_embedding", "nsp_logits")
-FIRST_ROW = "cls_rows_first_position"  # the [0] that the inserted Gathers read
-# per-tensor (not row-wise) in the region: the dynamic activation quantisation's scale and zero point are
-# taken over the whole tensor, so dropping rows changes them
-PER_TENSOR = frozenset({"DynamicQuantizeLinear"})
-
-
-def _scalar_zero(graph: onnx.GraphProto, name: str) -> bool:
-    for t in graph.initializer:
-        if t.name == name:
-            value = numpy_helper.to_array(t)
-            return value.ndim == 0 and int(value) == 0
-    for n in graph.node:
-        if n.op_type == "Constant" and n.output[0] == name:
-            value = numpy_helper.to_array(n.attribute[0].t)
-            return value.ndim == 0 and int(value) == 0
-    return False
-
-
-def _axis(node: onnx.NodeProto) -> int:
-    return next((a.i for a in node.attribute if a.name == "axis"), 0)
 
 
 def tail_after_last_attention(model: onnx.ModelProto) -> list[onnx.NodeProto]:
     nodes = list(model.graph.node)
     last = max(i for i, n in enumerate(nodes) if n.op_type in ATTENTION)
     return nodes[last:]
-
-
-def cls_rows_variant(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict]:
-    """A copy of `model` whose last layer runs on the [CLS] position only; (copy, what was done)."""
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    graph = model.graph
-    nodes = list(graph.node)
-    cls_gathers = [n for n in nodes if n.op_type == "Gather" and _axis(n) == 1 and _scalar_zero(graph, n.input[1])]
-    hidden = {n.input[0] for n in cls_gathers}
-    if len(hidden) != 1:
-        raise ValueError(f"expected one tensor read by Gather(axis=1, 0), found {sorted(hidden)}")
-    (hidden,) = hidden
-    attention = [n for n in nodes if n.op_type in ATTENTION][-1]
-    made_by = {out: n for n in nodes for out in n.output}
-    region = nodes_between(attention.output[0], hidden, made_by)
-    if not region:
-        raise ValueError("nothing between the last attention and the [CLS] Gather")
-
-    made_inside = {out for n in region for out in n.output}
-    graph.initializer.append(numpy_helper.from_array(np.array([0], dtype=np.int64), FIRST_ROW))
-    gathered = gather_entering(graph, region, made_by, FIRST_ROW, axis=1)
-    entering = [g.input[0] for g in gathered]  # the attention's output, the residual
-
-    # outputs needing every token go, and the nodes only they read
-    kept_outputs = [o for o in graph.output if o.name not in EVERY_TOKEN]
-    del graph.output[:]
-    graph.output.extend(kept_outputs)
-    all_nodes = nodes + gathered
-    made_by = {out: n for n in all_nodes for out in n.output}
-    needed, stack, live = set(), [o.name for o in kept_outputs], {}
-    while stack:
-        name = stack.pop()
-        if name in needed:
-            continue
-        needed.add(name)
-        node = made_by.get(name)
-        if node is not None:
-            live[id(node)] = node
-            stack.extend(i for i in node.input if i)
-    # a tensor of the region that a kept node outside it reads would now have one row: refuse
-    region_ids = {id(n) for n in region} | {id(n) for n in cls_gathers}
-    for n in live.values():
-        if id(n) in region_ids:
-            continue
-        if any(i in made_inside for i in n.input):
-            raise ValueError(f"{n.name} ({n.op_type}) reads a row the variant drops")
-    inputs = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    ordered = in_order([n for n in all_nodes if id(n) in live], inputs)
-    del graph.node[:]
-    graph.node.extend(ordered)
-    del graph.value_info[:]  # shapes after the cut differ; ORT infers them again
-    used = {i for n in ordered for i in n.input}
-    kept_init = [t for t in graph.initializer if t.name in used]
-    del graph.initializer[:]
-    graph.initializer.extend(kept_init)
-    onnx.checker.check_model(model)
-    info = {"entering": entering, "region": [n.op_type for n in region],
-            "per_tensor_in_region": sorted({n.op_type for n in region if n.op_type in PER_TENSOR}),
-            "outputs": [o.name for o in graph.output], "nodes": len(ordered)}
-    return model, info
 
 
 # ---------------------------------------------------------------- inputs
@@ -314,11 +232,14 @@ def main() -> None:
         print(f"== {precision} {src.name}: nodes from the last attention on:")
         for n in tail:
             print(f"   {n.op_type:24s} {n.name}")
-        variant, info = cls_rows_variant(model)
+        variant = padded_for_cls_rows(model)
+        if variant is None:
+            raise SystemExit(f"{src.name}: not a graph export.last_layer_rows.padded_for_cls_rows cuts")
         dst = work / f"{src.stem}_cls_rows.onnx"
         onnx.save(variant, str(dst))
-        print(f"   variant {dst}: entering {info['entering']}\n   region {Counter(info['region'])}; "
-              f"per-tensor ops in it: {info['per_tensor_in_region'] or 'none'}; outputs {info['outputs']}")
+        info = {"outputs": [o.name for o in variant.graph.output], "nodes": len(variant.graph.node),
+                "region": [n.op_type for n in tail_after_last_attention(variant)]}
+        print(f"   variant {dst}: nodes from the last attention on {Counter(info['region'])}; outputs {info['outputs']}")
         paths[precision], paths[f"{precision}_var"] = src, dst
         result["graphs"][precision] = {"tail": [n.op_type for n in tail], **info}
 

@@ -1,4 +1,5 @@
-"""The last layer of a host-packed graph computed for the [CLS] rows only.
+"""The last layer of a graph computed for the [CLS] rows only: a host-packed CUDA graph's, in place, and a
+padded CPU graph's, as a variant beside it.
 
 A host-packed graph without the mean (export/host_packing.py) answers per-sequence outputs only: the
 [CLS] vector and what is made from it (pooled, NSP, a classifier). Everything after the last attention
@@ -7,15 +8,21 @@ dropped right after that attention instead of at the end: the attention's output
 added to are gathered at the [CLS] positions, and the last layer's output product and feed-forward block
 run on one row per sequence. For BERT-base that is 3/4 of one layer's products out of twelve layers'.
 The attention itself still runs for every token, since the [CLS] row attends to all of them.
+
+A padded graph ([batch, length, hidden], the CPU's) also answers the token vectors and their mean, which
+need every row, so its [CLS]-rows graph is a second file without those outputs (padded_for_cls_rows): the
+server runs the batches that want neither on it.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
 import onnx
-from onnx import helper
+import numpy as np
+from onnx import helper, numpy_helper
 
 from artifact.host_packing import CLS_POSITIONS
+from artifact.manifest import MEAN_EMBEDDING, TOKEN_EMBEDDINGS
 
 # Nodes that act on each token's row by itself (any other input is a weight, a bias or a constant)
 ROW_WISE = frozenset({"MatMul", "MatMulBias", "MatMulBiasGelu", "SkipLayerNormalization",
@@ -23,7 +30,9 @@ ROW_WISE = frozenset({"MatMul", "MatMulBias", "MatMulBiasGelu", "SkipLayerNormal
                       "Add", "Mul", "Gelu", "FastGelu", "BiasGelu", "QuickGelu", "Relu", "Tanh", "Erf", "Div",
                       "Cast", "Identity"})
 ATTENTION = frozenset({"PackedAttention", "PackedQKVAttention", "PackedMultiHeadAttention", "MultiHeadAttention",
-                       "Attention"})
+                       "Attention", "QAttention"})
+EVERY_TOKEN = (TOKEN_EMBEDDINGS, MEAN_EMBEDDING)  # the outputs a [CLS]-rows graph cannot answer
+FIRST_POSITION = "cls_rows_first_position"  # the [0] that a padded graph's inserted Gathers read
 
 
 def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
@@ -77,6 +86,75 @@ def last_layer_for_cls_rows(model: onnx.ModelProto) -> bool:
     del graph.node[:]
     graph.node.extend(ordered)
     return True
+
+
+def padded_for_cls_rows(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """A copy of the padded graph `model` whose last layer runs at the [CLS] position (0) only, without the
+    outputs that need every token; None when `model` has another shape. The [CLS] vector is read by
+    Gather(axis 1, index 0) of one tensor made from the last attention's output; what enters that region from
+    before (the attention's output, the residual) is gathered at [0] along axis 1, so it stays
+    [batch, 1, hidden] and the Gather at the end still reads position 0. The region may hold any node (an
+    int8 graph's per-tensor DynamicQuantizeLinear included: its scale then comes from the [CLS] rows alone,
+    which export's parity gate judges like the rest)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    nodes = list(graph.node)
+    zero = _scalar_zeros(graph)
+    cls_gathers = [n for n in nodes if n.op_type == "Gather" and _axis(n) == 1 and n.input[1] in zero]
+    hidden = {n.input[0] for n in cls_gathers}
+    attentions = [n for n in nodes if n.op_type in ATTENTION]
+    if len(hidden) != 1 or not attentions:
+        return None
+    (hidden,) = hidden
+    made_by = {out: n for n in nodes for out in n.output}
+    region = nodes_between(attentions[-1].output[0], hidden, made_by)
+    if not region:
+        return None
+    made_inside = {out for n in region for out in n.output}
+    graph.initializer.append(numpy_helper.from_array(np.array([0], dtype=np.int64), FIRST_POSITION))
+    gathered = gather_entering(graph, region, made_by, FIRST_POSITION, axis=1)
+
+    kept_outputs = [o for o in graph.output if o.name not in EVERY_TOKEN]
+    del graph.output[:]
+    graph.output.extend(kept_outputs)
+    every = nodes + gathered
+    made_by = {out: n for n in every for out in n.output}
+    live, stack, seen = {}, [o.name for o in kept_outputs], set()
+    while stack:  # the nodes the kept outputs need
+        name = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if (node := made_by.get(name)) is not None:
+            live[id(node)] = node
+            stack.extend(i for i in node.input if i)
+    inside = {id(n) for n in region} | {id(n) for n in cls_gathers}
+    if any(id(n) not in inside and any(i in made_inside for i in n.input) for n in live.values()):
+        return None  # something outside the region reads a row the variant drops
+    ordered = in_order([n for n in every if id(n) in live],
+                       {i.name for i in graph.input} | {t.name for t in graph.initializer})
+    del graph.node[:]
+    graph.node.extend(ordered)
+    del graph.value_info[:]  # the region's shapes changed: ORT infers them again
+    used = {i for n in ordered for i in n.input}
+    initializers = [t for t in graph.initializer if t.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    onnx.checker.check_model(model)
+    return model
+
+
+def _scalar_zeros(graph: onnx.GraphProto) -> set[str]:
+    """Names of the graph's int64 scalar zeros: initializers and Constant nodes."""
+    values = [(t.name, t) for t in graph.initializer]
+    values += [(n.output[0], n.attribute[0].t) for n in graph.node
+               if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"]
+    zeros = set()
+    for name, tensor in values:
+        value = numpy_helper.to_array(tensor)
+        if value.ndim == 0 and value.dtype.kind in "iu" and int(value) == 0:
+            zeros.add(name)
+    return zeros
 
 
 def gather_entering(graph: onnx.GraphProto, region: list[onnx.NodeProto], made_by: dict[str, onnx.NodeProto],

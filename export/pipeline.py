@@ -19,9 +19,10 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from artifact.manifest import (DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE, HOST_PACKED_KERNELS_GRAPH_FILE,
-                               KERNELS_GRAPH_FILE, MANIFEST_FILE, POOLED_EMBEDDING, TOKENIZER_FILE, CustomKernelsGraph,
-                               GraphInfo, HostPackedGraph, Manifest, PaddedGraph, sha256_file)
+from artifact.manifest import (CLS_ROWS_GRAPH_FILES, DENSE_FILE, GRAPH_FILES, HOST_PACKED_GRAPH_FILE,
+                               HOST_PACKED_KERNELS_GRAPH_FILE, KERNELS_GRAPH_FILE, MANIFEST_FILE, POOLED_EMBEDDING,
+                               TOKENIZER_FILE, ClsRowsGraph, CustomKernelsGraph, GraphInfo, HostPackedGraph, Manifest,
+                               PaddedGraph, sha256_file)
 from artifact.session import SessionError, kernels_library, open_session, require_cuda
 from artifact.source_folder import ModelFolderError, trained_max_length, truncation_side
 from export import ExportError
@@ -40,6 +41,10 @@ from training.writes import (WriteError, check_writable, first_few, remove_stale
 DEVICES = ("cpu", "cuda")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
 MIN_MAX_LENGTH = 8  # room for [CLS] A [SEP] B [SEP] with a few tokens of each text
+# The deepest model that gets CPU [CLS]-rows graphs by default: the variant saves about 3/4 of one layer of a
+# [CLS] batch (2 layers: 34-39%; 6: 8-12%; 12: 4-7%, bench/cpu_cls_rows.py) for its size again on disk and,
+# served, in memory.
+CLS_ROWS_MAX_LAYERS = 6
 
 
 def default_model_name(model_dir: Path) -> str:
@@ -62,7 +67,7 @@ def export_artifact(
     model_dir: Path | str, out_dir: Path | str, device: str = "cpu", int8: bool = False,
     remove_padding: bool = True, parity_shapes=DEFAULT_SHAPES, seed: int = 0, kernels: str = "auto",
     cuda_graphs: bool | None = None, max_length: int | None = None, packed_attention: str | None = None,
-    attention_kernel: bool = True,
+    attention_kernel: bool = True, cls_rows: str = "auto",
 ) -> Manifest:
     """Export `model_dir` (ours, or a local Hugging Face BERT checkpoint) to the artifact at `out_dir`.
 
@@ -76,7 +81,10 @@ def export_artifact(
     (bertserve.PackedAttention) where the library runs it at the model's head size on this GPU, and on
     ORT's PackedMultiHeadAttention otherwise or when it is False. `cuda_graphs` (default: with device="cuda"): the server may replay the
     fp16 graph as CUDA graphs; a packed graph gets a host-packed variant (and its kernels variant) for
-    that (export.host_packing), a padded graph is replayed as it is.
+    that (export.host_packing), a padded graph is replayed as it is. `cls_rows` "auto" also writes each CPU
+    graph with its last layer at the [CLS] position only (export.last_layer_rows.padded_for_cls_rows, gated
+    on parity) for a model of at most CLS_ROWS_MAX_LAYERS layers, where that saves the most ("on": at any
+    depth; "off": never).
     The artifact serves texts of up to `max_length` tokens, by default the length the model was trained
     at (artifact.source_folder.trained_max_length), and pools them as a sentence-transformers folder
     says (export.checkpoint_layout; else the raw [CLS] vector).
@@ -86,6 +94,8 @@ def export_artifact(
         raise ExportError(f"device must be one of {', '.join(DEVICES)}, not {device!r}")
     if cuda_graphs is None:
         cuda_graphs = device == "cuda"
+    if cls_rows not in ("auto", "on", "off"):
+        raise ExportError(f"cls_rows must be auto, on or off, not {cls_rows!r}")
     if cuda_graphs and device != "cuda":
         raise ExportError("CUDA graphs replay the fp16 graph: --cuda-graphs needs --device cuda")
     try:
@@ -133,6 +143,10 @@ def export_artifact(
             graphs[precision] = _build_graph(precision, traced, tmp, loaded, graph, batches, references,
                                              remove_padding, calibration=calibration,
                                              packed_attention=packed_attention)
+        if cls_rows == "on" or (cls_rows == "auto" and loaded.config.num_hidden_layers <= CLS_ROWS_MAX_LAYERS):
+            for precision in CLS_ROWS_GRAPH_FILES.keys() & graphs.keys():
+                graphs[precision].cls_rows = _build_cls_rows(tmp, precision, graphs[precision], graph, batches,
+                                                             references)
         if library is not None:
             graphs["fp16"].custom_kernels = _build_kernels_graph(tmp, library, graph, batches, references,
                                                                  attention_kernel=attention_kernel)
@@ -329,6 +343,25 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
         _, kernel_figures = build(packed.custom_kernels.file, HOST_PACKED_KERNELS_GRAPH_FILE, library)
         kernels = CustomKernelsGraph(HOST_PACKED_KERNELS_GRAPH_FILE, packed.custom_kernels.operators, kernel_figures)
     return HostPackedGraph(HOST_PACKED_GRAPH_FILE, outputs, figures, kernels)
+
+
+def _build_cls_rows(tmp: Path, precision: str, source: GraphInfo, graph: EmbeddingGraph,
+                    batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]]) -> ClsRowsGraph | None:
+    """The CPU graph `source` with its last layer at the [CLS] position only, gated on parity like it on the
+    outputs it keeps; None when the graph has another shape (the server then runs every batch on `source`)."""
+    import onnx
+
+    from export.last_layer_rows import padded_for_cls_rows
+
+    model = padded_for_cls_rows(onnx.load(str(tmp / source.file)))
+    if model is None:
+        return None
+    path = tmp / CLS_ROWS_GRAPH_FILES[precision]
+    onnx.save(model, str(path))
+    outputs = [o.name for o in model.graph.output]
+    figures = compare(_session(path, "cpu"), graph, batches, references, outputs)
+    check_parity(precision, figures)
+    return ClsRowsGraph(path.name, outputs, figures)
 
 
 def _session(path: Path, device: str):

@@ -285,7 +285,8 @@ def test_a_batch_past_every_bucket_runs_uncaptured_on_its_lanes_thread_and_a_fai
     monkeypatch.setattr(PackedGraphBuckets, "_make", lambda self, *key: None)  # nothing captured
     session = Session()
     lane = PackedGraphBuckets(session, 0, 64, 0, max_rows=4, max_tokens=64)
-    engine = OrtEngine(tiny_artifact_dir, read_manifest(tiny_artifact_dir), "cpu", "fp32")
+    # its lanes faked, as on a GPU, where no CPU [CLS]-rows graph takes [CLS] batches first
+    engine = OrtEngine(tiny_artifact_dir, read_manifest(tiny_artifact_dir), "cpu", "fp32", cls_rows=False)
     engine.packed_lanes = (lane,)
     cls, vectors = frozenset({"cls_embedding"}), frozenset({"token_embeddings"})
     lengths = np.full(8, 16, np.int64)  # 8 rows, 128 tokens: past every bucket (4 rows, 64 tokens)
@@ -336,7 +337,8 @@ def test_a_batch_that_fails_on_a_lanes_thread_before_the_engine_still_ends_the_l
 
     monkeypatch.setattr(PackedGraphBuckets, "_make", lambda self, *key: None)  # nothing captured
     lane = PackedGraphBuckets(Session(), 0, 64, 0, max_rows=4, max_tokens=64)
-    engine = OrtEngine(tiny_artifact_dir, read_manifest(tiny_artifact_dir), "cpu", "fp32")
+    # its lanes faked, as on a GPU, where no CPU [CLS]-rows graph takes [CLS] batches first
+    engine = OrtEngine(tiny_artifact_dir, read_manifest(tiny_artifact_dir), "cpu", "fp32", cls_rows=False)
     engine.packed_lanes = (lane,)
     real_collate, failures = app_batcher.collate, [MemoryError("no room for the batch")]
 
@@ -375,7 +377,7 @@ def test_a_batch_longer_than_the_models_max_length_is_refused_before_onnx_runtim
     but on a GPU it read past the position table and answered (a GPU test fed such a row unnoticed). Refused
     on a lane's thread, the batch ends the lane's claim as a run would."""
     m = read_manifest(tiny_artifact_dir)
-    engine = OrtEngine(tiny_artifact_dir, m, "cpu", "fp32")
+    engine = OrtEngine(tiny_artifact_dir, m, "cpu", "fp32", cls_rows=False)  # lanes faked below, as on a GPU
     monkeypatch.setattr(PackedGraphBuckets, "_make", lambda self, *key: None)  # nothing captured
     session = SimpleNamespace(get_outputs=lambda: [SimpleNamespace(name="cls_embedding", shape=["rows", 4])])
     lane = PackedGraphBuckets(session, 0, 64, 0, max_rows=4, max_tokens=64)
