@@ -213,9 +213,10 @@ def test_manifest_naming_a_missing_kernels_graph_is_refused(tiny_artifact_dir, t
 
 
 def test_manifest_graph_variants_are_types_that_survive_the_json(tiny_artifact_dir, tmp_path):
-    """packed / padded x plain / custom kernels, written as export writes them and read back as dataclasses;
-    a manifest with a key this version does not know asks for a re-export."""
-    from artifact.manifest import HostPackedGraph, Manifest, PaddedGraph
+    """packed / padded x plain / custom kernels, and the CPU graphs' [CLS]-rows variant, written as export
+    writes them and read back as dataclasses; a manifest with a key this version does not know asks for a
+    re-export."""
+    from artifact.manifest import ClsRowsGraph, HostPackedGraph, Manifest, PaddedGraph
 
     manifest = read_manifest(tiny_artifact_dir)
     graph = manifest.graph("fp32")
@@ -228,8 +229,11 @@ def test_manifest_graph_variants_are_types_that_survive_the_json(tiny_artifact_d
     assert back == graph and isinstance(back.padded.custom_kernels, CustomKernelsGraph)
     assert isinstance(back.host_packed, HostPackedGraph) and isinstance(back.host_packed.custom_kernels,
                                                                         CustomKernelsGraph)
-    assert back.files() == [graph.file, "k.onnx", "p.onnx", "pk.onnx", "h.onnx", "hk.onnx"] and not back.packed
-    assert manifest.graph("int8").custom_kernels is None and manifest.graph("int8").files() == ["model_int8.onnx"]
+    assert isinstance(back.cls_rows, ClsRowsGraph)  # the tiny model has 2 layers: export wrote it
+    assert back.files() == [graph.file, "k.onnx", "p.onnx", "pk.onnx", "h.onnx", "hk.onnx",
+                            "model_cls_rows.onnx"] and not back.packed
+    assert manifest.graph("int8").custom_kernels is None
+    assert manifest.graph("int8").files() == ["model_int8.onnx", "model_int8_cls_rows.onnx"]
 
     stale = json.loads(manifest.to_json())
     stale["graphs"]["fp32"]["custom_kernels"]["library"] = custom_kernels.LIBRARY_FILE  # written before the types
