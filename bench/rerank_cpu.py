@@ -91,6 +91,9 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--int8", action="store_true", help="also the server on the int8 graph")
+    p.add_argument("--one-graph-too", action="store_true",
+                   help="also each server with cpu_cls_rows=false: every batch on the one graph, not on the graph "
+                        "whose last layer runs at [CLS] only (export writes it for models of at most 6 layers)")
     args = p.parse_args()
 
     from export.pipeline import export_artifact
@@ -102,14 +105,16 @@ def main() -> None:
     passages = [make_texts(args.passages, seed=100 + i, min_words=20, max_words=60) for i in range(args.queries)]
     pairs = [(q, t) for q, texts in zip(queries, passages) for t in texts]
     rows: dict[str, list[float]] = {}
-    servers = {"server fp32": "fp32", **({"server int8": "int8"} if args.int8 else {})}
+    servers = {"server fp32": {"precision": "fp32"}, **({"server int8": {"precision": "int8"}} if args.int8 else {})}
+    if args.one_graph_too:
+        servers.update({f"{name}, one graph": {**settings, "cpu_cls_rows": "false"} for name, settings in servers.items()})
     for r in range(args.rounds):
         print(f"round {r + 1}: CrossEncoder.predict ...", file=sys.stderr)
         rows.setdefault("sentence-transformers CrossEncoder.predict", []).append(
             cross_encoder_predict(folder, pairs, args.passages))
-        for name, precision in servers.items():
+        for name, settings in servers.items():
             print(f"round {r + 1}: {name} /rerank ...", file=sys.stderr)
-            with serve(work / "artifact", precision=precision) as url:
+            with serve(work / "artifact", **settings) as url:
                 result = asyncio.run(rerank_load(url, queries, passages, args.concurrency))
             rows.setdefault(name, []).append(result["pairs_per_s"])
             rows.setdefault(f"{name} p50 ms", []).append(result["p50_ms"])
