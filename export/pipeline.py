@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import shutil
@@ -29,7 +30,7 @@ from export import ExportError
 from export.checkpoint_layout import CheckpointLayout, read_layout
 from export.onnx_graph import EmbeddingGraph, served_outputs, trace_to_onnx
 from export.optimize import PACKED_ATTENTION_OPS, optimize_graph, quantize_int8
-from export.parity import (DEFAULT_SHAPES, check_parity, compare, random_batches, reference_outputs,
+from export.parity import (DEFAULT_SHAPES, ParityError, check_parity, compare, random_batches, reference_outputs,
                            text_batches)
 from export.sentences import CALIBRATION_SENTENCES, SENTENCES
 from training.model_folder import LoadedModel, load_model_folder, weights_files
@@ -37,6 +38,8 @@ from training.wordpiece import (CLS, MASK, PAD, SEP, TRANSFORMERS_NORMALIZER_KEY
                                 transformers_normalizer)
 from training.writes import (WriteError, check_writable, first_few, remove_stale_siblings, remove_unfinished,
                              temporary_sibling)
+
+log = logging.getLogger("export")
 
 DEVICES = ("cpu", "cuda")
 REQUIRED_SPECIAL_TOKENS = (CLS, SEP, PAD)
@@ -348,7 +351,8 @@ def _build_host_packed(tmp: Path, library: Path | None, graph: EmbeddingGraph, b
 def _build_cls_rows(tmp: Path, precision: str, source: GraphInfo, graph: EmbeddingGraph,
                     batches: list[dict[str, np.ndarray]], references: list[dict[str, np.ndarray]]) -> ClsRowsGraph | None:
     """The CPU graph `source` with its last layer at the [CLS] position only, gated on parity like it on the
-    outputs it keeps; None when the graph has another shape (the server then runs every batch on `source`)."""
+    outputs it keeps; None when the graph has another shape or the variant fails the gate (a warning says
+    so): the server then runs every batch on `source`, which passed, so the export goes on without it."""
     import onnx
 
     from export.last_layer_rows import padded_for_cls_rows
@@ -360,7 +364,12 @@ def _build_cls_rows(tmp: Path, precision: str, source: GraphInfo, graph: Embeddi
     onnx.save(model, str(path))
     outputs = [o.name for o in model.graph.output]
     figures = compare(_session(path, "cpu"), graph, batches, references, outputs)
-    check_parity(precision, figures)
+    try:
+        check_parity(precision, figures)
+    except ParityError as e:
+        path.unlink()
+        log.warning("%s: its variant with the last layer at [CLS] only is not written (%s)", source.file, e)
+        return None
     return ClsRowsGraph(path.name, outputs, figures)
 
 

@@ -81,3 +81,34 @@ def test_the_engine_runs_batches_without_token_vectors_on_the_cls_rows_graph(tin
         ran.clear()
         got = engine.run(Batch(*inputs, outputs))
         assert ran == ["full"] and set(got) == set(outputs)
+
+
+def test_a_variant_that_fails_the_gate_is_left_out_and_the_export_goes_on(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           caplog):
+    """The variant is an optimisation of a graph that passed: one past the gate (here its [CLS] vector doubled)
+    is not written, a warning says why, and the artifact serves every batch on the full graph."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    import export.last_layer_rows as rows
+
+    real = rows.padded_for_cls_rows
+
+    def doubled(model):
+        variant = real(model)
+        graph = variant.graph
+        maker = next(n for n in graph.node if CLS_EMBEDDING in n.output)
+        maker.output[list(maker.output).index(CLS_EMBEDDING)] = "cls_before_doubling"
+        graph.initializer.append(numpy_helper.from_array(np.array(2.0, np.float32), "two"))
+        graph.node.append(helper.make_node("Mul", ["cls_before_doubling", "two"], [CLS_EMBEDDING]))
+        onnx.checker.check_model(variant)
+        return variant
+
+    monkeypatch.setattr(rows, "padded_for_cls_rows", doubled)
+    with caplog.at_level("WARNING", logger="export"):
+        manifest = export_artifact(tiny_model_dir, tmp_path / "art")
+    assert manifest.graphs["fp32"].cls_rows is None
+    assert not (tmp_path / "art" / CLS_ROWS_GRAPH_FILES["fp32"]).exists()
+    assert "model.onnx: its variant with the last layer at [CLS] only is not written" in caplog.text
+    assert "cls_embedding_max_abs" in caplog.text
+    assert OrtEngine(tmp_path / "art", read_manifest(tmp_path / "art"), "cpu", "fp32").cls_rows_session is None
