@@ -301,7 +301,9 @@ class OrtEngine:
         uncaptured: it is then the faster graph at every size (BENCHMARKS.md). A padded graph's CUDA graphs
         take a batch when it is small and the only one on the GPU (a padded replay's synchronous copies would
         wait for a batch running beside it: replaying beside one cost 7-8% at 16-64 texts per request,
-        BENCHMARKS.md). The rest run on the session's graph.
+        BENCHMARKS.md). On the CPU, a batch that wants only what the artifact's [CLS]-rows graph answers runs
+        on that graph, whose last layer is computed at the [CLS] position only. The rest run on the session's
+        graph.
         Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable, and
         ValueError for a row longer than the model's max_length: its positions past that are untrained, and
         on a GPU the graph would read past its position table without a word (the CPU's refuses them)."""
