@@ -236,9 +236,15 @@ PACKED_MAX_TOKENS = 4096
 CLS_ROWS_MAX_TOKENS = 16384
 
 
+def does_less_than_packed(host_packed_outputs: Iterable[str]) -> bool:
+    """Whether a host-packed graph with these outputs does less than the packed graph: without the mean, which
+    pools every row of the last layer, export ran that layer for the [CLS] rows only."""
+    return MEAN_EMBEDDING not in host_packed_outputs
+
+
 def default_replay_tokens(host_packed_outputs: Iterable[str]) -> int:
     """cuda_graph_tokens' default for a host-packed graph with these outputs (see the two limits above)."""
-    return PACKED_MAX_TOKENS if MEAN_EMBEDDING in host_packed_outputs else CLS_ROWS_MAX_TOKENS
+    return CLS_ROWS_MAX_TOKENS if does_less_than_packed(host_packed_outputs) else PACKED_MAX_TOKENS
 
 
 # Widths captured besides the model's longest (cuda_graph_short_lengths). On an H200 a batch of texts of at most
@@ -329,8 +335,8 @@ class PackedGraphBuckets(_SessionThread):
         return self._thread
 
     def release(self) -> None:
-        """One claimed batch fewer: its run ended (replayed or uncaptured, or failed), or the claim found no
-        batch (OrtEngine.replay_next)."""
+        """One claimed batch fewer: its run ended (OrtEngine.run, however it ended), it failed before that
+        (OrtEngine.replay_abandoned), or the claim found no batch (OrtEngine.replay_next)."""
         with self._claims_lock:
             self._claims = max(0, self._claims - 1)
 
@@ -348,7 +354,7 @@ class PackedGraphBuckets(_SessionThread):
         """Whether a batch past every bucket runs here too, uncaptured: where this graph does less than the
         packed graph (no mean, so its last layer runs for the [CLS] rows only). Where it does as much, the
         packed graph runs large batches two at a time, which this one thread cannot."""
-        return MEAN_EMBEDDING not in self.outputs
+        return does_less_than_packed(self.outputs)
 
     def takes(self, rows: int, longest: int, tokens: int, outputs: Iterable[str]) -> bool:
         """Whether a batch of these sizes that wants `outputs` runs here: replayed when a bucket holds it, else,
@@ -369,14 +375,9 @@ class PackedGraphBuckets(_SessionThread):
         """Rows of these `lengths` whose tokens, one row after another, are `ids` / `type_ids`: replayed in the
         smallest bucket that holds them, or run uncaptured when none does (a batch larger than the buckets)."""
         key = self.bucket(len(lengths), int(lengths.sum()), int(lengths.max()))
-        claimed = threading.get_ident() == self._thread_id  # the batcher ran it here, by `claim`
-        try:
-            if key is None:
-                return self._on_thread(self._run_uncaptured, lengths, ids, type_ids, outputs)
-            return self._on_thread(self._replay, key, lengths, ids, type_ids, outputs)
-        finally:
-            if claimed:
-                self.release()
+        if key is None:
+            return self._on_thread(self._run_uncaptured, lengths, ids, type_ids, outputs)
+        return self._on_thread(self._replay, key, lengths, ids, type_ids, outputs)
 
     def _run_uncaptured(self, lengths: np.ndarray, ids: np.ndarray, type_ids: np.ndarray,
                         outputs: tuple[str, ...]) -> dict[str, np.ndarray]:

@@ -290,7 +290,7 @@ class OrtEngine:
 
     def replay_abandoned(self) -> None:
         """On a lane's thread: the batch claimed for it (replay_thread, replay_next) failed before it reached
-        `run`, which would have ended the claim, so the claim ends here. Elsewhere nothing was claimed."""
+        `run`, which ends the claim, so the claim ends here. Elsewhere nothing was claimed."""
         if (lane := self._lane_here()) is not None:
             lane.release()
 
@@ -303,29 +303,33 @@ class OrtEngine:
         wait for a batch running beside it: replaying beside one cost 7-8% at 16-64 texts per request,
         BENCHMARKS.md). On the CPU, a batch that wants only what the artifact's [CLS]-rows graph answers runs
         on that graph, whose last layer is computed at the [CLS] position only. The rest run on the session's
-        graph.
+        graph. On a lane's thread, where the batcher claimed the lane for the batch (replay_thread,
+        replay_next), the run ends that claim however it ends.
         Raises EngineLost when ONNX Runtime reports a CUDA error that leaves the device unusable, and
         ValueError for a row longer than the model's max_length: its positions past that are untrained, and
         on a GPU the graph would read past its position table without a word (the CPU's refuses them)."""
-        if batch.input_ids.shape[1] > self.max_length:
-            self.replay_abandoned()  # a lane's thread ran nothing for the batch claimed for it
-            raise ValueError(f"a batch row has {batch.input_ids.shape[1]} tokens, more than the model's max_length "
-                             f"{self.max_length}: texts must be truncated to it before the engine")
+        claimed = self._lane_here()
         try:
-            return self._run_batch(batch)
+            if batch.input_ids.shape[1] > self.max_length:
+                raise ValueError(f"a batch row has {batch.input_ids.shape[1]} tokens, more than the model's "
+                                 f"max_length {self.max_length}: texts must be truncated to it before the engine")
+            return self._run_batch(batch, claimed)
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             lost = device_lost(e)
             if lost is None:
                 raise
             raise lost from e
+        finally:
+            if claimed is not None:
+                claimed.release()
 
-    def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
+    def _run_batch(self, batch: Batch, claimed: PackedGraphBuckets | None) -> dict[str, np.ndarray]:
         if self.cls_rows_session is not None and self.cls_rows_outputs.issuperset(batch.outputs):
             return self._run_session(batch, self.cls_rows_session)
         if self.packed_lanes and self.packed_lanes[0].outputs.issuperset(batch.outputs):
             ids, type_ids, lengths = batch.unpadded()
             if self.packed_lanes[0].takes(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
-                return self._packed_lane().run(lengths, ids, type_ids, batch.outputs)
+                return (claimed or self._least_claimed_lane()).run(lengths, ids, type_ids, batch.outputs)
         if self.graph_buckets is None:
             return self._run_session(batch)
         with self._running_lock:
@@ -339,10 +343,6 @@ class OrtEngine:
         finally:
             with self._running_lock:
                 self._running -= 1
-
-    def _packed_lane(self) -> PackedGraphBuckets:
-        """The lane whose thread this is (the batcher ran the batch there), else the least claimed one."""
-        return self._lane_here() or self._least_claimed_lane()
 
     def _lane_here(self) -> PackedGraphBuckets | None:
         here = threading.get_ident()
