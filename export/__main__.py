@@ -11,7 +11,7 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")  # before ONNX Runtime loads
 
 from artifact.manifest import ManifestError  # noqa: E402
 from export import ExportError  # noqa: E402
-from export.pipeline import export_artifact  # noqa: E402
+from export.pipeline import CLS_ROWS_MAX_LAYERS, export_artifact  # noqa: E402
 from training.model_folder import ModelFolderError  # noqa: E402
 from training.stop_signals import (exit_with, finishing, forget_caught_interrupt,  # noqa: E402
                                    interrupted_exit_code, sigterm_as_interrupt)
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-cls-rows", choices=["auto", "on", "off"], default="auto",
                         help="also write each CPU graph with its last layer at the [CLS] position only, which the "
                              "server runs for batches that need no token vectors or mean: auto for models of at "
-                             "most 6 layers, where it saves 8-39%% of such a batch, for the graph's size again on "
-                             "disk and in the server's memory")
+                             f"most {CLS_ROWS_MAX_LAYERS} layers, where it saves 8-39%% of such a batch, for the "
+                             "graph's size again on disk and in the server's memory")
     args = parser.parse_args(argv)
     args.out = settled_path(args.out)  # `--out a/x/../x`: see training.writes.settled_path
 
