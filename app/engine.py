@@ -313,7 +313,7 @@ class OrtEngine:
             if batch.input_ids.shape[1] > self.max_length:
                 raise ValueError(f"a batch row has {batch.input_ids.shape[1]} tokens, more than the model's "
                                  f"max_length {self.max_length}: texts must be truncated to it before the engine")
-            return self._run_batch(batch, claimed)
+            return self._run_batch(batch)
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
             lost = device_lost(e)
             if lost is None:
@@ -323,13 +323,13 @@ class OrtEngine:
             if claimed is not None:
                 claimed.release()
 
-    def _run_batch(self, batch: Batch, claimed: PackedGraphBuckets | None) -> dict[str, np.ndarray]:
+    def _run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
         if self.cls_rows_session is not None and self.cls_rows_outputs.issuperset(batch.outputs):
             return self._run_session(batch, self.cls_rows_session)
         if self.packed_lanes and self.packed_lanes[0].outputs.issuperset(batch.outputs):
             ids, type_ids, lengths = batch.unpadded()
             if self.packed_lanes[0].takes(len(lengths), int(lengths.max()), int(lengths.sum()), batch.outputs):
-                return (claimed or self._least_claimed_lane()).run(lengths, ids, type_ids, batch.outputs)
+                return self._packed_lane().run(lengths, ids, type_ids, batch.outputs)
         if self.graph_buckets is None:
             return self._run_session(batch)
         with self._running_lock:
@@ -343,6 +343,10 @@ class OrtEngine:
         finally:
             with self._running_lock:
                 self._running -= 1
+
+    def _packed_lane(self) -> PackedGraphBuckets:
+        """The lane whose thread this is (the batcher ran the batch there), else the least claimed one."""
+        return self._lane_here() or self._least_claimed_lane()
 
     def _lane_here(self) -> PackedGraphBuckets | None:
         here = threading.get_ident()
